@@ -1,0 +1,99 @@
+"""``hethub`` command line.
+
+Every command: ``--help``; exit 0 on success; exit 2 with one line naming the
+bad field or flag on bad input, never a traceback for a user error. Commands
+that plan or show import no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+from .partitioner.errors import InputError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (``error: ...``) and exits 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise InputError("", f"{self.prog}: {message}")
+
+
+def _not_yet(verb: str, issue: int) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        raise InputError("", f"`hethub {verb}` is not available yet in this version (it lands with issue #{issue}); "
+                             "see README 'Status'")
+    return run
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .partitioner.records import load_plan
+    from .show import print_plan
+    print_plan(load_plan(args.plan))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hethub", description="Plan and run DeepSpeed pipeline training across a heterogeneous "
+                                           "GPU fleet.")
+    p.add_argument("--version", action="version", version=f"hethub {__import__('hethub').__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    sp = sub.add_parser("plan", help="plan stages, widths and sample splits for a cluster and model")
+    sp.add_argument("--cluster", required=True, help="cluster YAML/JSON")
+    sp.add_argument("--model", required=True, help="model YAML/JSON or a built-in name (gpt-1.3b, llama-7b, ...)")
+    sp.add_argument("--global-batch", type=int, required=True, help="samples per iteration")
+    sp.add_argument("-o", "--output", default="plan.json")
+    sp.add_argument("--profiles", help="directory of measured profile JSON files")
+    sp.add_argument("--solver", choices=["highs", "cbc", "brute-force"], default="highs")
+    sp.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    sp.add_argument("--baseline", choices=["uniform", "parameters", "fastest-only"])
+    sp.set_defaults(func=_not_yet("plan", 4))
+
+    sp = sub.add_parser("simulate", help="event-level replay of one iteration of a plan")
+    sp.add_argument("plan")
+    sp.add_argument("--trace", help="write a Chrome trace JSON")
+    sp.add_argument("--png", help="write a timeline PNG")
+    sp.set_defaults(func=_not_yet("simulate", 5))
+
+    sp = sub.add_parser("show", help="human summary of a plan")
+    sp.add_argument("plan", help="plan JSON")
+    sp.set_defaults(func=cmd_show)
+
+    sp = sub.add_parser("profile", help="measure per-layer time and memory on the local device")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--device-type", required=True)
+    sp.add_argument("--micro-batch-size", type=int, default=1)
+    sp.add_argument("--links", action="store_true", help="measure link bandwidth between ranks (under a launcher)")
+    sp.add_argument("-o", "--output", default="profile.json")
+    sp.set_defaults(func=_not_yet("profile", 3))
+
+    sp = sub.add_parser("launch", help="run a training script under a plan with DeepSpeed's launcher")
+    sp.add_argument("--hetero-plan", required=True)
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(func=_not_yet("launch", 7))
+
+    sp = sub.add_parser("demo", help="plan a built-in mixed cluster and train a small model on it (CPU, gloo)")
+    sp.set_defaults(func=_not_yet("demo", 7))
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 0
+        return int(args.func(args) or 0)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

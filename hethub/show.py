@@ -1,0 +1,64 @@
+"""Human summary of a plan (``hethub show``): a rich table, one row per stage."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .partitioner.records import Plan
+
+
+def _hosts(stage) -> str:
+    by_host: dict[str, list[int]] = {}
+    for r in stage.replicas:
+        by_host.setdefault(r.host, []).append(r.slot)
+    return " ".join(f"{h}:{','.join(map(str, s))}" for h, s in by_host.items())
+
+
+def plan_table(plan: Plan) -> Table:
+    pred = plan.predicted
+    t = Table(title=f"{plan.model.name} on {plan.cluster.name}: {plan.num_stages} stages, "
+                    f"{plan.world_size} ranks")
+    for col in ("stage", "layers", "device", "width", "samples/replica", "ranks", "hosts:slots", "recompute"):
+        t.add_column(col)
+    if pred and pred.stage_s:
+        t.add_column("stage ms", justify="right")
+    if pred and pred.memory_gib:
+        t.add_column("memory GiB", justify="right")
+    for st in plan.stages:
+        row = [str(st.index), f"[{st.layers[0]}, {st.layers[1]})",
+               st.device_type + (f" x tp{st.tensor_parallel}" if st.tensor_parallel > 1 else ""),
+               str(st.width), "+".join(str(r.samples) for r in st.replicas),
+               ",".join(str(r.rank) for r in st.replicas), _hosts(st), "yes" if st.recompute else "no"]
+        if pred and pred.stage_s:
+            row.append(f"{pred.stage_s[st.index] * 1e3:.2f}" if st.index < len(pred.stage_s) else "")
+        if pred and pred.memory_gib:
+            row.append(f"{pred.memory_gib[st.index]:.2f}" if st.index < len(pred.memory_gib) else "")
+        t.add_row(*row)
+    return t
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    # Not a terminal (CI logs, pipes): rich would wrap at 80 columns and cut the table's cells.
+    console = console or Console(width=None if Console().is_terminal else 160)
+    console.print(plan_table(plan))
+    console.print(f"global batch {plan.global_batch_size} = micro-batch {plan.micro_batch_size} "
+                  f"x {plan.num_micro_batches} micro-batches")
+    p = plan.predicted
+    if p:
+        line = f"predicted: {p.iteration_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s"
+        if p.upper_bound_samples_per_s:
+            line += f", upper bound {p.upper_bound_samples_per_s:.4g} samples/s"
+        if p.efficiency is not None:
+            line += f", efficiency {p.efficiency:.1%}"
+        if p.homogeneous_sum_samples_per_s:
+            line += f", {p.samples_per_s / p.homogeneous_sum_samples_per_s:.1%} of the homogeneous sub-clusters' sum"
+        console.print(line)
+    if plan.solver:
+        s = plan.solver
+        console.print(f"solver: {s.name}, {s.status}"
+                      + (f", gap {s.gap:.2%}" if s.gap is not None else "")
+                      + (f", {s.seconds:.2f} s" if s.seconds is not None else ""))
+    idle = plan.idle_devices()
+    if idle:
+        console.print(f"idle devices ({len(idle)}): "
+                      + ", ".join(f"{h}:{k} ({t})" for h, k, t in idle[:12]) + (" ..." if len(idle) > 12 else ""))

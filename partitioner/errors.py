@@ -1,0 +1,79 @@
+"""One error type for bad user input, and one formatter that turns it into one line.
+
+Why: every command must answer a malformed file with a single line naming the
+field and the value (``error: cluster.nodes[1].count: must be > 0, got 0``)
+and exit code 2, never a traceback. Pydantic's ``ValidationError`` and our own
+cross-field checks both end up here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+
+
+class InputError(ValueError):
+    """Bad user input. ``str(err)`` is the one line shown to the user (without ``error:``)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class InfeasibleError(InputError):
+    """The input is well formed but no plan satisfies it (model does not fit, batch not divisible)."""
+
+
+_CONSTRAINT_TEXT = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+}
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + str(part)
+    return path
+
+
+def _join(*parts: str) -> str:
+    out = ""
+    for p in parts:
+        if not p:
+            continue
+        out += p if (not out or p.startswith("[")) else "." + p
+    return out
+
+
+def from_validation_error(exc: pydantic.ValidationError, prefix: str) -> InputError:
+    """First error of a pydantic ValidationError as an InputError with a dotted field path."""
+    err = exc.errors(include_url=False)[0]
+    # Union types add the tried member's name to loc (e.g. 'float', 'dict[str,float]'): drop those.
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("float", "int", "str"))))
+    path = _join(prefix, _loc_to_path(loc))
+    etype = err["type"]
+    msg = err["msg"]
+    if etype == "value_error":
+        # Our own validators raise ValueError("field: message"); the field is relative to loc.
+        text = str(err.get("ctx", {}).get("error", msg))
+        if text.startswith("Value error, "):
+            text = text[len("Value error, "):]
+        field, sep, rest = text.partition(": ")
+        if sep and " " not in field:
+            return InputError(_join(path, field), rest)
+        return InputError(path, text)
+    if etype == "missing":
+        return InputError(path, "is required")
+    if etype == "extra_forbidden":
+        return InputError(path, "unknown field")
+    if etype in _CONSTRAINT_TEXT:
+        text = _CONSTRAINT_TEXT[etype].format(**err.get("ctx", {}))
+        return InputError(path, f"{text}, got {err.get('input')!r}")
+    return InputError(path, f"{msg[0].lower() + msg[1:]}, got {err.get('input')!r}")

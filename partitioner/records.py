@@ -1,0 +1,498 @@
+"""Typed records shared by every part of hethub: one frozen pydantic model per concept.
+
+Why pydantic: each record validates in its constructor (torchtitan style), so a
+bad file is refused where it is read, and JSON round trips come for free.
+Cross-field checks raise ``ValueError("field: message, got value")``;
+``errors.from_validation_error`` turns them into one user-facing line.
+
+Units: ``*_ms`` milliseconds, ``*_bytes`` bytes, ``memory_gib`` GiB,
+``memory_gbps`` GB/s (gigaBYTES, as in datasheets), network ``*_gbps``
+Gbit/s (gigaBITS, as NICs are sold), ``peak_tflops`` dense TFLOP/s.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from typing import Any, Literal, Optional, TypeVar, Union
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .catalogue import DEVICE_TYPES, MODELS
+from .errors import InputError, from_validation_error
+
+SCHEMA_VERSION = 1
+
+
+class Record(BaseModel):
+    """Base: frozen, no unknown fields, JSON round trip."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(indent=indent, exclude_none=True)
+
+    @classmethod
+    def from_json(cls, text: str, prefix: str = ""):
+        return parse_record(cls, json.loads(text), prefix or cls.__name__.lower())
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def parse_record(cls: type[R], data: Any, prefix: str) -> R:
+    """Validate ``data`` as ``cls``; any error becomes one InputError whose field starts with ``prefix``."""
+    try:
+        return cls.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc, prefix) from None
+
+
+def read_data_file(path: str, what: str) -> Any:
+    """Read a JSON or YAML file (YAML with safe_load; JSON is YAML too, but JSON errors read better)."""
+    if not os.path.isfile(path):
+        raise InputError(what, f"no such file {path!r}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith(".json"):
+            return json.loads(text)
+        return yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(what, f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise InputError(what, f"{path}: not valid YAML{where}") from None
+
+
+# ---------------------------------------------------------------- devices
+
+
+class DeviceType(Record):
+    name: str = ""
+    vendor: Literal["nvidia", "amd", "intel", "cpu", "other"]
+    # dtype -> dense peak TFLOP/s; a bare number means bf16 (and fp16).
+    peak_tflops: dict[str, float]
+    memory_gib: float = Field(gt=0)
+    memory_gbps: float = Field(gt=0)
+    # Fraction of peak a transformer layer's matmuls reach (MFU); a measured profile calibrates it.
+    efficiency: float = Field(default=0.5, gt=0, le=1)
+
+    @field_validator("peak_tflops", mode="before")
+    @classmethod
+    def _number_means_bf16(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return {"bf16": float(v), "fp16": float(v)}
+        return v
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("must name at least one dtype")
+        for dtype, tf in v.items():
+            if dtype not in ("fp8", "bf16", "fp16", "tf32", "fp32", "fp64"):
+                raise ValueError(f"{dtype}: unknown dtype, expected one of fp8/bf16/fp16/tf32/fp32/fp64")
+            if not tf > 0:
+                raise ValueError(f"{dtype}: must be > 0, got {tf!r}")
+        return v
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak TFLOP/s for ``dtype``; bf16 falls back to fp16 on types without bf16 (V100, T4)."""
+        for d in (dtype, "fp16" if dtype == "bf16" else "bf16", "fp32"):
+            if d in self.peak_tflops:
+                return self.peak_tflops[d]
+        return max(self.peak_tflops.values())
+
+
+def builtin_device_type(name: str) -> DeviceType:
+    if name not in DEVICE_TYPES:
+        raise InputError("device_type", f"unknown device type {name!r} (built-in: {', '.join(DEVICE_TYPES)})")
+    return DeviceType(name=name, **DEVICE_TYPES[name])
+
+
+# ---------------------------------------------------------------- cluster
+
+
+class Node(Record):
+    host: str = Field(min_length=1)
+    device_type: str = Field(min_length=1)
+    count: int = Field(gt=0)
+
+
+class Network(Record):
+    # Gbit/s between two devices of one node; one number or a map device_type -> number.
+    intra_node_gbps: Union[float, dict[str, float]] = 2400.0
+    # Gbit/s of one node's NIC towards another node.
+    inter_node_gbps: float = Field(default=100.0, gt=0)
+    # Between devices of different vendors, traffic goes device -> host -> network -> host -> device.
+    # None: inter_node_gbps, limited by host copies (PCIe) in the cost model.
+    cross_vendor_gbps: Optional[float] = Field(default=None, gt=0)
+    intra_node_latency_us: float = Field(default=5.0, ge=0)
+    inter_node_latency_us: float = Field(default=20.0, ge=0)
+
+    @field_validator("intra_node_gbps")
+    @classmethod
+    def _positive(cls, v: Any) -> Any:
+        values = v.items() if isinstance(v, dict) else [("", v)]
+        for k, x in values:
+            if not x > 0:
+                raise ValueError(f"{k + ': ' if k else ''}must be > 0, got {x!r}")
+        return v
+
+    def intra_gbps(self, device_type: str) -> float:
+        if isinstance(self.intra_node_gbps, dict):
+            # A type missing from the map gets the slowest listed link: never optimistic.
+            return self.intra_node_gbps.get(device_type, min(self.intra_node_gbps.values()))
+        return float(self.intra_node_gbps)
+
+
+class Cluster(Record):
+    name: str = "cluster"
+    device_types: dict[str, DeviceType] = Field(default_factory=dict)
+    nodes: list[Node] = Field(min_length=1)
+    network: Network = Field(default_factory=Network)
+
+    @field_validator("device_types", mode="before")
+    @classmethod
+    def _name_types(cls, v: Any) -> Any:
+        """Entries extend or override the catalogue: a partial override of a built-in keeps the rest."""
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for name, fields in v.items():
+            if isinstance(fields, DeviceType):
+                fields = fields.model_dump()
+            if isinstance(fields, dict):
+                base = dict(DEVICE_TYPES.get(name, {}))
+                base.update(fields)
+                base["name"] = name
+                fields = base
+            out[name] = fields
+        return out
+
+    @model_validator(mode="after")
+    def _check(self) -> "Cluster":
+        hosts = set()
+        for i, node in enumerate(self.nodes):
+            if node.host in hosts:
+                raise ValueError(f"nodes[{i}].host: duplicate host {node.host!r}")
+            hosts.add(node.host)
+            if node.device_type not in self.device_types and node.device_type not in DEVICE_TYPES:
+                raise ValueError(f"nodes[{i}].device_type: unknown device type {node.device_type!r}; "
+                                 f"define it under device_types or use a built-in ({', '.join(DEVICE_TYPES)})")
+        if isinstance(self.network.intra_node_gbps, dict):
+            for t in {n.device_type for n in self.nodes}:
+                if t not in self.network.intra_node_gbps:
+                    raise ValueError(f"network.intra_node_gbps: no entry for device type {t!r}")
+        return self
+
+    def device_type(self, name: str) -> DeviceType:
+        if name in self.device_types:
+            return self.device_types[name]
+        return builtin_device_type(name)
+
+    def node(self, host: str) -> Optional[Node]:
+        return next((n for n in self.nodes if n.host == host), None)
+
+    @property
+    def type_names(self) -> list[str]:
+        """Device types present, in order of first appearance."""
+        return list(dict.fromkeys(n.device_type for n in self.nodes))
+
+    def count_by_type(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.device_type] = counts.get(n.device_type, 0) + n.count
+        return counts
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n.count for n in self.nodes)
+
+
+# ---------------------------------------------------------------- model
+
+
+class LayerInfo(Record):
+    """One entry of the planner's ordered layer list."""
+
+    index: int
+    kind: Literal["embedding", "block", "head"]
+    name: str
+
+
+class ModelConfig(Record):
+    name: str = "model"
+    architecture: Literal["gpt", "llama"]
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: Optional[int] = Field(default=None, gt=0)  # grouped-query attention; None = MHA
+    ffn_hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    seq_length: int = Field(gt=0)
+    tie_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size: must be divisible by num_attention_heads={self.num_attention_heads}, "
+                             f"got {self.hidden_size}")
+        if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: must divide num_attention_heads={self.num_attention_heads}, "
+                             f"got {self.num_key_value_heads}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    def layers(self) -> list[LayerInfo]:
+        """The planner's ordered layer list: embedding, one entry per transformer block, head."""
+        out = [LayerInfo(index=0, kind="embedding", name="embedding")]
+        out += [LayerInfo(index=i + 1, kind="block", name=f"block.{i}") for i in range(self.num_layers)]
+        out.append(LayerInfo(index=self.num_layers + 1, kind="head", name="head"))
+        return out
+
+    @property
+    def num_planner_layers(self) -> int:
+        return self.num_layers + 2
+
+    def shape_key(self) -> tuple:
+        """What must match for a profile or checkpoint of one model to apply to another."""
+        d = self.model_dump()
+        d.pop("name")
+        return tuple(sorted(d.items()))
+
+
+def builtin_model(name: str) -> ModelConfig:
+    return ModelConfig(name=name, **MODELS[name])
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A built-in model name (``gpt-1.3b``) or a YAML/JSON file path."""
+    if spec in MODELS:
+        return builtin_model(spec)
+    if not os.path.exists(spec):
+        raise InputError("model", f"no file and no built-in model named {spec!r} (built-in: {', '.join(MODELS)})")
+    data = read_data_file(spec, "model")
+    if isinstance(data, dict) and "name" not in data:
+        data = {"name": os.path.splitext(os.path.basename(spec))[0], **data}
+    return parse_record(ModelConfig, data, "model")
+
+
+def load_cluster(path: str) -> Cluster:
+    return parse_record(Cluster, read_data_file(path, "cluster"), "cluster")
+
+
+# ---------------------------------------------------------------- profile
+
+
+class LayerProfile(Record):
+    index: int = Field(ge=0)
+    kind: Literal["embedding", "block", "head"]
+    forward_ms: float = Field(ge=0)
+    backward_ms: float = Field(ge=0)
+    # Peak memory of forward+backward of this layer alone at the profile's micro-batch size (bytes).
+    peak_memory_bytes: Optional[int] = Field(default=None, ge=0)
+
+
+class LinkProfile(Record):
+    src_rank: int = Field(ge=0)
+    dst_rank: int = Field(ge=0)
+    op: Literal["p2p", "allreduce"]
+    gbps: float = Field(gt=0)  # Gbit/s
+    bytes: int = Field(gt=0)
+
+
+class Profile(Record):
+    schema_version: int = SCHEMA_VERSION
+    device_type: str = Field(min_length=1)
+    model: ModelConfig
+    micro_batch_size: int = Field(gt=0)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Emulated slowdown factor the profile was measured under (1 = real device speed).
+    emulated_slowdown: float = Field(default=1.0, ge=1)
+    layers: list[LayerProfile] = Field(default_factory=list)
+    links: list[LinkProfile] = Field(default_factory=list)
+    host: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Profile":
+        kinds = {li.index: li.kind for li in self.model.layers()}
+        for i, lp in enumerate(self.layers):
+            if lp.index not in kinds:
+                raise ValueError(f"layers[{i}].index: model {self.model.name!r} has layers 0..{len(kinds) - 1}, "
+                                 f"got {lp.index}")
+            if kinds[lp.index] != lp.kind:
+                raise ValueError(f"layers[{i}].kind: layer {lp.index} of model {self.model.name!r} is a "
+                                 f"{kinds[lp.index]}, got {lp.kind!r}")
+        return self
+
+
+def load_profile(path: str) -> Profile:
+    return parse_record(Profile, read_data_file(path, "profile"), "profile")
+
+
+# ---------------------------------------------------------------- plan
+
+
+class Replica(Record):
+    rank: int = Field(ge=0)
+    host: str = Field(min_length=1)
+    slot: int = Field(ge=0)
+    samples: int = Field(gt=0)  # of each micro-batch
+
+
+class Stage(Record):
+    index: int = Field(ge=0)
+    layers: tuple[int, int]  # half-open [first, last) over the planner's layer list
+    device_type: str = Field(min_length=1)
+    tensor_parallel: int = Field(default=1, gt=0)
+    recompute: bool = False
+    replicas: list[Replica] = Field(min_length=1)
+
+    @property
+    def width(self) -> int:
+        return len(self.replicas)
+
+    def sample_ranges(self) -> list[tuple[int, int]]:
+        """Each replica's contiguous [start, stop) rows of every micro-batch, in replica order."""
+        out, start = [], 0
+        for r in self.replicas:
+            out.append((start, start + r.samples))
+            start += r.samples
+        return out
+
+
+class Predicted(Record):
+    model_config = ConfigDict(frozen=True, extra="allow")
+    iteration_s: float
+    samples_per_s: float
+    upper_bound_samples_per_s: Optional[float] = None
+    efficiency: Optional[float] = None
+    homogeneous_sum_samples_per_s: Optional[float] = None
+    stage_s: list[float] = Field(default_factory=list)
+    memory_gib: list[float] = Field(default_factory=list)
+
+
+class SolverInfo(Record):
+    model_config = ConfigDict(frozen=True, extra="allow")
+    name: str
+    status: str
+    gap: Optional[float] = None
+    seconds: Optional[float] = None
+
+
+class Plan(Record):
+    schema_version: int = SCHEMA_VERSION
+    model: ModelConfig
+    cluster: Cluster
+    global_batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    num_micro_batches: int = Field(gt=0)
+    stages: list[Stage] = Field(min_length=1)
+    predicted: Optional[Predicted] = None
+    solver: Optional[SolverInfo] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Plan":
+        validate_plan(self)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return sum(s.width * s.tensor_parallel for s in self.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """(stage index, replica index) of a global rank."""
+        return self._rank_map[rank]
+
+    @cached_property
+    def _rank_map(self) -> dict[int, tuple[int, int]]:
+        return {r.rank: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)}
+
+    def idle_devices(self) -> list[tuple[str, int, str]]:
+        """(host, slot, device_type) of cluster devices the plan leaves unused."""
+        used = {(r.host, r.slot + t) for s in self.stages for r in s.replicas for t in range(s.tensor_parallel)}
+        return [(n.host, k, n.device_type) for n in self.cluster.nodes for k in range(n.count)
+                if (n.host, k) not in used]
+
+
+def validate_plan(plan: Plan) -> None:
+    """Every consumer's check of a plan's internal consistency and its fit to its own cluster.
+
+    Raises ValueError("field: message") (wrapped by pydantic into one InputError line).
+    """
+    if plan.schema_version != SCHEMA_VERSION:
+        raise ValueError(f"schema_version: this hethub reads version {SCHEMA_VERSION}, got {plan.schema_version}")
+    n_layers = plan.model.num_planner_layers
+    if plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
+        raise ValueError(f"global_batch_size: must equal micro_batch_size * num_micro_batches = "
+                         f"{plan.micro_batch_size} * {plan.num_micro_batches} = "
+                         f"{plan.micro_batch_size * plan.num_micro_batches}, got {plan.global_batch_size}")
+    expected_first = 0
+    seen_ranks: dict[int, str] = {}
+    seen_slots: dict[tuple[str, int], str] = {}
+    for i, st in enumerate(plan.stages):
+        f = f"stages[{i}]"
+        if st.index != i:
+            raise ValueError(f"{f}.index: stages must be listed in order, expected {i}, got {st.index}")
+        first, last = st.layers
+        if first != expected_first:
+            what = "gap" if first > expected_first else "overlap"
+            raise ValueError(f"{f}.layers: must start at {expected_first} (the previous stage's end), "
+                             f"got [{first}, {last}) ({what})")
+        if last <= first:
+            raise ValueError(f"{f}.layers: must hold at least one layer, got [{first}, {last})")
+        if last > n_layers:
+            raise ValueError(f"{f}.layers: model {plan.model.name!r} has {n_layers} planner layers "
+                             f"(0..{n_layers - 1}), got [{first}, {last})")
+        expected_first = last
+        if st.device_type not in plan.cluster.type_names:
+            raise ValueError(f"{f}.device_type: cluster {plan.cluster.name!r} has no {st.device_type!r} devices "
+                             f"(it has {', '.join(plan.cluster.type_names)})")
+        total = sum(r.samples for r in st.replicas)
+        if total != plan.micro_batch_size:
+            raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
+                             f"got {total}")
+        for j, r in enumerate(st.replicas):
+            rf = f"{f}.replicas[{j}]"
+            node = plan.cluster.node(r.host)
+            if node is None:
+                raise ValueError(f"{rf}.host: cluster {plan.cluster.name!r} has no host {r.host!r}")
+            if node.device_type != st.device_type:
+                raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the stage runs on "
+                                 f"{st.device_type}")
+            if r.slot + st.tensor_parallel > node.count:
+                raise ValueError(f"{rf}.slot: host {r.host!r} has slots 0..{node.count - 1}, got {r.slot}"
+                                 + (f" (+{st.tensor_parallel - 1} for tensor parallel)" if st.tensor_parallel > 1
+                                    else ""))
+            for t in range(st.tensor_parallel):
+                key = (r.host, r.slot + t)
+                if key in seen_slots:
+                    raise ValueError(f"{rf}.slot: {r.host}:{r.slot + t} is already used by {seen_slots[key]}")
+                seen_slots[key] = rf
+                rank = r.rank + t
+                if rank in seen_ranks:
+                    raise ValueError(f"{rf}.rank: rank {rank} is already used by {seen_ranks[rank]}")
+                seen_ranks[rank] = rf
+    if expected_first != n_layers:
+        raise ValueError(f"stages[{len(plan.stages) - 1}].layers: stages must cover all {n_layers} planner layers, "
+                         f"last stage ends at {expected_first}")
+    world = len(seen_ranks)
+    missing = sorted(set(range(world)) - set(seen_ranks))
+    if missing:
+        raise ValueError(f"stages: ranks must be 0..{world - 1} without gaps, missing rank {missing[0]}")
+
+
+def load_plan(path: str) -> Plan:
+    return parse_record(Plan, read_data_file(path, "plan"), "plan")

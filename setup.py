@@ -1,0 +1,30 @@
+"""hethub: DeepSpeed pipeline training across heterogeneous GPU fleets.
+
+Layout: the runtime lives in ``hethub/``; the planner in ``partitioner/`` and the
+Triton kernels in ``kernels/`` are imported as ``hethub.partitioner`` and
+``hethub.kernels`` (``hethub/partitioner`` and ``hethub/kernels`` are symlinks),
+so no top-level name collides with a PyPI package (``kernels``, ``partitioner``).
+"""
+from setuptools import setup
+
+CORE = ["numpy>=1.24", "pulp>=2.8", "highspy>=1.7", "pyyaml>=6", "pydantic>=2.5", "rich>=13"]
+RUNTIME = [
+    "torch>=2.4",                    # install the CPU wheel first on CPU-only machines (README)
+    "deepspeed>=0.19.0,<0.20",       # the plugin overrides engine internals; tested on 0.19.x
+    "triton>=3.0; platform_system == 'Linux'",
+]
+TEST = ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7"]
+
+setup(
+    name="hethub",
+    version="0.1.0",
+    description="Train one model across a heterogeneous GPU fleet on DeepSpeed's pipeline engine",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["hethub", "hethub.partitioner", "hethub.kernels"],
+    package_data={"hethub": ["py.typed"]},
+    install_requires=CORE,
+    extras_require={"runtime": RUNTIME, "test": TEST, "plot": ["matplotlib>=3.7"]},
+    entry_points={"console_scripts": ["hethub=hethub.cli:main"]},
+)
