@@ -1,0 +1,190 @@
+"""``hethub.initialize``: DeepSpeed's pipeline engine under a heterogeneous plan.
+
+Order matters: everything that can be wrong with the user's input (plan file, plan vs launched
+world, plan vs layer list, config batch keys) is checked on every rank *before* the first
+collective, and ends every rank with the same one line and exit code 2. Nothing hangs waiting
+for a rank that already left.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence, Union
+
+from .partitioner.errors import InputError
+from .partitioner.records import Plan, load_plan
+
+DEFAULT_TIMEOUT_S = 300
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--hetero-plan`` the way ``deepspeed.add_config_arguments`` adds ``--deepspeed_config``."""
+    group = parser.add_argument_group("hethub", "heterogeneous pipeline plan")
+    group.add_argument("--hetero-plan", "--hetero_plan", dest="hetero_plan", default=None,
+                       help="plan.json written by `hethub plan` (overrides ds_config['hetero']['plan'])")
+    return parser
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    """One line on stderr, exit 2 (on every rank: each rank reaches the same verdict from the same input)."""
+    rank = os.environ.get("RANK")
+    print(f"error: {message}" + (f" [rank {rank}]" if rank is not None else ""), file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _load_config(config: Union[dict, str, None]) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))  # deep copy; we fill in batch keys
+    if not os.path.isfile(config):
+        raise InputError("config", f"no such file {config!r}")
+    try:
+        with open(config, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise InputError("config", f"{config}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+
+
+def resolve_plan(plan: Union[Plan, str, None], config: dict, args: Any = None) -> Plan:
+    """The plan argument wins over ``--hetero-plan``, which wins over ``config['hetero']['plan']``."""
+    if plan is None and args is not None:
+        plan = getattr(args, "hetero_plan", None)
+    if plan is None:
+        plan = (config.get("hetero") or {}).get("plan")
+    if plan is None:
+        raise InputError("plan", "no plan given: pass plan=..., --hetero-plan, or ds_config['hetero']['plan']")
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        from .partitioner.records import parse_record
+        return parse_record(Plan, plan, "plan")
+    return load_plan(str(plan))
+
+
+def launched_world() -> tuple[int, int]:
+    """(rank, world size) of this process, from torch.distributed or the launcher's environment."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise InputError("env", f"RANK/WORLD_SIZE must be integers, got RANK={os.environ.get('RANK')!r} "
+                                f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}") from None
+
+
+def detected_device_type() -> Optional[str]:
+    """This rank's accelerator name when one can be detected (None on CPU). HETHUB_DEVICE_TYPE overrides."""
+    if os.environ.get("HETHUB_DEVICE_TYPE"):
+        return os.environ["HETHUB_DEVICE_TYPE"]
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return None
+
+
+def _type_matches(plan_type: str, detected: str) -> bool:
+    """'A100-80GB' matches 'NVIDIA A100-SXM4-80GB': every token of the plan's name appears in the device's."""
+    d = detected.upper().replace(" ", "-")
+    return plan_type.upper() == d or all(tok in d for tok in plan_type.upper().split("-"))
+
+
+def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any], config: dict) -> None:
+    """Everything about plan vs launch vs model that must hold before any collective."""
+    if world != plan.world_size:
+        raise InputError("plan", f"plan needs world size {plan.world_size} "
+                                 f"({' + '.join(str(s.width) for s in plan.stages)} replicas), launched with {world}")
+    stage_id, rep = plan.locate(rank)
+    stage = plan.stages[stage_id]
+    for s in plan.stages:
+        if s.tensor_parallel > 1:
+            raise InputError(f"plan.stages[{s.index}].tensor_parallel", f"tensor parallelism is not supported by "
+                                                                        f"the runtime yet, got {s.tensor_parallel}")
+    detected = detected_device_type()
+    if detected is not None and not _type_matches(stage.device_type, detected):
+        raise InputError(f"plan.stages[{stage_id}].device_type", f"rank {rank} runs on {detected!r}, but the plan "
+                                                                 f"puts a {stage.device_type} there")
+    n = plan.model.num_planner_layers
+    if len(layers) != n:
+        raise InputError("layers", f"the plan's model {plan.model.name!r} has {n} planner layers "
+                                   f"(embedding, {plan.model.num_layers} blocks, head), got a list of {len(layers)}")
+    for i, layer in enumerate(layers):
+        if type(layer).__name__ == "TiedLayerSpec":
+            raise InputError(f"layers[{i}]", "tied layers (TiedLayerSpec) are not supported yet; untie them")
+    samples = stage.replicas[rep].samples
+    expected = {"train_batch_size": plan.global_batch_size, "gradient_accumulation_steps": plan.num_micro_batches,
+                "train_micro_batch_size_per_gpu": samples}
+    for key, want in expected.items():
+        if key in config and config[key] != want:
+            raise InputError(f"config.{key}", f"must agree with the plan ({want} on rank {rank}), got {config[key]}")
+    zero = (config.get("zero_optimization") or {}).get("stage", 0)
+    if zero:
+        raise InputError("config.zero_optimization.stage", f"only ZeRO stage 0 is supported with hethub plans, "
+                                                           f"got {zero}")
+    for key in ("fp16", "bf16"):
+        if (config.get(key) or {}).get("enabled"):
+            raise InputError(f"config.{key}.enabled", "only fp32 training is supported by the runtime yet")
+
+
+def _init_distributed(timeout_s: float) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    if dist.is_initialized():
+        return
+    if get_accelerator().device_name() == "cpu":
+        # deepspeed.comm's TorchBackend JIT-compiles a shared-memory all-reduce op (~40 s) that
+        # pipeline training never uses. `deepspeed.comm.torch` must be reached through importlib:
+        # `deepspeed.comm.torch` as an attribute is the torch package (deepspeed.comm re-exports it).
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None,
+                               timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+
+
+def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config: Union[dict, str, None] = None,
+               plan: Union[Plan, str, None] = None, optimizer: Any = None, model_parameters: Any = None,
+               lr_scheduler: Any = None, args: Any = None):
+    """Build the stage of ``layers`` this rank runs under ``plan``; returns (engine, optimizer, None, lr_scheduler).
+
+    ``layers`` is the full model in pipeline order (layer i = planner layer i of the plan's model);
+    ``loss_fn(outputs, labels)`` returns the mean loss over the samples it is given. ``optimizer``
+    may be a callable ``params -> torch.optim.Optimizer`` (it then sees only this stage's
+    parameters) or left to the ds_config's "optimizer" section.
+    """
+    try:
+        cfg = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
+        the_plan = resolve_plan(plan, cfg, args)
+        rank, world = launched_world()
+        check_against_world(the_plan, rank, world, layers, cfg)
+    except InputError as exc:
+        fail(str(exc))
+
+    import deepspeed  # noqa: F401  (after the checks: a bad plan fails fast, before the heavy import)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from .engine import HeteroPipelineEngine, HeteroPipelineModule
+    from .topology import HeteroGrid
+
+    hetero = cfg.pop("hetero", None) or {}
+    _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
+    grid = HeteroGrid(the_plan, rank)
+    module = HeteroPipelineModule(layers, loss_fn, grid)
+    samples = grid.sample_stop - grid.sample_start
+    # DeepSpeed's own batch bookkeeping, per rank: this replica's rows x micro-batches x stage width.
+    cfg["train_micro_batch_size_per_gpu"] = samples
+    cfg["gradient_accumulation_steps"] = the_plan.num_micro_batches
+    cfg["train_batch_size"] = samples * the_plan.num_micro_batches * grid.data_parallel_size
+    cfg.setdefault("steps_per_print", 10 ** 9)
+    if callable(optimizer) and not hasattr(optimizer, "step"):
+        optimizer = optimizer(module.parameters())
+    if model_parameters is None and optimizer is None:
+        model_parameters = [p for p in module.parameters() if p.requires_grad]
+    config_class = DeepSpeedConfig(cfg, grid)
+    engine = HeteroPipelineEngine(plan=the_plan, grid=grid, module=module, config=cfg, config_class=config_class,
+                                  optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler

@@ -1,0 +1,127 @@
+"""Process groups from a plan: the ``mpu`` DeepSpeed's engine asks for, with stages of unequal width.
+
+DeepSpeed's ``PipeDataParallelTopology`` is a dense (pipe x data) grid: every stage has the same
+width, and the pipe group of a rank is "the ranks with my data-parallel index". With unequal widths
+neither exists. Here a stage's data-parallel group is its replicas, there is no tensor/slice
+parallelism (groups of one), and pipeline neighbours are found from sample-range overlaps
+(``boundary_peers``), not from a shared index.
+
+Every rank creates every group in the same order (``torch.distributed.new_group`` is collective
+over the world), so no rank waits on a group another rank never built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .partitioner.records import Plan
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One transfer partner at a stage boundary: its global rank and the overlapping micro-batch rows."""
+
+    rank: int
+    start: int  # first row of the overlap, in micro-batch coordinates
+    stop: int
+
+
+def boundary_peers(plan: Plan, stage: int, replica: int, direction: str) -> list[Peer]:
+    """Replicas of the neighbouring stage whose sample ranges overlap this replica's range.
+
+    ``direction`` is "next" (who receives my activations / sends me gradients) or "prev".
+    """
+    other = stage + 1 if direction == "next" else stage - 1
+    if not 0 <= other < plan.num_stages:
+        return []
+    a, b = plan.stages[stage].sample_ranges()[replica]
+    peers = []
+    for rep, (c, d) in zip(plan.stages[other].replicas, plan.stages[other].sample_ranges()):
+        lo, hi = max(a, c), min(b, d)
+        if lo < hi:
+            peers.append(Peer(rep.rank, lo, hi))
+    return peers
+
+
+class HeteroGrid:
+    """DeepSpeed ``mpu`` for a heterogeneous plan. Build after ``torch.distributed`` is initialised."""
+
+    def __init__(self, plan: Plan, rank: int):
+        self.plan = plan
+        self.global_rank = rank
+        self.world_size = plan.world_size
+        self.stage_id, self.replica_id = plan.locate(rank)
+        self.stage = plan.stages[self.stage_id]
+        self.stage_ranks = [[r.rank for r in s.replicas] for s in plan.stages]
+        self.pipe_parallel_size = plan.num_stages
+        self.data_parallel_size = self.stage.width
+        self.data_parallel_id = self.replica_id
+        self.model_parallel_size = 1
+        self.slice_parallel_size = 1
+
+        self._dp_group = None
+        for ranks in self.stage_ranks:  # same order on every rank
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                self._dp_group = group
+        self._self_group = None
+        for r in range(self.world_size):
+            group = dist.new_group(ranks=[r])
+            if r == rank:
+                self._self_group = group
+        self._world_group = dist.group.WORLD
+        # Rows [start, stop) of every micro-batch this replica owns.
+        self.sample_start, self.sample_stop = self.stage.sample_ranges()[self.replica_id]
+        self.next_peers = boundary_peers(plan, self.stage_id, self.replica_id, "next")
+        self.prev_peers = boundary_peers(plan, self.stage_id, self.replica_id, "prev")
+        self.last_stage_root = self.stage_ranks[-1][0]
+
+    # --- the mpu interface DeepSpeed's engine uses
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        return self.replica_id
+
+    def get_data_parallel_group(self):
+        return self._dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.replica_id
+
+    def get_model_parallel_group(self):
+        return self._self_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_slice_parallel_group = get_model_parallel_group
+    get_slice_parallel_world_size = get_model_parallel_world_size
+    get_slice_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_group(self):
+        raise NotImplementedError("hethub: stages of unequal width have no pipe-parallel group; the engine "
+                                  "talks to its boundary peers instead")
+
+    def stage_to_global(self, stage_id: int, **_kw) -> int:
+        """First replica of a stage (a stage has several ranks; callers that need all use stage_ranks)."""
+        return self.stage_ranks[stage_id][0]

@@ -1,0 +1,81 @@
+"""Turn a stage layout (layer ranges, device type, per-replica samples) into a concrete Plan.
+
+Why separate: the planner decides *how many* devices of which type serve each stage; placing
+them on hosts/slots (a stage's replicas on one node where they fit, so its all-reduce and the
+pipeline's p2p use intra-node links) and numbering ranks is the same job for the ILP, the
+baselines, the demo and the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .errors import InfeasibleError
+from .records import Cluster, ModelConfig, Plan, Predicted, SolverInfo
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    layers: tuple[int, int]
+    device_type: str
+    samples: tuple[int, ...]  # per replica, of each micro-batch
+    recompute: bool = False
+    tensor_parallel: int = 1
+
+
+def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[str, int]]]:
+    """(host, slot) for every replica of every stage.
+
+    Greedy: each stage takes slots on the node of its type with the most free slots first (so a stage
+    stays on one node when it can); stages are served in order, so neighbours tend to share nodes.
+    """
+    free = {n.host: list(range(n.count)) for n in cluster.nodes}
+    out: list[list[tuple[str, int]]] = []
+    for i, lay in enumerate(layouts):
+        nodes = [n for n in cluster.nodes if n.device_type == lay.device_type]
+        need = len(lay.samples)
+        slots: list[tuple[str, int]] = []
+        while len(slots) < need:
+            # Prefer a node that holds all the remaining replicas; else the emptiest node.
+            rest = need - len(slots)
+            fitting = [n for n in nodes if len(free[n.host]) >= rest * lay.tensor_parallel]
+            pool = sorted(fitting, key=lambda n: len(free[n.host])) or \
+                sorted(nodes, key=lambda n: -len(free[n.host]))
+            if not pool or len(free[pool[0].host]) < lay.tensor_parallel:
+                have = sum(len(free[n.host]) for n in nodes)
+                raise InfeasibleError(f"stages[{i}]", f"needs {need * lay.tensor_parallel} {lay.device_type} devices, "
+                                                      f"only {have} left")
+            host = pool[0].host
+            first = free[host][0]
+            slots.append((host, first))
+            del free[host][:lay.tensor_parallel]
+        out.append(slots)
+    return out
+
+
+def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayout], micro_batch_size: int,
+               num_micro_batches: int, predicted: Optional[Predicted] = None,
+               solver: Optional[SolverInfo] = None) -> Plan:
+    """A validated Plan; ranks are numbered stage by stage, replica by replica."""
+    placement = place(cluster, layouts)
+    stages, rank = [], 0
+    for i, (lay, slots) in enumerate(zip(layouts, placement)):
+        reps = []
+        for (host, slot), n in zip(slots, lay.samples):
+            reps.append({"rank": rank, "host": host, "slot": slot, "samples": int(n)})
+            rank += lay.tensor_parallel
+        stages.append({"index": i, "layers": list(lay.layers), "device_type": lay.device_type,
+                       "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "replicas": reps})
+    data = {"model": model, "cluster": cluster, "global_batch_size": micro_batch_size * num_micro_batches,
+            "micro_batch_size": micro_batch_size, "num_micro_batches": num_micro_batches, "stages": stages}
+    if predicted is not None:
+        data["predicted"] = predicted
+    if solver is not None:
+        data["solver"] = solver
+    return Plan.model_validate(data)
+
+
+def even_split(micro_batch_size: int, width: int) -> tuple[int, ...]:
+    """Equal split of a micro-batch over ``width`` replicas (the first ones take the remainder)."""
+    base, extra = divmod(micro_batch_size, width)
+    return tuple(base + (1 if k < extra else 0) for k in range(width))

@@ -1,0 +1,43 @@
+"""Run N ranks as local processes (gloo on CPU), bounded by a timeout: a hang fails, never freezes CI."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+    env.update(extra or {})
+    return env
+
+
+def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | None = None):
+    """Start ``world`` ranks of ``python argv``; returns [(returncode, stdout, stderr)] per rank."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *argv], env=rank_env(r, world, port, extra_env), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate() for p in procs]
+        raise AssertionError(f"ranks still running after {timeout} s (hang?):\n"
+                             + "\n".join(f"--- rank {r}\n{o[1][-2000:]}" for r, o in enumerate(outs)))
+    return results

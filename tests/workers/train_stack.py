@@ -1,0 +1,76 @@
+"""Worker for the equivalence tests: train a small layer stack under a plan, save losses and weights.
+
+usage: train_stack.py PLAN OUT STEPS CLIP [single]
+With "single", trains the same layers in one process (the reference) without hethub.
+"""
+import json
+import sys
+
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+IN, HID, OUT = 6, 12, 3
+
+
+def make_layers(n: int, seed: int = 1234) -> list:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(IN, HID)]
+    for _ in range(n - 2):
+        layers.append(nn.Sequential(nn.Linear(HID, HID), nn.Tanh()))
+    layers.append(nn.Linear(HID, OUT))
+    return layers
+
+
+def micro_batch(step: int, m: int, mb: int):
+    g = torch.Generator().manual_seed(10_000 * step + m)
+    x = torch.randn(mb, IN, generator=g)
+    y = torch.randn(mb, OUT, generator=g)
+    return x, y
+
+
+def loss_fn(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def main():
+    plan_path, out_path, steps, clip = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    import os
+    out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
+    single = len(sys.argv) > 5 and sys.argv[5] == "single"
+    from hethub.partitioner import load_plan
+    plan = load_plan(plan_path)
+    layers = make_layers(plan.model.num_planner_layers)
+    mb, M, lr = plan.micro_batch_size, plan.num_micro_batches, 0.1
+    losses = []
+    if single:
+        model = nn.Sequential(*layers)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for step in range(steps):
+            opt.zero_grad()
+            total = 0.0
+            for m in range(M):
+                x, y = micro_batch(step, m, mb)
+                loss = loss_fn(model(x), y) / M
+                loss.backward()
+                total += loss.item()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            losses.append(total)
+        params = {f"{i}.{k}": v for i, l in enumerate(layers) for k, v in l.state_dict().items()}
+    else:
+        import hethub
+        config = {"gradient_clipping": clip} if clip > 0 else {}
+        engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
+                                            optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
+        for step in range(steps):
+            it = iter([micro_batch(step, m, mb) for m in range(M)])
+            losses.append(float(engine.train_batch(it)))
+        first, last = engine.grid.stage.layers
+        params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out_path)
+
+
+if __name__ == "__main__":
+    main()
