@@ -99,12 +99,12 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
     if world != plan.world_size:
         raise InputError("plan", f"plan needs world size {plan.world_size} "
                                  f"({' + '.join(str(s.width) for s in plan.stages)} replicas), launched with {world}")
-    stage_id, rep = plan.locate(rank)
-    stage = plan.stages[stage_id]
     for s in plan.stages:
         if s.tensor_parallel > 1:
             raise InputError(f"plan.stages[{s.index}].tensor_parallel", f"tensor parallelism is not supported by "
                                                                         f"the runtime yet, got {s.tensor_parallel}")
+    stage_id, rep = plan.locate(rank)
+    stage = plan.stages[stage_id]
     detected = detected_device_type()
     if detected is not None and not _type_matches(stage.device_type, detected):
         raise InputError(f"plan.stages[{stage_id}].device_type", f"rank {rank} runs on {detected!r}, but the plan "

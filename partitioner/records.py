@@ -418,7 +418,8 @@ class Plan(Record):
 
     @cached_property
     def _rank_map(self) -> dict[int, tuple[int, int]]:
-        return {r.rank: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)}
+        return {r.rank + t: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)
+                for t in range(s.tensor_parallel)}
 
     def idle_devices(self) -> list[tuple[str, int, str]]:
         """(host, slot, device_type) of cluster devices the plan leaves unused."""

@@ -35,13 +35,13 @@ def stack_plan(cuts, splits, micro_batch, micro_batches):
 
 
 CASES = {
-    "1->1": ([3], [[4], [4]], 4, 3),
-    "1->2": ([4], [[4], [2, 2]], 4, 3),
-    "2->1": ([2], [[2, 2], [4]], 4, 3),
-    "2->3": ([3], [[3, 3], [2, 2, 2]], 6, 3),
-    "3->2": ([3], [[2, 2, 2], [3, 3]], 6, 2),
-    "1->2->1": ([2, 5], [[4], [2, 2], [4]], 4, 3),
-    "uneven 2->3": ([4], [[4, 2], [1, 2, 3]], 6, 3),
+    "1to1": ([3], [[4], [4]], 4, 3),
+    "1to2": ([4], [[4], [2, 2]], 4, 3),
+    "2to1": ([2], [[2, 2], [4]], 4, 3),
+    "2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3),
+    "3to2": ([3], [[2, 2, 2], [3, 3]], 6, 2),
+    "1to2to1": ([2, 5], [[4], [2, 2], [4]], 4, 3),
+    "uneven2to3": ([4], [[4, 2], [1, 2, 3]], 6, 3),
 }
 STEPS, CLIP = 10, 0.05  # the clip threshold is low enough that clipping is active on every step
 
@@ -69,9 +69,57 @@ def test_equivalence_with_single_process(tmp_path, name):
     for rank in range(plan.world_size):
         got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(got["eval_loss"], ref["eval_loss"], rtol=1e-5, atol=0)
         for k, v in got["params"].items():
             torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=1e-5, msg=f"rank {rank} param {k}")
             seen.add(k)
     assert seen == set(ref["params"]), "every layer's weights were checked"
     # Sanity: training moved the weights and the loss.
     assert not torch.equal(ref["losses"][0], ref["losses"][-1])
+
+
+def _write(tmp_path, plan):
+    path = str(tmp_path / "plan.json")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    return path
+
+
+def test_plan_world_mismatch_exits_2_on_every_rank(tmp_path):
+    plan = stack_plan(*CASES["2to3"])  # needs 5 ranks
+    path = _write(tmp_path, plan)
+    results = spawn(3, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
+    for rc, _out, err in results:
+        assert rc == 2
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: plan: plan needs world size 5 (2 + 3 replicas), "
+                                                       "launched with 3"), err
+
+
+def test_plan_from_ds_config_hetero_section(tmp_path):
+    """`"hetero": {"plan": ...}` in ds_config works without a plan argument; a wrong batch key is refused."""
+    plan = stack_plan(*CASES["1to2"])
+    path = _write(tmp_path, plan)
+    code = (
+        "import sys, json, torch; sys.path.insert(0, 'tests/workers'); import train_stack as t, hethub\n"
+        f"cfg = {{'hetero': {{'plan': {path!r}}}, 'train_batch_size': int(sys.argv[1])}}\n"
+        "layers = t.make_layers(7)\n"
+        "eng, *_ = hethub.initialize(layers=layers, loss_fn=t.loss_fn, config=cfg,\n"
+        "                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))\n"
+        "print('loss', float(eng.train_batch(iter([t.micro_batch(0, m, 4) for m in range(3)]))))\n")
+    ok = spawn(3, ["-c", code, "12"], timeout=60)
+    assert all(rc == 0 for rc, _, _ in ok), [e[-2000:] for _, _, e in ok]
+    assert len({out for _, out, _ in ok}) == 1 and ok[0][1].startswith("loss ")
+    bad = spawn(3, ["-c", code, "8"], timeout=60)
+    for rc, _out, err in bad:
+        assert rc == 2 and "error: config.train_batch_size: must agree with the plan (12" in err, err
+
+
+def test_tensor_parallel_plan_refused(tmp_path):
+    data = stack_plan(*CASES["1to1"]).model_dump()
+    data["stages"][1]["tensor_parallel"] = 2
+    from hethub.partitioner import Plan
+    path = _write(tmp_path, Plan.model_validate(data))
+    results = spawn(3, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
+    for rc, _out, err in results:
+        assert rc == 2 and "plan.stages[1].tensor_parallel: tensor parallelism is not supported" in err, err

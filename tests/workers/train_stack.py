@@ -58,6 +58,8 @@ def main():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             losses.append(total)
+        with torch.no_grad():
+            eval_loss = sum(loss_fn(model(x), y).item() for x, y in (micro_batch(-1, m, mb) for m in range(2))) / 2
         params = {f"{i}.{k}": v for i, l in enumerate(layers) for k, v in l.state_dict().items()}
     else:
         import hethub
@@ -67,9 +69,11 @@ def main():
         for step in range(steps):
             it = iter([micro_batch(step, m, mb) for m in range(M)])
             losses.append(float(engine.train_batch(it)))
+        eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
         first, last = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
-    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out_path)
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
+                "eval_loss": torch.tensor(eval_loss, dtype=torch.float64)}, out_path)
 
 
 if __name__ == "__main__":
