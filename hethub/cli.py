@@ -34,6 +34,36 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .partitioner.records import load_model
+    model = load_model(args.model)
+    if args.micro_batch_size < 1:
+        raise InputError("--micro-batch-size", f"must be >= 1, got {args.micro_batch_size}")
+    if args.reps < 1:
+        raise InputError("--reps", f"must be >= 1, got {args.reps}")
+    if args.emulate_slowdown < 1:
+        raise InputError("--emulate-slowdown", f"must be >= 1, got {args.emulate_slowdown}")
+    import os
+
+    import torch
+
+    from .profiler import measure_links, profile_model
+    dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    prof = profile_model(model, args.device_type, args.micro_batch_size, dtype, reps=args.reps,
+                         slowdown=args.emulate_slowdown, progress=os.environ.get("RANK", "0") == "0")
+    if args.links:
+        from .partitioner.records import LinkProfile
+        prof = prof.model_copy(update={"links": [LinkProfile(**d) for d in measure_links()]})
+    if os.environ.get("RANK", "0") == "0":
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(prof.to_json() + "\n")
+        block = next((l for l in prof.layers if l.kind == "block"), prof.layers[0])
+        print(f"wrote {args.output}: {len(prof.layers)} layers of {model.name} on {args.device_type} "
+              f"(micro-batch {prof.micro_batch_size}, {dtype}); block forward {block.forward_ms:.3f} ms, "
+              f"backward {block.backward_ms:.3f} ms" + (f", {len(prof.links)} links" if prof.links else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hethub", description="Plan and run DeepSpeed pipeline training across a heterogeneous "
                                            "GPU fleet.")
@@ -65,9 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True)
     sp.add_argument("--device-type", required=True)
     sp.add_argument("--micro-batch-size", type=int, default=1)
+    sp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                    help="default: bf16 on a GPU, fp32 on CPU")
+    sp.add_argument("--reps", type=int, default=7, help="timed repetitions per layer (median), after 2 warm-ups")
+    sp.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
+                    help="profile as if the device were K times slower (emulated heterogeneity)")
     sp.add_argument("--links", action="store_true", help="measure link bandwidth between ranks (under a launcher)")
     sp.add_argument("-o", "--output", default="profile.json")
-    sp.set_defaults(func=_not_yet("profile", 3))
+    sp.set_defaults(func=cmd_profile)
 
     sp = sub.add_parser("launch", help="run a training script under a plan with DeepSpeed's launcher")
     sp.add_argument("--hetero-plan", required=True)

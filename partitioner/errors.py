@@ -48,7 +48,7 @@ def _join(*parts: str) -> str:
     for p in parts:
         if not p:
             continue
-        out += p if (not out or p.startswith("[")) else "." + p
+        out += p if (not out or p.startswith("[")) else (" " if out.endswith(":") else ".") + p
     return out
 
 
@@ -74,6 +74,7 @@ def from_validation_error(exc: pydantic.ValidationError, prefix: str) -> InputEr
     if etype == "extra_forbidden":
         return InputError(path, "unknown field")
     if etype in _CONSTRAINT_TEXT:
-        text = _CONSTRAINT_TEXT[etype].format(**err.get("ctx", {}))
+        ctx = {k: (int(v) if isinstance(v, float) and v.is_integer() else v) for k, v in err.get("ctx", {}).items()}
+        text = _CONSTRAINT_TEXT[etype].format(**ctx)
         return InputError(path, f"{text}, got {err.get('input')!r}")
     return InputError(path, f"{msg[0].lower() + msg[1:]}, got {err.get('input')!r}")

@@ -297,7 +297,9 @@ class LayerProfile(Record):
     kind: Literal["embedding", "block", "head"]
     forward_ms: float = Field(ge=0)
     backward_ms: float = Field(ge=0)
-    # Peak memory of forward+backward of this layer alone at the profile's micro-batch size (bytes).
+    # Bytes autograd keeps for this layer's backward at the profile's micro-batch size.
+    activation_bytes: Optional[int] = Field(default=None, ge=0)
+    # Peak memory of forward+backward of this layer alone (bytes); where the device reports it.
     peak_memory_bytes: Optional[int] = Field(default=None, ge=0)
 
 
@@ -335,7 +337,17 @@ class Profile(Record):
 
 
 def load_profile(path: str) -> Profile:
-    return parse_record(Profile, read_data_file(path, "profile"), "profile")
+    return parse_record(Profile, read_data_file(path, "profile"), f"profile {path}:")
+
+
+def load_profiles(directory: str) -> list[Profile]:
+    """Every ``*.json`` profile in a directory (sorted by name)."""
+    if not os.path.isdir(directory):
+        raise InputError("--profiles", f"no such directory {directory!r}")
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".json"))
+    if not files:
+        raise InputError("--profiles", f"no *.json profile in {directory!r}")
+    return [load_profile(os.path.join(directory, f)) for f in files]
 
 
 # ---------------------------------------------------------------- plan

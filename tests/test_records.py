@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import DATA, EXAMPLES, ROOT, run_cli
-from hethub.partitioner import (Cluster, DeviceType, InputError, ModelConfig, Plan, Profile, builtin_device_type,
+from hethub.partitioner import (Cluster, DeviceType, InputError, ModelConfig, Plan, Profile, builtin_device_type, load_profile,
                                 builtin_model, load_cluster, load_model, load_plan)
 from hethub.partitioner.catalogue import DEVICE_TYPES, MODELS
 from hethub.partitioner.records import LayerProfile, parse_record, read_data_file
@@ -85,7 +85,7 @@ def test_plan_helpers():
 def test_bad_corpus(name):
     path = os.path.join(BAD, name)
     kind = name.split("_")[0]
-    loader = {"plan": load_plan, "cluster": load_cluster, "model": load_model}[kind]
+    loader = {"plan": load_plan, "cluster": load_cluster, "model": load_model, "profile": load_profile}[kind]
     with pytest.raises(InputError) as exc:
         loader(path)
     msg = str(exc.value)

@@ -1,0 +1,90 @@
+"""Emulated heterogeneity: make a rank k times slower, so one CPU box can stand for a mixed cluster.
+
+Never on by default. Enable per device type with ``"hetero": {"emulate_slowdown": {"SLOW": 3.0}}``
+in ds_config, or ``HETHUB_EMULATE_SLOWDOWN="SLOW=3,FAST=1"`` in the environment; ``hethub profile
+--emulate-slowdown K`` profiles under it. Each wrapped layer sleeps (k - 1) x its measured forward
+time after its forward, and (k - 1) x its measured backward time after its backward. Where the
+layer's input carries no gradient (token ids into an embedding), the backward time cannot be
+observed and twice the forward time stands for it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class _Start(torch.autograd.Function):
+    """Identity on the layer's output; its backward runs when the output's gradient arrives."""
+
+    @staticmethod
+    def forward(ctx, y, state):
+        ctx.state = state
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.state["bwd_start"] = time.perf_counter()
+        if not ctx.state["input_tracked"]:
+            time.sleep(ctx.state["extra"] * 2 * ctx.state["fwd_s"])
+        return g, None
+
+
+class _End(torch.autograd.Function):
+    """Identity on the layer's input; its backward runs once the layer's backward has finished."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        st = ctx.state
+        time.sleep(st["extra"] * max(0.0, time.perf_counter() - st.get("bwd_start", time.perf_counter())))
+        return g, None
+
+
+class SlowDown(nn.Module):
+    """Runs ``module`` and then idles, so that forward and backward take ``factor`` x as long."""
+
+    def __init__(self, module: nn.Module, factor: float):
+        super().__init__()
+        if factor < 1:
+            raise ValueError(f"emulate_slowdown: factor must be >= 1, got {factor}")
+        self.module = module
+        self.factor = float(factor)
+
+    def forward(self, x):
+        extra = self.factor - 1.0
+        tracked = torch.is_tensor(x) and x.is_floating_point() and torch.is_grad_enabled()
+        state = {"extra": extra, "input_tracked": tracked, "fwd_s": 0.0}
+        if tracked:
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            x = _End.apply(x, state)
+        t0 = time.perf_counter()
+        y = self.module(x)
+        state["fwd_s"] = time.perf_counter() - t0
+        time.sleep(extra * state["fwd_s"])
+        if torch.is_tensor(y) and y.requires_grad:
+            y = _Start.apply(y, state)
+        return y
+
+
+def slowdown_for(device_type: str, config_map: Optional[dict] = None) -> float:
+    """The emulated slowdown factor for a device type: ds_config's map, else HETHUB_EMULATE_SLOWDOWN, else 1."""
+    if config_map and device_type in config_map:
+        return float(config_map[device_type])
+    env = os.environ.get("HETHUB_EMULATE_SLOWDOWN", "")
+    for item in filter(None, (p.strip() for p in env.split(","))):
+        name, _, k = item.partition("=")
+        if name.strip() == device_type:
+            try:
+                return float(k)
+            except ValueError:
+                raise ValueError(f"HETHUB_EMULATE_SLOWDOWN: {item!r} is not TYPE=FACTOR") from None
+    return 1.0

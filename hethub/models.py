@@ -1,0 +1,94 @@
+"""Real torch layers for a hethub ModelConfig: the profiler measures them, the example trains them.
+
+The list order is the planner's layer list: embedding, one module per transformer block, head.
+Llama blocks here use RMSNorm, grouped-query attention and SwiGLU; rotary position embeddings
+are left out (their cost is a few elementwise ops, below what the profiler resolves).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .partitioner.records import ModelConfig
+
+
+class Embedding(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.pos = nn.Embedding(m.seq_length, m.hidden_size) if m.architecture == "gpt" else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads = m.num_attention_heads, m.kv_heads
+        self.head_dim = m.hidden_size // m.num_attention_heads
+        bias = m.architecture == "gpt"
+        self.qkv = nn.Linear(m.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(m.hidden_size, m.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                     self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        norm = (lambda: nn.RMSNorm(m.hidden_size)) if m.architecture == "llama" else (lambda: nn.LayerNorm(m.hidden_size))
+        self.norm1, self.norm2 = norm(), norm()
+        self.attn = Attention(m)
+        self.llama = m.architecture == "llama"
+        if self.llama:
+            self.gate_up = nn.Linear(m.hidden_size, 2 * m.ffn_hidden_size, bias=False)
+            self.down = nn.Linear(m.ffn_hidden_size, m.hidden_size, bias=False)
+        else:
+            self.fc1 = nn.Linear(m.hidden_size, m.ffn_hidden_size)
+            self.fc2 = nn.Linear(m.ffn_hidden_size, m.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        y = self.norm2(x)
+        if self.llama:
+            gate, up = self.gate_up(y).chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+        return x + self.fc2(F.gelu(self.fc1(y)))
+
+
+class Head(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(m.hidden_size) if m.architecture == "llama" else nn.LayerNorm(m.hidden_size)
+        self.out = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def build_layers(m: ModelConfig) -> list[nn.Module]:
+    """The model as the planner's layer list: [Embedding, Block x num_layers, Head]."""
+    if m.tie_embeddings:
+        raise ValueError("model.tie_embeddings: tied embedding/head weights are not supported yet; set it to false")
+    return [Embedding(m), *[Block(m) for _ in range(m.num_layers)], Head(m)]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the given samples (labels are already shifted)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))

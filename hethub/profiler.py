@@ -1,0 +1,149 @@
+"""``hethub profile``: measure per-layer forward/backward time and memory on the local device.
+
+Every block of a model is the same module shape, so one embedding, one block and one head are
+built and measured (warm-up, then the median of several repetitions); the profile lists every
+planner layer so the cost model can merge it layer by layer. ``activation_bytes`` are measured
+on every device through autograd's saved-tensor hooks (what backward keeps); ``peak_memory_bytes``
+only where the device reports it (CUDA/ROCm).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .emulation import SlowDown
+from .models import Block, Embedding, Head
+from .partitioner.records import LayerProfile, ModelConfig, Profile
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def local_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device,
+                  warmup: int = 2, reps: int = 7) -> dict:
+    """Median forward and backward milliseconds of one layer, activation bytes it keeps, and peak memory."""
+    fwd, bwd = [], []
+    saved = 0
+    peak = None
+    for it in range(warmup + reps):
+        x = make_input()
+        for p in module.parameters():
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        kept = []
+
+        def pack(t):
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = module(x)
+        _sync(device)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        _sync(device)
+        t2 = time.perf_counter()
+        if it >= warmup:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+            saved = sum(kept)
+            if device.type == "cuda":
+                peak = int(torch.cuda.max_memory_allocated(device))
+    return {"forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd),
+            "activation_bytes": saved, "peak_memory_bytes": peak}
+
+
+def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 1, dtype: str = "fp32",
+                  warmup: int = 2, reps: int = 7, slowdown: float = 1.0, progress: bool = True,
+                  seed: int = 0) -> Profile:
+    """Measure embedding, one block and head of ``model`` on the local device; every block shares the block's row."""
+    device = local_device()
+    torch.manual_seed(seed)
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
+    tdtype = _DTYPES[dtype]
+    kinds: list[tuple[str, nn.Module, Callable[[], torch.Tensor]]] = [
+        ("embedding", Embedding(model), lambda: torch.randint(0, model.vocab_size, (b, s), device=device)),
+        ("block", Block(model), lambda: torch.randn(b, s, h, device=device, dtype=tdtype, requires_grad=True)),
+        ("head", Head(model), lambda: torch.randn(b, s, h, device=device, dtype=tdtype, requires_grad=True)),
+    ]
+    rows: dict[str, dict] = {}
+    bar = None
+    if progress:
+        from rich.progress import Progress
+        bar = Progress(transient=True)
+        bar.start()
+        task = bar.add_task(f"profiling {model.name} on {device_type}", total=len(kinds))
+    try:
+        for kind, module, make_input in kinds:
+            module = module.to(device=device, dtype=tdtype if kind != "embedding" else tdtype)
+            if slowdown != 1.0:
+                module = SlowDown(module, slowdown)
+            rows[kind] = measure_layer(module, make_input, device, warmup, reps)
+            if bar:
+                bar.advance(task)
+    finally:
+        if bar:
+            bar.stop()
+    layers = []
+    for info in model.layers():
+        r = rows[info.kind]
+        layers.append(LayerProfile(index=info.index, kind=info.kind, forward_ms=r["forward_ms"],
+                                   backward_ms=r["backward_ms"], activation_bytes=r["activation_bytes"],
+                                   peak_memory_bytes=r["peak_memory_bytes"]))
+    import socket
+    return Profile(device_type=device_type, model=model, micro_batch_size=micro_batch_size, dtype=dtype,
+                   emulated_slowdown=slowdown, layers=layers, host=socket.gethostname())
+
+
+def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int = 5) -> list[dict]:
+    """Under a launcher: p2p bandwidth from rank 0 to every other rank, and all-reduce bandwidth of the world."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = local_device()
+    out = []
+    nbytes = sizes_bytes[-1]
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    for peer in range(1, world):
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+            elif rank == peer:
+                dist.recv(buf, 0)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out.append({"src_rank": 0, "dst_rank": peer, "op": "p2p", "bytes": nbytes, "gbps": nbytes * 8 / t / 1e9})
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    # bus bandwidth of a ring all-reduce: 2 (w-1)/w of the buffer per rank
+    out.append({"src_rank": 0, "dst_rank": world - 1, "op": "allreduce", "bytes": nbytes,
+                "gbps": 2 * (world - 1) / max(world, 1) * nbytes * 8 / t / 1e9})
+    return out

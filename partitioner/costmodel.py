@@ -1,0 +1,303 @@
+"""Analytic cost model: per-layer time and memory on every accelerator type, and link times.
+
+Sources for the formulas:
+- FLOPs of a transformer block: 2 FLOPs per multiply-accumulate over every matmul (QKV, scores
+  QK^T, AV, output projection, MLP), as in Narayanan et al. 2021 ("Efficient Large-Scale Language
+  Model Training on GPU Clusters", eq. 3) without their causal-mask halving; backward = 2 x forward.
+- Activation bytes kept for backward per block and sample: Korthikanti et al. 2022 ("Reducing
+  Activation Recomputation in Large Transformer Models", sec. 4.1): s*h*(34 + 5*a*s/h) bytes with
+  16-bit activations; generalised here to any ffn size / SwiGLU, and without the 5*a*s^2 term when
+  attention is fused (flash attention keeps no s x s matrix).
+- Mixed-precision Adam: 16 bytes per parameter (2 weight + 2 grad + 4 master + 4 + 4 moments,
+  Rajbhandari et al. 2020, ZeRO sec. 3.1); ZeRO-1 shards the 12 optimizer bytes over a stage's
+  replicas.
+
+Time of layer l on type T per sample = FLOPs / (peak_T(dtype) x efficiency_T), where efficiency_T
+is the device type's achievable fraction (``DeviceType.efficiency``) or calibrated from a measured
+profile; a measured per-layer time wins over the analytic one (per layer and device type).
+All times in seconds, sizes in bytes, unless the name says otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .records import Cluster, ModelConfig, Profile
+
+BYTES_PER_ACT = 2  # 16-bit activations
+PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> pinned host buffer)
+OPTIMIZER_PASSES = 2.0  # optimizer step reads and writes its 16 B/param state once each (memory-bound)
+
+
+def block_forward_flops(m: ModelConfig) -> float:
+    """FLOPs of one transformer block's forward for one sample (sequence)."""
+    s, h, ffn = m.seq_length, m.hidden_size, m.ffn_hidden_size
+    kv = h * m.kv_heads // m.num_attention_heads
+    qkv = 2 * s * h * (h + 2 * kv)
+    scores = 2 * s * s * h  # Q K^T over all heads
+    context = 2 * s * s * h  # softmax(.) V
+    proj = 2 * s * h * h
+    mlp = 2 * s * h * ffn * (3 if m.architecture == "llama" else 2)  # SwiGLU has gate, up, down
+    return float(qkv + scores + context + proj + mlp)
+
+
+def block_params(m: ModelConfig) -> int:
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    kv = h * m.kv_heads // m.num_attention_heads
+    if m.architecture == "llama":  # no biases, two RMSNorm weights
+        return h * h * 2 + 2 * h * kv + 3 * h * ffn + 2 * h
+    # GPT: biases on every linear, two LayerNorms (weight + bias)
+    return (h * (h + 2 * kv) + (h + 2 * kv)) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h) + 4 * h
+
+
+def block_activation_bytes(m: ModelConfig, flash_attention: bool = True) -> float:
+    """Bytes one block keeps for backward per sample (16-bit activations), Korthikanti et al. 2022 generalised."""
+    s, h, ffn, a = m.seq_length, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
+    kv = h * m.kv_heads // a
+    dropout = m.architecture == "gpt"
+    # attention: LN input 2sh, QKV input 2sh, Q,K,V 2s(h+2kv), projection input 2sh, dropout mask sh
+    attn = 2 * s * h + 2 * s * h + 2 * s * (h + 2 * kv) + 2 * s * h + (s * h if dropout else 0)
+    if not flash_attention:
+        attn += 5 * a * s * s  # softmax output 2as^2, dropout mask as^2, dropout output 2as^2
+    if m.architecture == "llama":  # RMSNorm input, gate/up outputs, act(gate)*up
+        mlp = 2 * s * h + 2 * s * h + 3 * 2 * s * ffn
+    else:  # LN input, fc1 input, GeLU input, fc2 input, dropout mask
+        mlp = 2 * s * h + 2 * s * h + 2 * s * ffn + 2 * s * ffn + s * h
+    return float(attn + mlp)
+
+
+@dataclass
+class LayerCosts:
+    """Per planner layer, per sample: FLOPs, parameters, activation bytes, bytes crossing its output."""
+
+    flops_fwd: np.ndarray
+    params: np.ndarray
+    act_bytes: np.ndarray  # kept for backward without recompute
+    act_bytes_recompute: np.ndarray  # kept with full recompute: the layer's input only
+    out_bytes: np.ndarray  # activation leaving the layer (a stage boundary after it sends this)
+    mem_bytes_fwd: np.ndarray  # bytes a memory-bound layer moves in forward (embedding lookups)
+    mem_bytes_bwd: np.ndarray  # ... and in backward (the embedding's dense weight gradient)
+
+
+def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
+    s, h, v = m.seq_length, m.hidden_size, m.vocab_size
+    n = m.num_planner_layers
+    flops = np.zeros(n)
+    params = np.zeros(n)
+    act = np.zeros(n)
+    act_rc = np.zeros(n)
+    out = np.full(n, float(BYTES_PER_ACT * s * h))
+    mem = np.zeros(n)
+    mem_b = np.zeros(n)
+    # embedding: lookup (+ learned positions for GPT); memory-bound
+    params[0] = v * h + (s * h if m.architecture == "gpt" else 0)
+    mem[0] = BYTES_PER_ACT * s * h * 2
+    mem_b[0] = 4.0 * params[0]  # zero + accumulate a dense gradient as large as the table (fp32)
+    flops[0] = s * h  # position add; negligible
+    act[0] = act_rc[0] = 8 * s  # token ids (int64)
+    # blocks
+    flops[1:-1] = block_forward_flops(m)
+    params[1:-1] = block_params(m)
+    act[1:-1] = block_activation_bytes(m, flash_attention)
+    act_rc[1:-1] = BYTES_PER_ACT * s * h
+    # head: final norm + LM head (+ the loss's logits kept for backward)
+    flops[-1] = 2.0 * s * h * v
+    params[-1] = (0 if m.tie_embeddings else v * h) + 2 * h
+    act[-1] = BYTES_PER_ACT * s * h * 2 + 4.0 * s * v  # norm input, head input, fp32 logits for the loss
+    act_rc[-1] = act[-1]
+    out[-1] = 0.0
+    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b)
+
+
+@dataclass
+class DeviceCosts:
+    """Per-sample forward/backward seconds of every planner layer on one device type."""
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    efficiency: float
+    measured: np.ndarray  # bool per layer: from a profile
+
+
+@dataclass
+class CostModel:
+    """Times and memory for every (layer range, device type, samples) the planner asks about."""
+
+    cluster: Cluster
+    model: ModelConfig
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    memory_reserve_gib: float = 2.0  # kept free on every device (CUDA context, fragmentation)
+    zero1: bool = False
+    profiles: Sequence[Profile] = ()
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.layers = layer_costs(self.model, self.flash_attention)
+        self.devices: dict[str, DeviceCosts] = {}
+        by_type: dict[str, list[Profile]] = {}
+        for i, p in enumerate(self.profiles):
+            if p.device_type not in self.cluster.type_names:
+                raise InputError(f"profiles[{i}].device_type", f"profile is for {p.device_type!r}, which cluster "
+                                                               f"{self.cluster.name!r} does not have "
+                                                               f"({', '.join(self.cluster.type_names)})")
+            if p.model.shape_key() != self.model.shape_key():
+                raise InputError(f"profiles[{i}].model", f"profile was measured on model {p.model.name!r} "
+                                                         f"({_shape(p.model)}), planning model {self.model.name!r} "
+                                                         f"is {_shape(self.model)}")
+            by_type.setdefault(p.device_type, []).append(p)
+        for t in self.cluster.type_names:
+            self.devices[t] = self._device_costs(t, by_type.get(t, []))
+
+    # ---------------------------------------------------------------- compute
+    def _analytic(self, t: str, efficiency: float, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        dt = self.cluster.device_type(t)
+        flops_per_s = dt.peak(dtype) * 1e12 * efficiency
+        mem_per_s = dt.memory_gbps * 1e9 * min(1.0, 2 * efficiency)  # bandwidth is easier to reach than peak
+        fwd = np.maximum(self.layers.flops_fwd / flops_per_s, self.layers.mem_bytes_fwd / mem_per_s)
+        bwd = np.maximum(2.0 * self.layers.flops_fwd / flops_per_s, self.layers.mem_bytes_bwd / mem_per_s)
+        return fwd, bwd
+
+    def _device_costs(self, t: str, profiles: list[Profile]) -> DeviceCosts:
+        dt = self.cluster.device_type(t)
+        n = self.model.num_planner_layers
+        measured = np.zeros(n, dtype=bool)
+        efficiency = dt.efficiency
+        if not profiles:
+            fwd, bwd = self._analytic(t, efficiency, self.dtype)
+            return DeviceCosts(fwd, bwd, efficiency, measured)
+        fwd_m, bwd_m = np.zeros(n), np.zeros(n)
+        for p in profiles:
+            for lp in p.layers:
+                fwd_m[lp.index] = lp.forward_ms / 1e3 / p.micro_batch_size
+                bwd_m[lp.index] = lp.backward_ms / 1e3 / p.micro_batch_size
+                measured[lp.index] = True
+        # One efficiency factor for the type, from the measured compute-bound layers (blocks and head).
+        efficiency = calibrate_efficiency(self.model, self.cluster.device_type(t).peak(profiles[0].dtype),
+                                          {lp.index: lp.forward_ms + lp.backward_ms for lp in profiles[0].layers},
+                                          profiles[0].micro_batch_size, self.flash_attention) or efficiency
+        fwd, bwd = self._analytic(t, efficiency, self.dtype)
+        fwd[measured], bwd[measured] = fwd_m[measured], bwd_m[measured]
+        if not measured.all():
+            missing = np.flatnonzero(~measured)
+            self.notes.append(f"profile for {t} lacks layers {_ranges(missing)}: analytic cost model used for them "
+                              f"(efficiency {efficiency:.3f})")
+        return DeviceCosts(fwd, bwd, efficiency, measured)
+
+    def prefix(self, t: str, recompute: bool = False) -> np.ndarray:
+        """Cumulative per-sample (fwd + bwd [+ recompute fwd]) seconds over layers: stage time = p[b] - p[a]."""
+        d = self.devices[t]
+        per_layer = d.fwd_s + d.bwd_s + (d.fwd_s if recompute else 0.0)
+        return np.concatenate([[0.0], np.cumsum(per_layer)])
+
+    def stage_compute_s(self, t: str, first: int, last: int, samples: float, recompute: bool = False
+                        ) -> tuple[float, float]:
+        """(forward, backward) seconds of layers [first, last) for ``samples`` samples on one device of type t."""
+        d = self.devices[t]
+        fwd = float(d.fwd_s[first:last].sum()) * samples
+        bwd = float(d.bwd_s[first:last].sum() + (d.fwd_s[first:last].sum() if recompute else 0.0)) * samples
+        return fwd, bwd
+
+    def sample_s(self, t: str) -> float:
+        """Seconds for one device of type t to run the whole model forward+backward for one sample."""
+        return float(self.prefix(t)[-1])
+
+    def upper_bound_samples_per_s(self, counts: Optional[dict[str, int]] = None) -> float:
+        """Sum over devices of what each could do alone with the whole model's compute, no communication."""
+        counts = counts or self.cluster.count_by_type()
+        return float(sum(c / self.sample_s(t) for t, c in counts.items()))
+
+    # ---------------------------------------------------------------- memory
+    def stage_params(self, first: int, last: int) -> float:
+        return float(self.layers.params[first:last].sum())
+
+    def state_bytes(self, first: int, last: int, width: int = 1) -> float:
+        """Weights, gradients and optimizer state of layers [first, last) on one replica."""
+        p = self.stage_params(first, last)
+        return p * (4.0 + 12.0 / width) if self.zero1 else p * 16.0
+
+    def stage_memory_bytes(self, first: int, last: int, samples: int, in_flight: int, recompute: bool,
+                           width: int = 1) -> float:
+        """Peak bytes on one replica under 1F1B: state + activations of the micro-batches in flight.
+
+        With recompute, each in-flight micro-batch keeps only layer inputs, plus one layer's full
+        activations while it is being recomputed.
+        """
+        act = self.layers.act_bytes_recompute if recompute else self.layers.act_bytes
+        kept = float(act[first:last].sum()) * samples * in_flight
+        if recompute:
+            kept += float(self.layers.act_bytes[first:last].max()) * samples
+        boundary = 2.0 * float(self.layers.out_bytes[max(first - 1, 0)]) * samples  # send/recv buffers
+        return self.state_bytes(first, last, width) + kept + boundary
+
+    def memory_limit_bytes(self, t: str) -> float:
+        return (self.cluster.device_type(t).memory_gib - self.memory_reserve_gib) * 2 ** 30
+
+    # ---------------------------------------------------------------- links
+    def _link_gbps(self, t_src: str, t_dst: str, same_host: bool) -> tuple[float, float]:
+        """(Gbit/s, latency s) between two devices."""
+        net = self.cluster.network
+        if same_host:
+            return net.intra_gbps(t_src), net.intra_node_latency_us * 1e-6
+        if self.cluster.device_type(t_src).vendor != self.cluster.device_type(t_dst).vendor:
+            gbps = net.cross_vendor_gbps or net.inter_node_gbps
+            return gbps, net.inter_node_latency_us * 1e-6
+        return net.inter_node_gbps, net.inter_node_latency_us * 1e-6
+
+    def p2p_s(self, nbytes: float, t_src: str, t_dst: str, same_host: bool) -> float:
+        """Point-to-point transfer; across vendors add the device->host and host->device copies."""
+        if nbytes <= 0:
+            return 0.0
+        gbps, lat = self._link_gbps(t_src, t_dst, same_host)
+        t = lat + nbytes * 8 / (gbps * 1e9)
+        if self.cluster.device_type(t_src).vendor != self.cluster.device_type(t_dst).vendor:
+            t += 2 * nbytes / (PCIE_GBPS * 1e9)
+        return t
+
+    def allreduce_s(self, nbytes: float, t: str, width: int, one_node: bool) -> float:
+        """Ring all-reduce: 2 (w-1)/w of the buffer over the slowest link, 2 (w-1) latency hops."""
+        if width <= 1 or nbytes <= 0:
+            return 0.0
+        gbps, lat = self._link_gbps(t, t, one_node)
+        return 2 * (width - 1) * lat + 2 * (width - 1) / width * nbytes * 8 / (gbps * 1e9)
+
+    def grad_bytes(self, first: int, last: int) -> float:
+        return self.stage_params(first, last) * BYTES_PER_ACT
+
+    def optimizer_s(self, t: str, first: int, last: int, width: int = 1) -> float:
+        """Optimizer step: memory-bound pass over this replica's state."""
+        dt = self.cluster.device_type(t)
+        return self.state_bytes(first, last, width) * OPTIMIZER_PASSES / (dt.memory_gbps * 1e9)
+
+
+def calibrate_efficiency(model: ModelConfig, peak_tflops: float, measured_ms: dict[int, float],
+                         micro_batch_size: int, flash_attention: bool = True) -> Optional[float]:
+    """Achieved fraction of ``peak_tflops`` over the measured blocks and head (fwd+bwd): one factor per type."""
+    costs = layer_costs(model, flash_attention)
+    n = model.num_planner_layers
+    idx = [i for i in measured_ms if 0 < i < n and measured_ms[i] > 0]  # compute-bound layers only
+    if not idx:
+        return None
+    flops = sum(3.0 * costs.flops_fwd[i] for i in idx) * micro_batch_size
+    seconds = sum(measured_ms[i] for i in idx) / 1e3
+    return flops / seconds / (peak_tflops * 1e12)
+
+
+def _shape(m: ModelConfig) -> str:
+    return (f"{m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
+            f"heads {m.num_attention_heads}, vocab {m.vocab_size}, seq {m.seq_length}")
+
+
+def _ranges(idx: Iterable[int]) -> str:
+    idx = list(idx)
+    out, start = [], None
+    for k, i in enumerate(idx):
+        if start is None:
+            start = i
+        if k + 1 == len(idx) or idx[k + 1] != i + 1:
+            out.append(f"{start}" if start == i else f"{start}..{i}")
+            start = None
+    return ", ".join(out)

@@ -1,0 +1,122 @@
+"""Tier 1: the analytic cost model; tier 2 (torch, seconds): the profiler and its merge."""
+import os
+
+import numpy as np
+import pytest
+
+from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model, load_cluster
+from hethub.partitioner.costmodel import (CostModel, block_activation_bytes, block_forward_flops, block_params,
+                                          calibrate_efficiency, layer_costs)
+
+from conftest import EXAMPLES
+
+MIXED = Cluster.model_validate({
+    "name": "mixed",
+    "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 4}, {"host": "v", "device_type": "V100-32GB", "count": 4},
+              {"host": "m", "device_type": "MI250X", "count": 2}],
+    "network": {"intra_node_gbps": 2400, "inter_node_gbps": 100}})
+
+
+def test_block_flops_match_the_textbook_formula():
+    m = builtin_model("gpt-1.3b")  # MHA, ffn = 4h: 24 s h^2 + 4 s^2 h
+    s, h = m.seq_length, m.hidden_size
+    assert block_forward_flops(m) == pytest.approx(24 * s * h * h + 4 * s * s * h)
+
+
+@pytest.mark.parametrize("name,billions", [("llama-7b", 6.74), ("llama-13b", 13.0), ("llama-70b", 69.0),
+                                           ("gpt-6.7b", 6.86)])
+def test_parameter_counts(name, billions):
+    assert layer_costs(builtin_model(name)).params.sum() / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_activation_bytes_korthikanti():
+    m = builtin_model("gpt-1.3b")  # ffn = 4h: s h (34 + 5 a s / h) bytes without flash attention
+    s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
+    assert block_activation_bytes(m, flash_attention=False) == pytest.approx(s * h * (34 + 5 * a * s / h))
+    assert block_activation_bytes(m, flash_attention=True) == pytest.approx(s * h * 34)
+
+
+def test_faster_device_is_faster_and_upper_bound_adds_up():
+    cm = CostModel(MIXED, builtin_model("gpt-1.3b"))
+    assert cm.sample_s("A100-80GB") < cm.sample_s("V100-32GB")
+    ub = cm.upper_bound_samples_per_s()
+    assert ub == pytest.approx(sum(c / cm.sample_s(t) for t, c in MIXED.count_by_type().items()))
+    fwd, bwd = cm.stage_compute_s("A100-80GB", 1, 5, 2)
+    fwd_r, bwd_r = cm.stage_compute_s("A100-80GB", 1, 5, 2, recompute=True)
+    assert fwd_r == fwd and bwd_r == pytest.approx(bwd + fwd)
+    p = cm.prefix("A100-80GB")
+    assert p[5] - p[1] == pytest.approx((fwd + bwd) / 2)
+
+
+def test_memory_model_first_stage_holds_most_and_recompute_saves():
+    cm = CostModel(MIXED, builtin_model("llama-7b"))
+    first = cm.stage_memory_bytes(1, 9, samples=1, in_flight=4, recompute=False)
+    last = cm.stage_memory_bytes(1, 9, samples=1, in_flight=1, recompute=False)
+    rc = cm.stage_memory_bytes(1, 9, samples=1, in_flight=4, recompute=True)
+    assert first > last and rc < first
+    assert cm.state_bytes(1, 9) == pytest.approx(16 * cm.stage_params(1, 9))
+    z = CostModel(MIXED, builtin_model("llama-7b"), zero1=True)
+    assert z.state_bytes(1, 9, width=4) == pytest.approx((4 + 3) * cm.stage_params(1, 9))
+
+
+def test_links():
+    cm = CostModel(MIXED, builtin_model("gpt-1.3b"))
+    nb = 64 * 2 ** 20
+    intra = cm.p2p_s(nb, "A100-80GB", "A100-80GB", same_host=True)
+    inter = cm.p2p_s(nb, "A100-80GB", "V100-32GB", same_host=False)
+    cross = cm.p2p_s(nb, "A100-80GB", "MI250X", same_host=False)
+    assert intra < inter < cross  # cross-vendor adds two host copies
+    assert cm.allreduce_s(nb, "A100-80GB", 1, True) == 0
+    assert cm.allreduce_s(nb, "A100-80GB", 4, True) < cm.allreduce_s(nb, "A100-80GB", 4, False)
+
+
+def _profile(model, device_type, layers, mbs=2, ms=1.0):
+    return Profile(device_type=device_type, model=model, micro_batch_size=mbs,
+                   layers=[LayerProfile(index=i, kind=model.layers()[i].kind, forward_ms=ms, backward_ms=2 * ms)
+                           for i in layers])
+
+
+def test_profile_merge_measured_wins_and_missing_layers_fall_back():
+    m = builtin_model("gpt-tiny")
+    prof = _profile(m, "A100-80GB", range(0, 4))
+    cm = CostModel(MIXED, m, profiles=[prof])
+    d = cm.devices["A100-80GB"]
+    assert d.fwd_s[2] == pytest.approx(1e-3 / 2) and d.bwd_s[2] == pytest.approx(2e-3 / 2)
+    assert d.measured[:4].all() and not d.measured[4:].any()
+    assert any("lacks layers 4..5" in n for n in cm.notes)
+    # the calibrated efficiency came from the measured blocks, not the datasheet default
+    assert d.efficiency != MIXED.device_type("A100-80GB").efficiency
+
+
+def test_profile_for_unknown_type_or_other_model_is_refused():
+    m = builtin_model("gpt-tiny")
+    with pytest.raises(InputError, match=r"profiles\[0\].device_type: profile is for 'H100-80GB'"):
+        CostModel(MIXED, m, profiles=[_profile(m, "H100-80GB", range(6))])
+    other = builtin_model("gpt-125m")
+    with pytest.raises(InputError, match=r"profiles\[0\].model: profile was measured on model 'gpt-125m'"):
+        CostModel(MIXED, m, profiles=[_profile(other, "A100-80GB", range(6))])
+
+
+def test_calibration_recovers_a_known_efficiency():
+    m = builtin_model("gpt-125m")
+    costs = layer_costs(m)
+    peak = 100.0
+    measured = {i: 3 * costs.flops_fwd[i] * 4 / (peak * 1e12 * 0.37) * 1e3 for i in range(1, m.num_planner_layers)}
+    assert calibrate_efficiency(m, peak, measured, 4) == pytest.approx(0.37)
+
+
+def test_profiler_measures_every_layer_and_round_trips(tmp_path):
+    pytest.importorskip("torch")
+    from conftest import run_cli
+    out = tmp_path / "p.json"
+    r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--reps", "2", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    from hethub.partitioner import load_profile
+    prof = load_profile(str(out))
+    assert [l.index for l in prof.layers] == list(range(6))
+    assert all(l.forward_ms > 0 and l.backward_ms > 0 for l in prof.layers)
+    block = prof.layers[1]
+    # autograd keeps at least the block's input and the MLP's hidden activations (fp32, 1 x 32 x 256)
+    assert block.activation_bytes >= 4 * 32 * 256
+    r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--micro-batch-size", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --micro-batch-size: must be >= 1, got 0"
