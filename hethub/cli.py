@@ -34,6 +34,57 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+
+    from .partitioner.api import BASELINES, make_baseline, make_plan
+    from .partitioner.costmodel import CostModel
+    from .partitioner.errors import InfeasibleError
+    from .partitioner.planner import PlannerOptions
+    from .partitioner.records import load_cluster, load_model, load_profiles
+    from .show import print_plan
+
+    cluster, model = load_cluster(args.cluster), load_model(args.model)
+    if args.global_batch < 1:
+        raise InputError("--global-batch", f"must be >= 1, got {args.global_batch}")
+    if args.time_limit <= 0:
+        raise InputError("--time-limit", f"must be > 0, got {args.time_limit}")
+    sizes = None
+    if args.micro_batch_sizes:
+        try:
+            sizes = tuple(int(x) for x in args.micro_batch_sizes.split(","))
+        except ValueError:
+            raise InputError("--micro-batch-sizes", f"expected integers like 4,8,16, got {args.micro_batch_sizes!r}")
+    profiles = load_profiles(args.profiles) if args.profiles else ()
+    cm = CostModel(cluster, model, profiles=profiles, memory_reserve_gib=args.memory_reserve_gib, zero1=args.zero1)
+    opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
+                          max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
+                          max_units=args.max_units)
+    console = Console(width=None if Console().is_terminal else 160)
+    for note in cm.notes:
+        console.print(f"note: {note}")
+    if args.baseline:
+        plan = make_baseline(args.baseline, cluster, model, args.global_batch, opts=opts, cost_model=cm)
+    else:
+        plan = make_plan(cluster, model, args.global_batch, opts=opts, cost_model=cm,
+                         with_homogeneous_sum=not args.no_compare)
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(plan.to_json() + "\n")
+    print_plan(plan, console)
+    if not args.baseline and not args.no_compare:
+        for kind in BASELINES:
+            try:
+                base = make_baseline(kind, cluster, model, args.global_batch, opts=opts, cost_model=cm)
+                console.print(f"vs {kind}: {plan.predicted.samples_per_s / base.predicted.samples_per_s:.2f}x "
+                              f"({base.predicted.samples_per_s:.4g} samples/s)")
+            except InfeasibleError as exc:
+                console.print(f"vs {kind}: baseline has no feasible plan ({exc.message})")
+    console.print(f"wrote {args.output}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from .partitioner.records import load_model
     model = load_model(args.model)
@@ -78,8 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--profiles", help="directory of measured profile JSON files")
     sp.add_argument("--solver", choices=["highs", "cbc", "brute-force"], default="highs")
     sp.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
-    sp.add_argument("--baseline", choices=["uniform", "parameters", "fastest-only"])
-    sp.set_defaults(func=_not_yet("plan", 4))
+    sp.add_argument("--baseline", choices=["uniform", "parameters", "fastest-only"],
+                    help="plan the way a baseline would, for comparison")
+    sp.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sizes to consider "
+                                                 "(default: divisors of the global batch up to --max-micro-batch)")
+    sp.add_argument("--max-micro-batch", type=int, default=64)
+    sp.add_argument("--no-recompute", action="store_true", help="never plan activation recompute")
+    sp.add_argument("--memory-reserve-gib", type=float, default=2.0, help="kept free on every device")
+    sp.add_argument("--zero1", action="store_true", help="shard optimizer state over each stage's replicas")
+    sp.add_argument("--max-units", type=int, default=48,
+                    help="group blocks into at most this many cut points (large models)")
+    sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "
+                                                               "plans (faster)")
+    sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("simulate", help="event-level replay of one iteration of a plan")
     sp.add_argument("plan")

@@ -1,0 +1,87 @@
+"""Closed-form prediction of a concrete plan (placed on hosts/slots) under the cost model.
+
+The same 1F1B formula as the planner's objective, but with the plan's real placement: boundary
+transfers use intra-node links where sender and receiver share a host, cross-vendor transfers pay
+host copies, a stage's all-reduce is intra-node only when all its replicas share a host.
+
+    iteration_s = (M - 1) * max_s c_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costmodel import CostModel
+from .records import Plan, Predicted
+
+
+@dataclass(frozen=True)
+class StageCost:
+    compute_s: float  # forward + backward of the largest replica share, per micro-batch
+    forward_s: float
+    backward_s: float
+    comm_s: float  # output boundary: activations forward + gradients back, per micro-batch
+    allreduce_s: float
+    optimizer_s: float
+    memory_bytes: float  # peak on the replica with the largest share
+
+    @property
+    def per_micro_batch_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def boundary_transfers(plan: Plan, s: int) -> list[tuple[int, int, int, int]]:
+    """(sender replica, receiver replica, first row, stop row) for the boundary after stage s."""
+    if s + 1 >= plan.num_stages:
+        return []
+    out = []
+    for i, (a, b) in enumerate(plan.stages[s].sample_ranges()):
+        for j, (c, d) in enumerate(plan.stages[s + 1].sample_ranges()):
+            lo, hi = max(a, c), min(b, d)
+            if lo < hi:
+                out.append((i, j, lo, hi))
+    return out
+
+
+def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
+    S, M = plan.num_stages, plan.num_micro_batches
+    out = []
+    for s, st in enumerate(plan.stages):
+        first, last = st.layers
+        samples = max(r.samples for r in st.replicas)
+        fwd, bwd = cm.stage_compute_s(st.device_type, first, last, samples, st.recompute)
+        comm = 0.0
+        if s + 1 < S:
+            nxt = plan.stages[s + 1]
+            per_sender: dict[int, float] = {}
+            row_bytes = float(cm.layers.out_bytes[last - 1])
+            for i, j, lo, hi in boundary_transfers(plan, s):
+                same = st.replicas[i].host == nxt.replicas[j].host
+                per_sender[i] = per_sender.get(i, 0.0) + cm.p2p_s((hi - lo) * row_bytes, st.device_type,
+                                                                  nxt.device_type, same)
+            comm = 2.0 * max(per_sender.values())
+        one_node = len({r.host for r in st.replicas}) == 1
+        ar = cm.allreduce_s(cm.grad_bytes(first, last), st.device_type, st.width, one_node)
+        opt = cm.optimizer_s(st.device_type, first, last, st.width)
+        mem = cm.stage_memory_bytes(first, last, samples, min(S - s, M), st.recompute, st.width)
+        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem))
+    return out
+
+
+def iteration_s(costs: list[StageCost], num_micro_batches: int) -> float:
+    per = [c.per_micro_batch_s for c in costs]
+    return ((num_micro_batches - 1) * max(per) + sum(per) + max(c.allreduce_s for c in costs)
+            + max(c.optimizer_s for c in costs))
+
+
+def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
+    costs = stage_costs(plan, cm)
+    it = iteration_s(costs, plan.num_micro_batches)
+    sps = plan.global_batch_size / it
+    ub = cm.upper_bound_samples_per_s()
+    return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,
+                     homogeneous_sum_samples_per_s=homogeneous_sum_samples_per_s,
+                     stage_s=[c.per_micro_batch_s for c in costs],
+                     memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
+                     allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
+                     fits_memory=all(c.memory_bytes <= cm.memory_limit_bytes(st.device_type)
+                                     for c, st in zip(costs, plan.stages)))

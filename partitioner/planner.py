@@ -1,0 +1,506 @@
+"""The planner: non-uniform stages, per-stage device type and width, sample splits, micro-batch size,
+recompute — as a MILP over candidate stages (PuLP; HiGHS by default, CBC as fallback).
+
+Planning objective (1F1B, one iteration), for stages s with per-micro-batch cost c_s (forward +
+backward of its share of the micro-batch, plus the transfer of its output boundary):
+
+    T = (M - 1) * max_s c_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
+
+Formulation (for each micro-batch size b, M = G / b, solved separately — decomposition):
+- one binary x_c per candidate stage c = (unit range [i, j), device type t, width w, recompute r);
+  a stage's w replicas split the micro-batch evenly (ceil(b / w) samples at most, w <= b);
+- flow over unit boundaries: exactly one chain of candidates from 0 to U;
+- bottleneck rows per unit, written sparsely with a running load (shared/NOTES.md: one row per
+  *layer* gives an LP bound of 3.99 vs 0.53 with one row per candidate);
+- device rows: sum of widths of type t <= devices of type t;
+- 1F1B memory, exactly: a stage starting at unit i keeps min(S_i, M) micro-batches in flight,
+  where S_i = number of stages from i to the end (a linear recursion r_i = r_{i+1} + sum x_c).
+  A candidate that fits k < M in-flight micro-batches gets r_i + (U - k) x_c <= U, aggregated over
+  the candidates starting at i (at most one of them is chosen).
+
+Candidate pruning: only the smallest width for each distinct ceil(b / w) (more devices for the same
+samples per replica never helps); recompute only where it lets the stage hold more micro-batches.
+Models with more than ``max_units`` planner layers have their blocks grouped into equal chunks
+(every block of a model has the same cost, so this only restricts where stages may cut).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .costmodel import BYTES_PER_ACT, OPTIMIZER_PASSES, CostModel
+from .errors import InfeasibleError, InputError
+from .placement import StageLayout, build_plan, even_split
+from .records import Cluster, ModelConfig, Plan, Predicted, SolverInfo
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    solver: str = "highs"  # highs | cbc | brute-force
+    time_limit_s: float = 60.0  # for the whole search, split over micro-batch sizes
+    micro_batch_sizes: Optional[tuple[int, ...]] = None  # default: divisors of the global batch <= max
+    max_micro_batch_size: int = 64
+    allow_recompute: bool = True
+    max_units: int = 48
+    device_types: Optional[tuple[str, ...]] = None  # restrict to these types (fastest-only, homogeneous sums)
+
+
+@dataclass
+class Candidates:
+    """Candidate stages for one micro-batch size, as parallel numpy arrays."""
+
+    i: np.ndarray  # first unit
+    j: np.ndarray  # end unit (exclusive)
+    t: np.ndarray  # index into types
+    w: np.ndarray  # width
+    rc: np.ndarray  # recompute (bool)
+    c: np.ndarray  # per-micro-batch cost, s
+    ar: np.ndarray  # gradient all-reduce, s
+    opt: np.ndarray  # optimizer step, s
+    k: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
+
+    def __len__(self) -> int:
+        return len(self.c)
+
+
+@dataclass
+class Solution:
+    b: int
+    M: int
+    chosen: list[int]  # candidate indices, in pipeline order
+    objective: float
+    bound: float
+    status: str
+    cands: Candidates = field(repr=False)
+
+
+def units_for(model: ModelConfig, max_units: int) -> list[tuple[int, int]]:
+    """Planner layer ranges the solver may cut between: every layer, or equal chunks of blocks."""
+    n = model.num_planner_layers
+    if n <= max_units:
+        return [(l, l + 1) for l in range(n)]
+    blocks = model.num_layers
+    chunks = max_units - 2
+    size = math.ceil(blocks / chunks)
+    units = [(0, 1)]
+    for start in range(1, blocks + 1, size):
+        units.append((start, min(start + size, blocks + 1)))
+    units.append((n - 1, n))
+    return units
+
+
+def widths_for(b: int, available: int) -> list[int]:
+    """Smallest width for each distinct ceil(b / w), w <= min(b, available)."""
+    out, seen = [], set()
+    for w in range(1, min(b, available) + 1):
+        s = -(-b // w)
+        if s not in seen:
+            seen.add(s)
+            out.append(w)
+    return out
+
+
+def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Table m[i, j] = max(values[bounds[i]:bounds[j]]) for unit boundaries i < j."""
+    n = len(bounds)
+    m = np.zeros((n, n))
+    for i in range(n - 1):
+        cur = -np.inf
+        for j in range(i + 1, n):
+            cur = max(cur, values[bounds[j - 1]:bounds[j]].max())
+            m[i, j] = cur
+    return m
+
+
+def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
+               counts: dict[str, int], allow_recompute: bool = True) -> Candidates:
+    """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges)."""
+    L = cm.model.num_planner_layers
+    bounds = np.array([u[0] for u in units] + [units[-1][1]])
+    I, J = np.triu_indices(len(bounds), k=1)
+    a, e = bounds[I], bounds[J]
+    lay = cm.layers
+    cum = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
+    params = (cum(lay.params)[e] - cum(lay.params)[a])
+    act = {False: cum(lay.act_bytes)[e] - cum(lay.act_bytes)[a],
+           True: cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]}
+    act_max = _range_max(lay.act_bytes, bounds)[I, J]
+    out_bytes = lay.out_bytes[e - 1]  # 0 for the last layer
+    in_bytes = lay.out_bytes[np.maximum(a - 1, 0)]
+    node_max = {t: max(n.count for n in cm.cluster.nodes if n.device_type == t) for t in types}
+    cols: dict[str, list] = {k: [] for k in ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k")}
+    for ti, t in enumerate(types):
+        dt = cm.cluster.device_type(t)
+        limit = cm.memory_limit_bytes(t)
+        for rc in ((False, True) if allow_recompute else (False,)):
+            per_sample = cm.prefix(t, rc)[e] - cm.prefix(t, rc)[a]
+            for w in widths_for(b, counts[t]):
+                s = -(-b // w)
+                # Output boundary: this stage's share crosses to the next stage and the gradient comes back.
+                # Intra-node when the type's largest node holds this stage and an equal-width neighbour.
+                gbps, lat = cm._link_gbps(t, t, same_host=2 * w <= node_max[t])
+                comm = np.where(out_bytes > 0, 2 * (lat + s * out_bytes * 8 / (gbps * 1e9)), 0.0)
+                c = per_sample * s + comm
+                one_node = w <= node_max[t]
+                ag, alat = cm._link_gbps(t, t, same_host=one_node)
+                ar = (2 * (w - 1) * alat + 2 * (w - 1) / w * params * BYTES_PER_ACT * 8 / (ag * 1e9)) if w > 1 \
+                    else np.zeros_like(params)
+                state = params * (4.0 + 12.0 / w) if cm.zero1 else params * 16.0
+                opt = state * OPTIMIZER_PASSES / (dt.memory_gbps * 1e9)
+                cap = limit - state - 2.0 * in_bytes * s - (act_max * s if rc else 0.0)
+                per_flight = np.maximum(act[rc] * s, 1.0)
+                k = np.floor(np.where(cap > 0, cap / per_flight, 0.0))
+                k = np.minimum(k, M)
+                keep = k >= 1
+                n = int(keep.sum())
+                cols["i"].append(I[keep]); cols["j"].append(J[keep]); cols["t"].append(np.full(n, ti))
+                cols["w"].append(np.full(n, w)); cols["rc"].append(np.full(n, rc)); cols["c"].append(c[keep])
+                cols["ar"].append(ar[keep]); cols["opt"].append(opt[keep]); cols["k"].append(k[keep])
+    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
+    cand = Candidates(**{k: cat[k] for k in cols})
+    cand.i, cand.j, cand.t, cand.w = (cand.i.astype(int), cand.j.astype(int), cand.t.astype(int),
+                                      cand.w.astype(int))
+    cand.rc = cand.rc.astype(bool)
+    return _prune_recompute(cand)
+
+
+def _prune_recompute(c: Candidates) -> Candidates:
+    """Drop a recompute candidate when the same stage without recompute holds as many micro-batches."""
+    if not c.rc.any():
+        return c
+    key = c.i * 1_000_003 + c.j * 1009 + c.t * 131 + c.w
+    best_plain = {}
+    for idx in np.flatnonzero(~c.rc):
+        best_plain[key[idx]] = c.k[idx]
+    keep = np.ones(len(c), dtype=bool)
+    for idx in np.flatnonzero(c.rc):
+        if best_plain.get(key[idx], -1) >= c.k[idx]:
+            keep[idx] = False
+    return Candidates(*(getattr(c, f)[keep] for f in ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k")))
+
+
+def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
+    """The planning objective of a chain of candidates (same formula the MILP minimises)."""
+    ch = list(chosen)
+    return float((M - 1) * c.c[ch].max() + c.c[ch].sum() + c.ar[ch].max() + c.opt[ch].max())
+
+
+def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int], M: int) -> bool:
+    used = np.zeros(len(counts), dtype=int)
+    S = len(chosen)
+    for pos, idx in enumerate(chosen):
+        used[c.t[idx]] += c.w[idx]
+        if c.k[idx] < min(S - pos, M):
+            return False
+    return bool((used <= np.asarray(counts)).all())
+
+
+# ------------------------------------------------------------------------- bounds
+
+
+def min_devices_chain(c: Candidates, U: int, T: float) -> float:
+    """Fewest devices (all types together) of a chain whose stages all cost <= T (inf if none)."""
+    dp = np.full(U + 1, np.inf)
+    dp[U] = 0.0
+    ok = c.c <= T
+    order = np.argsort(c.i)
+    i_sorted = c.i[order]
+    for u in range(U - 1, -1, -1):
+        lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
+        ks = order[lo:hi]
+        ks = ks[ok[ks]]
+        if len(ks):
+            dp[u] = float((c.w[ks] + dp[c.j[ks]]).min())
+    return float(dp[0])
+
+
+def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int) -> float:
+    """Smallest stage cost T for which some chain fits the device total (a relaxation: a valid bound on Z)."""
+    values = np.unique(c.c)
+    lo, hi = 0, len(values) - 1
+    if min_devices_chain(c, U, values[hi]) > total_devices:
+        return math.inf
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if min_devices_chain(c, U, values[mid]) <= total_devices:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(values[lo])
+
+
+def restrict(c: Candidates, keep: np.ndarray) -> tuple[Candidates, np.ndarray]:
+    idx = np.flatnonzero(keep)
+    return Candidates(*(getattr(c, f)[idx] for f in ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k"))), idx
+
+
+# ------------------------------------------------------------------------- MILP
+
+
+def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str, time_limit_s: float,
+               z_lower: float = 0.0) -> Optional[tuple[list[int], float, float, str]]:
+    """(chosen candidates in order, objective, lower bound, status) or None when infeasible.
+
+    ``z_lower`` is a valid lower bound on the bottleneck (``bottleneck_lower_bound``): with it the LP
+    relaxation no longer spreads a fraction of every stage thin to make the bottleneck look cheap.
+    """
+    import pulp
+
+    n = len(c)
+    if n == 0:
+        return None
+    prob = pulp.LpProblem("hethub_plan", pulp.LpMinimize)
+    # PuLP >= 3.3 owns variables by the model (add_variable); older releases construct them directly.
+    var = getattr(prob, "add_variable", None) or (lambda name, lowBound=None, upBound=None, cat="Continuous":
+                                                   pulp.LpVariable(name, lowBound, upBound, cat))
+    x = [var(f"x{k}", cat=pulp.LpBinary) for k in range(n)]
+    Z = var("Z", lowBound=z_lower)  # bottleneck per-micro-batch cost
+    A = var("A", lowBound=0)  # slowest all-reduce
+    O = var("O", lowBound=0)  # slowest optimizer step
+    prob += (M - 1) * Z + pulp.LpAffineExpression([(x[k], float(c.c[k])) for k in range(n)]) + A + O
+
+    starts: list[list[int]] = [[] for _ in range(U + 1)]
+    ends: list[list[int]] = [[] for _ in range(U + 1)]
+    for k in range(n):
+        starts[c.i[k]].append(k)
+        ends[c.j[k]].append(k)
+    # flow: one chain from boundary 0 to boundary U
+    prob += pulp.lpSum(x[k] for k in starts[0]) == 1
+    prob += pulp.lpSum(x[k] for k in ends[U]) == 1
+    for p in range(1, U):
+        prob += pulp.lpSum(x[k] for k in ends[p]) == pulp.lpSum(x[k] for k in starts[p])
+    # running loads: y[u] = value of the stage covering unit u (for c, ar, opt); bottleneck rows per unit
+    for top, vals, name in ((Z, c.c, "c"), (A, c.ar, "ar"), (O, c.opt, "opt")):
+        prev = None
+        for u in range(U):
+            y = var(f"y_{name}_{u}", lowBound=0)
+            expr = pulp.LpAffineExpression([(x[k], float(vals[k])) for k in starts[u]] +
+                                           [(x[k], -float(vals[k])) for k in ends[u]])
+            prob += (y == (prev if prev is not None else 0) + expr)
+            prob += top >= y
+            prev = y
+    # stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); memory rows
+    r_next = None
+    for u in range(U - 1, -1, -1):
+        r = var(f"r_{u}", lowBound=0)
+        prob += r == (r_next if r_next is not None else 0) + pulp.lpSum(x[k] for k in starts[u])
+        tight = [k for k in starts[u] if c.k[k] < M]
+        if tight:
+            prob += r + pulp.LpAffineExpression([(x[k], float(U - c.k[k])) for k in tight]) <= U
+        r_next = r
+    for ti, cnt in enumerate(counts):
+        ks = np.flatnonzero(c.t == ti)
+        if len(ks):
+            prob += pulp.LpAffineExpression([(x[k], float(c.w[k])) for k in ks]) <= cnt
+
+    if solver == "highs":
+        s = pulp.HiGHS(msg=False, timeLimit=max(1.0, time_limit_s), presolve="off", threads=1)
+    elif solver == "cbc":
+        import warnings
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC in favour of pulp[cbc]'s COIN_CMD
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s), threads=1)
+    else:
+        raise InputError("--solver", f"unknown MILP solver {solver!r}")
+    with _quiet_stdout():
+        prob.solve(s)
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if prob.status == pulp.LpStatusInfeasible:
+            return None
+        if prob.sol_status == pulp.LpSolutionNoSolutionFound:
+            return None
+    chosen = [k for k in range(n) if (x[k].value() or 0) > 0.5]
+    if not chosen:
+        return None
+    chosen.sort(key=lambda k: c.i[k])
+    obj = objective_of(c, chosen, M)
+    bound = obj
+    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
+    if solver == "highs":
+        info = prob.solverModel.getInfo()
+        bound = float(info.mip_dual_bound) if status != "optimal" else obj
+    elif status != "optimal":
+        bound = 0.0  # CBC through PuLP reports no bound; CBC's "Optimal" on a time-out is caught by sol_status
+    return chosen, obj, min(bound, obj), status
+
+
+class _quiet_stdout:
+    """HiGHS prints its banner from C++ on file descriptor 1, past msg=False: silence the fd while solving."""
+
+    def __enter__(self):
+        import os
+        import sys
+        sys.stdout.flush()
+        self.saved = os.dup(1)
+        self.null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(self.null, 1)
+
+    def __exit__(self, *exc):
+        import os
+        os.dup2(self.saved, 1)
+        os.close(self.saved)
+        os.close(self.null)
+
+
+# ------------------------------------------------------------------------- brute force
+
+
+def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_nodes: int = 20_000_000
+                      ) -> Optional[tuple[list[int], float]]:
+    """Enumerate every chain of candidates (small instances only): the reference for the MILP.
+
+    Depth-first over chains, pruning only what cannot matter: a partial chain that already uses more
+    devices of a type than exist, or whose partial objective (every term only grows as stages are
+    added) already reaches the best complete chain's.
+    """
+    starts: list[list[int]] = [[] for _ in range(U + 1)]
+    for k in np.argsort(c.c, kind="stable"):
+        starts[c.i[k]].append(int(k))
+    cc, ar, opt, w, t = c.c.tolist(), c.ar.tolist(), c.opt.tolist(), c.w.tolist(), c.t.tolist()
+    used = [0] * len(counts)
+    best: list = [None, math.inf]
+    nodes = [0]
+
+    def walk(u: int, chain: list[int], mx: float, sm: float, mar: float, mop: float):
+        nodes[0] += 1
+        if nodes[0] > max_nodes:
+            raise InputError("--solver", f"brute force is for small instances: more than {max_nodes} partial "
+                                         f"chains; use --solver highs")
+        if (M - 1) * mx + sm + mar + mop >= best[1]:
+            return
+        if u == U:
+            if chain_is_feasible(c, chain, counts, M):
+                best[0], best[1] = list(chain), (M - 1) * mx + sm + mar + mop
+            return
+        for k in starts[u]:
+            if used[t[k]] + w[k] > counts[t[k]]:
+                continue
+            used[t[k]] += w[k]
+            chain.append(k)
+            walk(int(c.j[k]), chain, max(mx, cc[k]), sm + cc[k], max(mar, ar[k]), max(mop, opt[k]))
+            chain.pop()
+            used[t[k]] -= w[k]
+
+    walk(0, [], 0.0, 0.0, 0.0, 0.0)
+    return None if best[0] is None else (best[0], objective_of(c, best[0], M))
+
+
+# ------------------------------------------------------------------------- driver
+
+
+def micro_batch_sizes(global_batch: int, opts: PlannerOptions) -> list[int]:
+    if opts.micro_batch_sizes:
+        bad = [b for b in opts.micro_batch_sizes if b < 1 or global_batch % b]
+        if bad:
+            raise InfeasibleError("micro_batch_sizes", f"{bad[0]} does not divide the global batch {global_batch}")
+        return sorted(opts.micro_batch_sizes)
+    return [b for b in range(1, min(global_batch, opts.max_micro_batch_size) + 1) if global_batch % b == 0]
+
+
+def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptions()) -> tuple[Solution, dict]:
+    """Best solution over micro-batch sizes; also returns search statistics.
+
+    Micro-batch sizes are visited in order of their lower bound M * T_lb (T_lb: the smallest
+    bottleneck any chain fitting the device total can have); a size whose bound cannot beat the
+    incumbent is skipped, and candidates costing more than incumbent / M are dropped before the MILP
+    (no stage of a better plan can cost more). Both cuts are exact.
+    """
+    if global_batch < 1:
+        raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
+    counts_all = cm.cluster.count_by_type()
+    types = list(opts.device_types or cm.cluster.type_names)
+    for t in types:
+        if t not in counts_all:
+            raise InputError("device_types", f"cluster {cm.cluster.name!r} has no {t!r} devices")
+    counts = [counts_all[t] for t in types]
+    units = units_for(cm.model, opts.max_units)
+    U = len(units)
+    bs = micro_batch_sizes(global_batch, opts)
+    t0 = time.perf_counter()
+    todo = []
+    n_cands = 0
+    for b in bs:
+        M = global_batch // b
+        cand = candidates(cm, units, b, M, types, dict(zip(types, counts)), opts.allow_recompute)
+        n_cands += len(cand)
+        t_lb = bottleneck_lower_bound(cand, U, sum(counts)) if len(cand) else math.inf
+        todo.append((M * t_lb, b, M, cand, t_lb))
+    todo.sort(key=lambda x: x[0])
+    best: Optional[Solution] = None
+    bounds: dict[int, float] = {}
+    statuses = []
+    milp_vars = 0
+    for idx, (lb, b, M, cand, t_lb) in enumerate(todo):
+        if not math.isfinite(lb) and opts.solver != "brute-force":
+            bounds[b] = math.inf
+            continue
+        brute = opts.solver == "brute-force"  # the reference: no bounding, every chain of every size
+        if not brute and best is not None and lb >= best.objective * (1 - 1e-9):
+            bounds[b] = lb
+            continue
+        sub, back = (restrict(cand, cand.c <= best.objective / M * (1 + 1e-9)) if best is not None and not brute
+                     else (cand, np.arange(len(cand))))
+        left = opts.time_limit_s - (time.perf_counter() - t0)
+        per_b = max(1.0, left / (len(todo) - idx))
+        if brute:
+            res = solve_brute_force(sub, U, counts, M)
+            res = None if res is None else (res[0], res[1], res[1], "optimal")
+        else:
+            milp_vars += len(sub)
+            res = solve_milp(sub, U, counts, M, opts.solver, per_b, z_lower=t_lb)
+        if res is None:
+            # infeasible within the incumbent's reach: the incumbent's objective bounds this size
+            bounds[b] = best.objective if best is not None else math.inf
+            continue
+        chosen, obj, bound, status = res
+        statuses.append(status)
+        bounds[b] = max(bound, lb)
+        if best is None or obj < best.objective:
+            best = Solution(b, M, [int(back[k]) for k in chosen], obj, bound, status, cand)
+    if best is None:
+        raise _infeasible(cm, global_batch, types, counts, bs)
+    lower = min(bounds.values())
+    gap = max(0.0, (best.objective - lower) / best.objective)
+    stats = {"seconds": time.perf_counter() - t0, "micro_batch_sizes": bs, "candidates": n_cands, "units": U,
+             "milp_variables": milp_vars, "gap": gap,
+             "status": "optimal" if all(s == "optimal" for s in statuses) else "feasible"}
+    return best, stats
+
+
+def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list[int], bs: list[int]):
+    """One line saying which constraint fails and by how much."""
+    if not bs:
+        return InfeasibleError("--global-batch", f"no micro-batch size divides {global_batch}")
+    # memory: the whole model's state spread over every device, one layer each at best
+    total_state = cm.state_bytes(0, cm.model.num_planner_layers)
+    total_mem = sum(cm.memory_limit_bytes(t) * n for t, n in zip(types, counts))
+    if total_state > total_mem:
+        return InfeasibleError("memory", f"model {cm.model.name!r} needs {total_state / 2**30:.1f} GiB for weights, "
+                                         f"gradients and optimizer state; the devices hold "
+                                         f"{total_mem / 2**30:.1f} GiB after the reserve "
+                                         f"(short by {(total_state - total_mem) / 2**30:.1f} GiB)")
+    biggest = max(float(cm.state_bytes(l, l + 1) + cm.layers.act_bytes_recompute[l] + cm.layers.act_bytes[l])
+                  for l in range(cm.model.num_planner_layers))
+    largest_dev = max(cm.memory_limit_bytes(t) for t in types)
+    if biggest > largest_dev:
+        return InfeasibleError("memory", f"the largest layer needs {biggest / 2**30:.1f} GiB for one sample, the "
+                                         f"largest device holds {largest_dev / 2**30:.1f} GiB after the reserve "
+                                         f"(short by {(biggest - largest_dev) / 2**30:.1f} GiB); "
+                                         f"tensor parallelism is not planned yet")
+    return InfeasibleError("memory", f"no stage layout of {cm.model.name!r} fits the devices' memory at any "
+                                     f"micro-batch size in {bs} (1F1B keeps up to one micro-batch per later stage "
+                                     f"in flight); add devices or use a smaller global batch")
+
+
+def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[str]) -> list[StageLayout]:
+    c = sol.cands
+    out = []
+    for k in sol.chosen:
+        out.append(StageLayout(layers=(units[c.i[k]][0], units[c.j[k] - 1][1]), device_type=types[c.t[k]],
+                               samples=even_split(sol.b, int(c.w[k])), recompute=bool(c.rc[k])))
+    return out
