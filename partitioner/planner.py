@@ -203,35 +203,125 @@ def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int
 # ------------------------------------------------------------------------- bounds
 
 
-def min_devices_chain(c: Candidates, U: int, T: float) -> float:
-    """Fewest devices (all types together) of a chain whose stages all cost <= T (inf if none)."""
-    dp = np.full(U + 1, np.inf)
-    dp[U] = 0.0
+def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
+    """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory.
+
+    DP over (boundary u, stages from u to the end r): a stage starting at u needs room for
+    min(r, M) micro-batches in flight. Per-type device limits are relaxed to the total.
+    """
+    R = U
+    dp = np.full((U + 1, R + 1), np.inf)
+    dp[U, 0] = 0.0
+    need = np.minimum(np.arange(1, R + 1), M)  # in-flight micro-batches for r = 1..R
     ok = c.c <= T
-    order = np.argsort(c.i)
+    order = np.argsort(c.i, kind="stable")
     i_sorted = c.i[order]
     for u in range(U - 1, -1, -1):
         lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
         ks = order[lo:hi]
         ks = ks[ok[ks]]
-        if len(ks):
-            dp[u] = float((c.w[ks] + dp[c.j[ks]]).min())
-    return float(dp[0])
+        if not len(ks):
+            continue
+        vals = c.w[ks, None] + dp[c.j[ks], :R]  # a chain of r stages from u: this one + r-1 from j
+        vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
+        dp[u, 1:] = vals.min(axis=0)
+    return float(dp[0].min())
 
 
-def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int) -> float:
+def sum_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
+    """A lower bound on the sum of stage costs of any feasible chain (Lagrangian relaxation of the device total).
+
+    For any lambda >= 0: min over memory-feasible chains of sum(c + lambda w) - lambda N <= the true
+    minimum of sum(c) subject to sum(w) <= N. The best of a few lambdas is taken.
+    """
+    R = U
+    need = np.minimum(np.arange(1, R + 1), M)
+    order = np.argsort(c.i, kind="stable")
+    i_sorted = c.i[order]
+    scale = float(np.median(c.c / c.w))
+    best = 0.0
+    for lam in (0.0, 0.1 * scale, 0.3 * scale, scale, 3 * scale):
+        cost = c.c + lam * c.w
+        dp = np.full((U + 1, R + 1), np.inf)
+        dp[U, 0] = 0.0
+        for u in range(U - 1, -1, -1):
+            lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
+            ks = order[lo:hi]
+            if not len(ks):
+                continue
+            vals = cost[ks, None] + dp[c.j[ks], :R]
+            vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
+            dp[u, 1:] = vals.min(axis=0)
+        best = max(best, float(dp[0].min()) - lam * total_devices)
+    return best
+
+
+def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
     """Smallest stage cost T for which some chain fits the device total (a relaxation: a valid bound on Z)."""
     values = np.unique(c.c)
     lo, hi = 0, len(values) - 1
-    if min_devices_chain(c, U, values[hi]) > total_devices:
+    if min_devices_chain(c, U, values[hi], M) > total_devices:
         return math.inf
     while lo < hi:
         mid = (lo + hi) // 2
-        if min_devices_chain(c, U, values[mid]) <= total_devices:
+        if min_devices_chain(c, U, values[mid], M) <= total_devices:
             hi = mid
         else:
             lo = mid + 1
     return float(values[lo])
+
+
+def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: float, weights: np.ndarray
+                    ) -> Optional[list[int]]:
+    """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
+    the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
+    R = U
+    dp = np.full((U + 1, R + 1), np.inf)
+    dp[U, 0] = 0.0
+    arg = np.full((U + 1, R + 1), -1)
+    need = np.minimum(np.arange(1, R + 1), M)
+    ok = c.c <= T
+    order = np.argsort(c.i, kind="stable")
+    i_sorted = c.i[order]
+    cost = weights[c.t] * c.w
+    for u in range(U - 1, -1, -1):
+        lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
+        ks = order[lo:hi]
+        ks = ks[ok[ks]]
+        if not len(ks):
+            continue
+        vals = cost[ks, None] + dp[c.j[ks], :R]
+        vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
+        best = vals.argmin(axis=0)
+        dp[u, 1:] = vals[best, np.arange(R)]
+        arg[u, 1:] = ks[best]
+    r = int(dp[0].argmin())
+    if not np.isfinite(dp[0, r]):
+        return None
+    chain, u = [], 0
+    while u < U:
+        k = int(arg[u, r])
+        chain.append(k)
+        u, r = int(c.j[k]), r - 1
+    return chain if chain_is_feasible(c, chain, counts, M) else None
+
+
+def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float) -> Optional[list[int]]:
+    """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound."""
+    counts_a = np.asarray(counts, dtype=float)
+    best, best_obj = None, math.inf
+    values = np.unique(c.c)
+    for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
+        T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
+        for weights in (1.0 / counts_a, np.ones_like(counts_a)):
+            chain = heuristic_chain(c, U, counts, M, T, weights)
+            if chain is not None:
+                obj = objective_of(c, chain, M)
+                if obj < best_obj:
+                    best, best_obj = chain, obj
+        if best is not None and factor >= 1.2:
+            break
+    return best
 
 
 def restrict(c: Candidates, keep: np.ndarray) -> tuple[Candidates, np.ndarray]:
@@ -243,8 +333,10 @@ def restrict(c: Candidates, keep: np.ndarray) -> tuple[Candidates, np.ndarray]:
 
 
 def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str, time_limit_s: float,
-               z_lower: float = 0.0) -> Optional[tuple[list[int], float, float, str]]:
-    """(chosen candidates in order, objective, lower bound, status) or None when infeasible.
+               z_lower: float = 0.0, cutoff: Optional[float] = None) -> tuple[Optional[list[int]], float, float, str]:
+    """(chosen candidates in order or None, objective, lower bound, status: optimal|feasible|infeasible|timeout).
+
+    ``cutoff``: only solutions below it are of interest (an incumbent from another micro-batch size).
 
     ``z_lower`` is a valid lower bound on the bottleneck (``bottleneck_lower_bound``): with it the LP
     relaxation no longer spreads a fraction of every stage thin to make the bottleneck look cheap.
@@ -253,7 +345,7 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
 
     n = len(c)
     if n == 0:
-        return None
+        return None, math.inf, math.inf, "infeasible"
     prob = pulp.LpProblem("hethub_plan", pulp.LpMinimize)
     # PuLP >= 3.3 owns variables by the model (add_variable); older releases construct them directly.
     var = getattr(prob, "add_variable", None) or (lambda name, lowBound=None, upBound=None, cat="Continuous":
@@ -299,34 +391,34 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
             prob += pulp.LpAffineExpression([(x[k], float(c.w[k])) for k in ks]) <= cnt
 
     if solver == "highs":
-        s = pulp.HiGHS(msg=False, timeLimit=max(1.0, time_limit_s), presolve="off", threads=1)
+        extra = {"objective_bound": float(cutoff)} if cutoff is not None else {}
+        s = pulp.HiGHS(msg=False, timeLimit=max(0.2, time_limit_s), presolve="off", threads=1, **extra)
     elif solver == "cbc":
         import warnings
         with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC in favour of pulp[cbc]'s COIN_CMD
             warnings.simplefilter("ignore", DeprecationWarning)
-            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s), threads=1)
+            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))), threads=1)
     else:
         raise InputError("--solver", f"unknown MILP solver {solver!r}")
     with _quiet_stdout():
         prob.solve(s)
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        if prob.status == pulp.LpStatusInfeasible:
-            return None
-        if prob.sol_status == pulp.LpSolutionNoSolutionFound:
-            return None
-    chosen = [k for k in range(n) if (x[k].value() or 0) > 0.5]
-    if not chosen:
-        return None
-    chosen.sort(key=lambda k: c.i[k])
-    obj = objective_of(c, chosen, M)
-    bound = obj
-    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
+    bound = 0.0
     if solver == "highs":
         info = prob.solverModel.getInfo()
-        bound = float(info.mip_dual_bound) if status != "optimal" else obj
-    elif status != "optimal":
-        bound = 0.0  # CBC through PuLP reports no bound; CBC's "Optimal" on a time-out is caught by sol_status
-    return chosen, obj, min(bound, obj), status
+        bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+            return None, math.inf, math.inf, "infeasible"
+        if cutoff is not None and solver == "highs" and prob.solverModel.getModelStatus() == \
+                __import__("highspy").HighsModelStatus.kObjectiveBound:
+            return None, math.inf, float(cutoff), "infeasible"  # nothing better than the cutoff exists
+        return None, math.inf, bound, "timeout"
+    chosen = [k for k in range(n) if (x[k].value() or 0) > 0.5]
+    chosen.sort(key=lambda k: c.i[k])
+    obj = objective_of(c, chosen, M)
+    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
+    # CBC through PuLP reports no bound (and "Optimal" on a time-out: sol_status tells them apart)
+    return chosen, obj, (obj if status == "optimal" else min(bound, obj)), status
 
 
 class _quiet_stdout:
@@ -428,47 +520,65 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         M = global_batch // b
         cand = candidates(cm, units, b, M, types, dict(zip(types, counts)), opts.allow_recompute)
         n_cands += len(cand)
-        t_lb = bottleneck_lower_bound(cand, U, sum(counts)) if len(cand) else math.inf
-        todo.append((M * t_lb, b, M, cand, t_lb))
+        t_lb = bottleneck_lower_bound(cand, U, sum(counts), M) if len(cand) else math.inf
+        lb = (M - 1) * t_lb + sum_lower_bound(cand, U, sum(counts), M) if math.isfinite(t_lb) else math.inf
+        todo.append((lb, b, M, cand, t_lb))
     todo.sort(key=lambda x: x[0])
+    brute = opts.solver == "brute-force"  # the reference: no bounding, every chain of every size
     best: Optional[Solution] = None
-    bounds: dict[int, float] = {}
-    statuses = []
+    bounds: dict[int, float] = {b: lb for lb, b, _, _, _ in todo}
+    solved: dict[int, bool] = {}
     milp_vars = 0
-    for idx, (lb, b, M, cand, t_lb) in enumerate(todo):
-        if not math.isfinite(lb) and opts.solver != "brute-force":
-            bounds[b] = math.inf
-            continue
-        brute = opts.solver == "brute-force"  # the reference: no bounding, every chain of every size
-        if not brute and best is not None and lb >= best.objective * (1 - 1e-9):
-            bounds[b] = lb
-            continue
-        sub, back = (restrict(cand, cand.c <= best.objective / M * (1 + 1e-9)) if best is not None and not brute
+
+    def attempt(entry, seconds: float) -> None:
+        nonlocal best, milp_vars
+        lb, b, M, cand, t_lb = entry
+        if not brute and (not math.isfinite(lb) or (best is not None and lb >= best.objective * (1 - 1e-9))):
+            solved[b] = True
+            return
+        cut = best.objective if best is not None and not brute else None
+        sub, back = (restrict(cand, cand.c <= cut / M * (1 + 1e-9)) if cut is not None
                      else (cand, np.arange(len(cand))))
-        left = opts.time_limit_s - (time.perf_counter() - t0)
-        per_b = max(1.0, left / (len(todo) - idx))
         if brute:
             res = solve_brute_force(sub, U, counts, M)
-            res = None if res is None else (res[0], res[1], res[1], "optimal")
+            chosen, obj, bound, status = (None, math.inf, math.inf, "infeasible") if res is None else \
+                (res[0], res[1], res[1], "optimal")
         else:
             milp_vars += len(sub)
-            res = solve_milp(sub, U, counts, M, opts.solver, per_b, z_lower=t_lb)
-        if res is None:
-            # infeasible within the incumbent's reach: the incumbent's objective bounds this size
-            bounds[b] = best.objective if best is not None else math.inf
-            continue
-        chosen, obj, bound, status = res
-        statuses.append(status)
-        bounds[b] = max(bound, lb)
-        if best is None or obj < best.objective:
+            chosen, obj, bound, status = solve_milp(sub, U, counts, M, opts.solver, seconds, z_lower=t_lb,
+                                                    cutoff=cut)
+        bounds[b] = max(bounds[b], bound if status != "infeasible" else (cut if cut is not None else math.inf))
+        solved[b] = status in ("optimal", "infeasible")
+        if chosen is not None and (best is None or obj < best.objective):
             best = Solution(b, M, [int(back[k]) for k in chosen], obj, bound, status, cand)
+
+    # Incumbents from the heuristic chain for every size: the MILPs then only look below the best.
+    if not brute:
+        for lb, b, M, cand, t_lb in todo:
+            if math.isfinite(t_lb):
+                chain = incumbent(cand, U, counts, M, t_lb)
+                if chain is not None:
+                    obj = objective_of(cand, chain, M)
+                    if best is None or obj < best.objective:
+                        best = Solution(b, M, chain, obj, lb, "feasible", cand)
+    # Pass 1: every size briefly, most promising first (an early incumbent prunes the rest);
+    # pass 2: the sizes left unproven, with the remaining time.
+    quick = opts.time_limit_s / (2 * max(1, len(todo)))
+    for entry in todo:
+        attempt(entry, min(quick, 2.0))
+    for k, entry in enumerate(todo):
+        if solved.get(entry[1]) or (best is not None and bounds[entry[1]] >= best.objective * (1 - 1e-9)):
+            continue
+        left = opts.time_limit_s - (time.perf_counter() - t0)
+        if left <= 0.2:
+            break
+        attempt(entry, left / max(1, sum(1 for e in todo[k:] if not solved.get(e[1]))))
     if best is None:
         raise _infeasible(cm, global_batch, types, counts, bs)
     lower = min(bounds.values())
     gap = max(0.0, (best.objective - lower) / best.objective)
     stats = {"seconds": time.perf_counter() - t0, "micro_batch_sizes": bs, "candidates": n_cands, "units": U,
-             "milp_variables": milp_vars, "gap": gap,
-             "status": "optimal" if all(s == "optimal" for s in statuses) else "feasible"}
+             "milp_variables": milp_vars, "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible"}
     return best, stats
 
 
