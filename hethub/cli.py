@@ -85,6 +85,47 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .partitioner.costmodel import CostModel
+    from .partitioner.evaluate import predict
+    from .partitioner.records import load_plan, load_profiles
+    from .partitioner.schedule import build_schedule, format_schedule, parse_schedule
+    from .partitioner.simulator import simulate, write_png, write_trace
+
+    plan = load_plan(args.plan)
+    cm = CostModel(plan.cluster, plan.model, profiles=load_profiles(args.profiles) if args.profiles else ())
+    sched = build_schedule(plan)
+    if args.schedule:
+        sched = {}
+        with open(args.schedule, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip() or line.startswith("#"):
+                    continue
+                rank, sep, text = line.partition(":")
+                try:
+                    sched[int(rank)] = parse_schedule(text)
+                except ValueError as exc:
+                    raise InputError(f"{args.schedule}:{lineno}", str(exc)) from None
+    if args.print_schedule:
+        for r in sorted(sched):
+            print(f"{r}: {format_schedule(sched[r])}")
+    res = simulate(plan, cm, sched)
+    closed = predict(plan, cm).iteration_s
+    print(f"iteration {res.iteration_s * 1e3:.3f} ms, {res.samples_per_s:.4g} samples/s, "
+          f"bubble {res.bubble_fraction:.1%} (closed form {closed * 1e3:.3f} ms, "
+          f"{closed / res.iteration_s - 1:+.1%})")
+    for st in plan.stages:
+        print(f"stage {st.index} ({st.device_type}): busy " +
+              ", ".join(f"r{r.rank} {res.busy[r.rank]:.0%}" for r in st.replicas))
+    if args.trace:
+        write_trace(res, plan, args.trace)
+        print(f"wrote {args.trace}")
+    if args.png:
+        write_png(res, plan, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from .partitioner.records import load_model
     model = load_model(args.model)
@@ -147,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("plan")
     sp.add_argument("--trace", help="write a Chrome trace JSON")
     sp.add_argument("--png", help="write a timeline PNG")
-    sp.set_defaults(func=_not_yet("simulate", 5))
+    sp.add_argument("--profiles", help="directory of measured profile JSON files")
+    sp.add_argument("--schedule", help="replay this schedule file instead of the plan's 1F1B "
+                                       "(one line per rank: `RANK: action action ...`)")
+    sp.add_argument("--print-schedule", action="store_true", help="print each rank's actions")
+    sp.set_defaults(func=cmd_simulate)
 
     sp = sub.add_parser("show", help="human summary of a plan")
     sp.add_argument("plan", help="plan JSON")

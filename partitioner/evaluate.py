@@ -52,13 +52,18 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         comm = 0.0
         if s + 1 < S:
             nxt = plan.stages[s + 1]
+            # A sender's transfers go one after another; inter-node ones also queue on the sending
+            # host's NIC, which all the stage's replicas on that host share.
             per_sender: dict[int, float] = {}
+            per_nic: dict[str, float] = {}
             row_bytes = float(cm.layers.out_bytes[last - 1])
             for i, j, lo, hi in boundary_transfers(plan, s):
                 same = st.replicas[i].host == nxt.replicas[j].host
-                per_sender[i] = per_sender.get(i, 0.0) + cm.p2p_s((hi - lo) * row_bytes, st.device_type,
-                                                                  nxt.device_type, same)
-            comm = 2.0 * max(per_sender.values())
+                t = cm.p2p_s((hi - lo) * row_bytes, st.device_type, nxt.device_type, same)
+                per_sender[i] = per_sender.get(i, 0.0) + t
+                if not same:
+                    per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
+            comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         one_node = len({r.host for r in st.replicas}) == 1
         ar = cm.allreduce_s(cm.grad_bytes(first, last), st.device_type, st.width, one_node)
         opt = cm.optimizer_s(st.device_type, first, last, st.width)
