@@ -126,6 +126,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise InputError("--steps", f"must be >= 1, got {args.steps}")
+    from .demo import run_demo
+    return run_demo(args.output_dir, args.steps, args.global_batch)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from .partitioner.records import load_model
     model = load_model(args.model)
@@ -211,19 +218,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", default="profile.json")
     sp.set_defaults(func=cmd_profile)
 
-    sp = sub.add_parser("launch", help="run a training script under a plan with DeepSpeed's launcher")
-    sp.add_argument("--hetero-plan", required=True)
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(func=_not_yet("launch", 7))
+    sub.add_parser("launch", help="run a training script under a plan with DeepSpeed's launcher: "
+                                  "hethub launch --hetero-plan plan.json [--local] [deepspeed flags] train.py [args]",
+                   add_help=False)
 
     sp = sub.add_parser("demo", help="plan a built-in mixed cluster and train a small model on it (CPU, gloo)")
-    sp.set_defaults(func=_not_yet("demo", 7))
+    sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--global-batch", type=int, default=16)
+    sp.add_argument("-o", "--output-dir", default="demo-out")
+    sp.set_defaults(func=cmd_demo)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["launch"]:  # DeepSpeed's flags pass through unparsed: see hethub.launch
+            from .launch import parse_launch_args, run
+            plan, local, dry, rest = parse_launch_args(argv[1:])
+            return run(plan, rest, local=local, dry_run=dry)
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
             parser.print_help()

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
+from .emulation import slowdown_for
 from .partitioner.errors import InputError
 from .partitioner.records import Plan, load_plan
 
@@ -131,6 +132,27 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
             raise InputError(f"config.{key}.enabled", "only fp32 training is supported by the runtime yet")
 
 
+def _fix_local_rank(plan: Plan, rank: int) -> None:
+    """Point LOCAL_RANK at the device the plan gives this rank.
+
+    DeepSpeed's per-node launcher sets LOCAL_RANK = rank % procs-on-this-node, which rotates the
+    rank -> slot mapping when nodes run different numbers of ranks. The visible devices of a node are
+    the plan's slots on it, in ascending order; this rank's device is its slot's position among them.
+    ``hethub launch --local`` runs every rank on one machine: there the local index is the rank.
+    """
+    if os.environ.get("HETHUB_LOCAL") == "1":
+        local = rank
+    else:
+        stage, rep = plan.locate(rank)
+        me = plan.stages[stage].replicas[rep]
+        slots = sorted(r.slot for s in plan.stages for r in s.replicas if r.host == me.host)
+        local = slots.index(me.slot)
+    os.environ["LOCAL_RANK"] = str(local)
+    import torch
+    if torch.cuda.is_available() and local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
+
+
 def _init_distributed(timeout_s: float) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -171,8 +193,15 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     from .topology import HeteroGrid
 
     hetero = cfg.pop("hetero", None) or {}
+    _fix_local_rank(the_plan, rank)
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     grid = HeteroGrid(the_plan, rank)
+    slowdown = slowdown_for(grid.stage.device_type, hetero.get("emulate_slowdown"))
+    if slowdown != 1.0:
+        from .emulation import SlowDown
+        first, last = grid.stage.layers
+        layers = list(layers)
+        layers[first:last] = [SlowDown(l, slowdown) for l in layers[first:last]]
     module = HeteroPipelineModule(layers, loss_fn, grid)
     samples = grid.sample_stop - grid.sample_start
     # DeepSpeed's own batch bookkeeping, per rank: this replica's rows x micro-batches x stage width.

@@ -56,14 +56,25 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
 def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayout], micro_batch_size: int,
                num_micro_batches: int, predicted: Optional[Predicted] = None,
                solver: Optional[SolverInfo] = None) -> Plan:
-    """A validated Plan; ranks are numbered stage by stage, replica by replica."""
+    """A validated Plan.
+
+    Ranks are numbered host by host (hosts in the order the pipeline first uses them), slots
+    ascending within a host: DeepSpeed's launcher numbers ranks exactly so from a hostfile in that
+    order and an ``--include`` list, so ``hethub launch`` can put every rank where the plan says.
+    """
     placement = place(cluster, layouts)
-    stages, rank = [], 0
+    host_order: list[str] = []
+    for slots in placement:
+        for host, _ in slots:
+            if host not in host_order:
+                host_order.append(host)
+    used = sorted((host_order.index(h), slot + t) for lay, slots in zip(layouts, placement) for h, slot in slots
+                  for t in range(lay.tensor_parallel))
+    rank_of = {(host_order[h], slot): r for r, (h, slot) in enumerate(used)}
+    stages = []
     for i, (lay, slots) in enumerate(zip(layouts, placement)):
-        reps = []
-        for (host, slot), n in zip(slots, lay.samples):
-            reps.append({"rank": rank, "host": host, "slot": slot, "samples": int(n)})
-            rank += lay.tensor_parallel
+        reps = [{"rank": rank_of[(host, slot)], "host": host, "slot": slot, "samples": int(n)}
+                for (host, slot), n in zip(sorted(slots, key=lambda hs: rank_of[hs]), lay.samples)]
         stages.append({"index": i, "layers": list(lay.layers), "device_type": lay.device_type,
                        "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "replicas": reps})
     data = {"model": model, "cluster": cluster, "global_batch_size": micro_batch_size * num_micro_batches,

@@ -1,0 +1,78 @@
+"""Train a small GPT under a hethub plan, on data it generates itself (no downloads).
+
+    hethub launch --hetero-plan plan.json examples/train_gpt.py --steps 20
+    deepspeed examples/train_gpt.py --hetero-plan plan.json --steps 20      (with a hostfile matching the plan)
+
+The task is learnable: each sequence counts upwards modulo the vocabulary from a random start, so
+the next token is always (token + 1) % vocab and the loss falls quickly. The model is the plan's
+model (embedding, blocks, head: hethub.models.build_layers).
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import hethub
+from hethub.models import build_layers, lm_loss
+from hethub.partitioner import load_plan
+
+
+def batches(step: int, micro_batches: int, micro_batch_size: int, seq: int, vocab: int):
+    """The same micro-batches on every rank for a given step (seeded by the step)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(micro_batches):
+        start = torch.randint(0, vocab, (micro_batch_size, 1), generator=g)
+        tokens = (start + torch.arange(seq + 1)) % vocab
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    hethub.add_config_arguments(parser)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--deepspeed_config", default=None, help="ds_config JSON (may hold hetero.plan)")
+    parser.add_argument("--emulate", default=None, help='emulated slowdown per device type, e.g. "SLOW=3"')
+    parser.add_argument("--log-json", default=None, help="rank 0 writes per-step loss and seconds here")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    config = {}
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as f:
+            config = json.load(f)
+    plan_path = args.hetero_plan or (config.get("hetero") or {}).get("plan")
+    if plan_path is None:
+        parser.error("--hetero-plan (or ds_config hetero.plan) is required")
+    if args.emulate:
+        slow = {k: float(v) for k, v in (item.split("=") for item in args.emulate.split(","))}
+        config.setdefault("hetero", {})["emulate_slowdown"] = slow
+    plan = load_plan(plan_path)
+    m = plan.model
+
+    torch.manual_seed(0)  # every rank builds the same initial weights
+    layers = build_layers(m)
+    engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=lm_loss, config=config, plan=plan_path,
+                                        optimizer=lambda ps: torch.optim.Adam(ps, lr=args.lr))
+    rank = int(os.environ.get("RANK", "0"))
+    log = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        loss = engine.train_batch(iter(batches(step, plan.num_micro_batches, plan.micro_batch_size,
+                                               m.seq_length, m.vocab_size)))
+        seconds = time.perf_counter() - t0
+        log.append({"step": step, "loss": float(loss), "seconds": seconds})
+        if rank == 0:
+            print(f"step {step:3d}  loss {float(loss):.4f}  {seconds * 1e3:.1f} ms", flush=True)
+    if rank == 0 and args.log_json:
+        with open(args.log_json, "w") as f:
+            json.dump(log, f)
+
+
+if __name__ == "__main__":
+    main()

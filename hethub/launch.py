@@ -1,0 +1,155 @@
+"""``hethub launch``: the drop-in for ``deepspeed --hetero-plan plan.json train.py``.
+
+DeepSpeed's runner has a fixed argument parser and no plugin hook, so hethub builds the argument
+list itself: it checks the plan, writes a hostfile (hosts in the order the plan's ranks use them)
+and an ``--include`` list (each host's slots) under which DeepSpeed numbers ranks exactly as the
+plan does, passes every other flag through unchanged, hands ``--hetero-plan`` to the script, and
+runs DeepSpeed's launcher. ``--local`` runs every rank on this machine (emulated clusters, tests).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+from .partitioner.errors import InputError
+from .partitioner.records import Plan
+
+# deepspeed flags that place ranks: the plan decides these
+_PLACEMENT_FLAGS = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "--num_nodes", "--num_gpus",
+                    "--num_accelerators")
+
+
+def host_layout(plan: Plan) -> list[tuple[str, list[int]]]:
+    """[(host, slots)] in rank order; refuses plans whose ranks DeepSpeed's launcher cannot reproduce."""
+    by_rank = sorted(((r.rank, r.host, r.slot) for s in plan.stages for r in s.replicas))
+    layout: list[tuple[str, list[int]]] = []
+    for rank, host, slot in by_rank:
+        if layout and layout[-1][0] == host:
+            if slot <= layout[-1][1][-1]:
+                raise InputError("plan.stages", f"rank {rank} on {host}:{slot} comes after slot {layout[-1][1][-1]}: "
+                                                "DeepSpeed's launcher numbers a host's ranks by ascending slot; "
+                                                "re-plan with `hethub plan`")
+            layout[-1][1].append(slot)
+        else:
+            if any(h == host for h, _ in layout):
+                raise InputError("plan.stages", f"rank {rank} returns to host {host!r} after other hosts: DeepSpeed's "
+                                                "launcher needs each host's ranks contiguous; re-plan with "
+                                                "`hethub plan`")
+            layout.append((host, [slot]))
+    return layout
+
+
+def hostfile_text(plan: Plan) -> str:
+    counts = {n.host: n.count for n in plan.cluster.nodes}
+    return "".join(f"{host} slots={counts[host]}\n" for host, _ in host_layout(plan))
+
+
+def include_arg(plan: Plan) -> str:
+    return "@".join(f"{host}:{','.join(map(str, slots))}" for host, slots in host_layout(plan))
+
+
+def split_script(rest: Sequence[str]) -> tuple[list[str], str, list[str]]:
+    """(deepspeed launcher flags, script, script args): the script is the first token DeepSpeed's parser
+    would take as ``user_script``."""
+    from deepspeed.launcher import runner
+    try:
+        ns = runner.parse_args(list(rest))
+    except SystemExit:
+        raise InputError("launch", f"deepspeed's launcher could not parse {' '.join(rest)!r}") from None
+    for i, tok in enumerate(rest):
+        if tok == ns.user_script and list(rest[i + 1:]) == list(ns.user_args):
+            return list(rest[:i]), tok, list(rest[i + 1:])
+    raise InputError("launch", "no training script given")
+
+
+def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, hostfile_path: str
+                  ) -> tuple[list[str], dict]:
+    flags, script, script_args = split_script(rest)
+    for f in flags:
+        if f.split("=")[0] in _PLACEMENT_FLAGS:
+            raise InputError(f.split("=")[0], "the plan places every rank; drop this launcher flag "
+                                              "(or use `deepspeed` directly with a hostfile matching the plan)")
+    if any(a == "--hetero-plan" or a.startswith("--hetero-plan=") for a in script_args):
+        raise InputError("--hetero-plan", "give it once, before the script (hethub launch passes it on)")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # DeepSpeed's launcher leaves it unset: N ranks x all cores
+    if local:
+        placement = ["--num_gpus", str(plan.world_size)]
+        env["HETHUB_LOCAL"] = "1"
+        if not any(f.startswith("--master_port") for f in flags):
+            placement += ["--master_port", str(_free_port())]
+    else:
+        with open(hostfile_path, "w", encoding="utf-8") as f:
+            f.write(hostfile_text(plan))
+        placement = ["--hostfile", hostfile_path, "--include", include_arg(plan)]
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *flags, *placement, script,
+           "--hetero-plan", plan_path, *script_args]
+    return cmd, env
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
+    """hethub's own flags come first: --hetero-plan P [--local] [--dry-run]; the rest goes to DeepSpeed."""
+    plan, local, dry, i = None, False, False, 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        if tok in ("--hetero-plan", "--hetero_plan"):
+            if i + 1 >= len(argv):
+                raise InputError("--hetero-plan", "expects a plan file")
+            plan, i = argv[i + 1], i + 2
+        elif tok.startswith("--hetero-plan=") or tok.startswith("--hetero_plan="):
+            plan, i = tok.split("=", 1)[1], i + 1
+        elif tok == "--local":
+            local, i = True, i + 1
+        elif tok == "--dry-run":
+            dry, i = True, i + 1
+        elif tok in ("-h", "--help"):
+            raise SystemExit(_usage())
+        else:
+            break
+    if plan is None:
+        raise InputError("--hetero-plan", "is required: hethub launch --hetero-plan plan.json [--local] "
+                                          "[deepspeed flags] train.py [args]")
+    return plan, local, dry, argv[i:]
+
+
+def _usage() -> str:
+    print("usage: hethub launch --hetero-plan plan.json [--local] [--dry-run] [deepspeed launcher flags] "
+          "train.py [script args]\n\n" + __doc__)
+    return 0
+
+
+def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
+    from .partitioner.records import load_plan
+    plan = load_plan(plan_path)
+    host_layout(plan)
+    if not rest:
+        raise InputError("launch", "no training script given: hethub launch --hetero-plan plan.json train.py")
+    hostfile = os.path.join(tempfile.mkdtemp(prefix="hethub-"), "hostfile")
+    cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, hostfile)
+    if dry_run:
+        print(" ".join(cmd))
+        if not local:
+            print(f"# {hostfile}:\n" + hostfile_text(plan), end="")
+        return 0
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        return 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
