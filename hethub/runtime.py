@@ -32,8 +32,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def fail(message: str) -> "NoReturn":  # noqa: F821
     """One line on stderr, exit 2 (on every rank: each rank reaches the same verdict from the same input)."""
-    rank = os.environ.get("RANK")
-    print(f"error: {message}" + (f" [rank {rank}]" if rank is not None else ""), file=sys.stderr, flush=True)
+    print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -132,6 +131,14 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
             raise InputError(f"config.{key}.enabled", "only fp32 training is supported by the runtime yet")
 
 
+def plan_local_index(plan: Plan, rank: int) -> int:
+    """Index of this rank's slot among the plan's slots on its host (= its device among the visible ones)."""
+    stage, rep = plan.locate(rank)
+    me = plan.stages[stage].replicas[rep]
+    slots = sorted(r.slot for s in plan.stages for r in s.replicas if r.host == me.host)
+    return slots.index(me.slot)
+
+
 def _fix_local_rank(plan: Plan, rank: int) -> None:
     """Point LOCAL_RANK at the device the plan gives this rank.
 
@@ -140,13 +147,7 @@ def _fix_local_rank(plan: Plan, rank: int) -> None:
     the plan's slots on it, in ascending order; this rank's device is its slot's position among them.
     ``hethub launch --local`` runs every rank on one machine: there the local index is the rank.
     """
-    if os.environ.get("HETHUB_LOCAL") == "1":
-        local = rank
-    else:
-        stage, rep = plan.locate(rank)
-        me = plan.stages[stage].replicas[rep]
-        slots = sorted(r.slot for s in plan.stages for r in s.replicas if r.host == me.host)
-        local = slots.index(me.slot)
+    local = rank if os.environ.get("HETHUB_LOCAL") == "1" else plan_local_index(plan, rank)
     os.environ["LOCAL_RANK"] = str(local)
     import torch
     if torch.cuda.is_available() and local < torch.cuda.device_count():

@@ -1,0 +1,108 @@
+"""hethub launch: hostfile/include mapping, LOCAL_RANK, mismatch through DeepSpeed's launcher, the demo."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import EXAMPLES, ROOT, run_cli
+from hethub.partitioner import Cluster, InputError, ModelConfig, Plan
+from hethub.partitioner.placement import StageLayout, build_plan
+
+UNEQUAL = Cluster.model_validate({
+    "name": "unequal", "device_types": {"X": {"vendor": "cpu", "peak_tflops": 1, "memory_gib": 8, "memory_gbps": 10}},
+    "nodes": [{"host": "big", "device_type": "X", "count": 3}, {"host": "small", "device_type": "X", "count": 2}]})
+MODEL = ModelConfig(name="m", architecture="gpt", num_layers=2, hidden_size=8, num_attention_heads=2,
+                    ffn_hidden_size=16, vocab_size=16, seq_length=4)
+
+
+def unequal_plan() -> Plan:
+    # stage 0 on 2 slots, stage 1 on 3: the placement puts them on nodes with 3 and 2 slots
+    return build_plan(MODEL, UNEQUAL, [StageLayout((0, 2), "X", (2, 2)), StageLayout((2, 4), "X", (2, 1, 1))], 4, 2)
+
+
+def test_hostfile_and_include_reproduce_the_plans_ranks():
+    from hethub.launch import host_layout, hostfile_text, include_arg
+    plan = unequal_plan()
+    layout = host_layout(plan)
+    # DeepSpeed numbers ranks host by host (hostfile order), slots ascending (include list)
+    ds_ranks = {}
+    r = 0
+    for host, slots in layout:
+        for slot in slots:
+            ds_ranks[(host, slot)] = r
+            r += 1
+    for st in plan.stages:
+        for rep in st.replicas:
+            assert ds_ranks[(rep.host, rep.slot)] == rep.rank
+    hosts = [line.split()[0] for line in hostfile_text(plan).splitlines()]
+    assert hosts == [h for h, _ in layout]
+    assert include_arg(plan) == "@".join(f"{h}:{','.join(map(str, s))}" for h, s in layout)
+
+
+def test_local_rank_follows_the_plan_not_deepspeeds_rotation():
+    from hethub.runtime import plan_local_index
+    plan = unequal_plan()
+    layout = dict((h, s) for h, s in __import__("hethub.launch", fromlist=["x"]).host_layout(plan))
+    rotated = 0
+    for st in plan.stages:
+        for rep in st.replicas:
+            local = plan_local_index(plan, rep.rank)
+            assert layout[rep.host][local] == rep.slot
+            ds_local = rep.rank % len(layout[rep.host])  # deepspeed.launcher.launch's LOCAL_RANK
+            rotated += ds_local != local
+    assert rotated > 0  # the unequal node sizes do rotate DeepSpeed's mapping here
+
+
+def test_plan_that_deepspeed_cannot_number_is_refused():
+    from hethub.launch import host_layout
+    data = unequal_plan().model_dump()
+    reps = [r for s in data["stages"] for r in s["replicas"]]
+    a, b = reps[0], reps[-1]  # swap two ranks across hosts
+    a["rank"], b["rank"] = b["rank"], a["rank"]
+    with pytest.raises(InputError, match="plan.stages: rank"):
+        host_layout(Plan.model_validate(data))
+
+
+def test_launch_dry_run_passes_flags_through(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(unequal_plan().to_json())
+    r = run_cli("launch", "--hetero-plan", str(path), "--dry-run", "--master_port", "29600", "train.py", "--lr", "1")
+    assert r.returncode == 0, r.stderr
+    cmd = next(l for l in r.stdout.splitlines() if "deepspeed.launcher.runner" in l).split()
+    assert cmd[cmd.index("--master_port") + 1] == "29600"
+    assert cmd[cmd.index("--include") + 1] == "big:0,1,2@small:0,1"
+    i = cmd.index("train.py")
+    assert cmd[i + 1:] == ["--hetero-plan", str(path), "--lr", "1"]
+    r = run_cli("launch", "--hetero-plan", str(path), "--include", "big:0", "train.py")
+    assert r.returncode == 2 and r.stderr.startswith("error: --include: the plan places every rank")
+
+
+def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(tmp_path):
+    pytest.importorskip("deepspeed")
+    plan = unequal_plan()  # 5 ranks
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    tag = f"hethub-mismatch-{os.getpid()}"
+    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "3", "--master_port",
+                        "29611", os.path.join(EXAMPLES, "train_gpt.py"), "--hetero-plan", str(path), "--steps", "1",
+                        "--log-json", tag], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 2
+    errors = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 3 and len(set(errors)) == 1
+    assert errors[0] == "error: plan: plan needs world size 5 (2 + 3 replicas), launched with 3"
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert tag not in ps
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    """`hethub demo` (short): plans, launches 5 ranks through DeepSpeed's launcher, trains, compares."""
+    pytest.importorskip("deepspeed")
+    r = run_cli("demo", "--steps", "4", "-o", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "measured" in r.stdout and "predicted" in r.stdout
+    for f in ("plan.json", "timeline.png", "train-log.json"):
+        assert (tmp_path / f).exists()
