@@ -64,12 +64,13 @@ def run_demo(out_dir: str = "demo-out", steps: int = 20, global_batch: int = 16,
                   f"(2 FAST + 3 SLOW ranks, SLOW emulated {SLOWDOWN:g}x slower), global batch {global_batch}")
 
     t0 = time.perf_counter()
-    profiles = [profile_model(model, "FAST", 2, "fp32", reps=5, slowdown=FAST_SLOWDOWN, progress=False),
-                profile_model(model, "SLOW", 2, "fp32", reps=3, slowdown=FAST_SLOWDOWN * SLOWDOWN, progress=False)]
+    # two micro-batch sizes per type: the cost model fits fixed + per-sample time per layer
+    profiles = [profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False)
+                for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2)]
     for p in profiles:
-        with open(os.path.join(out_dir, f"profile-{p.device_type}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"), "w") as f:
             f.write(p.to_json())
-    block = [p.layers[1] for p in profiles]
+    block = [p.layers[1] for p in profiles if p.micro_batch_size == 2]
     console.print(f"profiled in {time.perf_counter() - t0:.1f} s: block fwd+bwd "
                   f"FAST {block[0].forward_ms + block[0].backward_ms:.2f} ms, "
                   f"SLOW {block[1].forward_ms + block[1].backward_ms:.2f} ms (micro-batch 2)")

@@ -114,12 +114,24 @@ def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
 
 @dataclass
 class DeviceCosts:
-    """Per-sample forward/backward seconds of every planner layer on one device type."""
+    """Forward/backward seconds of every planner layer on one device type: fixed + per-sample x samples.
 
-    fwd_s: np.ndarray
+    The fixed part (launch and framework overhead per call) is fitted where profiles at two or more
+    micro-batch sizes exist; it is 0 for the analytic model and for single-size profiles.
+    """
+
+    fwd_s: np.ndarray  # per sample
     bwd_s: np.ndarray
     efficiency: float
     measured: np.ndarray  # bool per layer: from a profile
+    fwd_fixed_s: np.ndarray = None  # per call
+    bwd_fixed_s: np.ndarray = None
+
+    def __post_init__(self):
+        if self.fwd_fixed_s is None:
+            self.fwd_fixed_s = np.zeros_like(self.fwd_s)
+        if self.bwd_fixed_s is None:
+            self.bwd_fixed_s = np.zeros_like(self.bwd_s)
 
 
 @dataclass
@@ -169,12 +181,16 @@ class CostModel:
         if not profiles:
             fwd, bwd = self._analytic(t, efficiency, self.dtype)
             return DeviceCosts(fwd, bwd, efficiency, measured)
-        fwd_m, bwd_m = np.zeros(n), np.zeros(n)
+        samples_by_layer: dict[int, list[tuple[int, float, float]]] = {}
         for p in profiles:
             for lp in p.layers:
-                fwd_m[lp.index] = lp.forward_ms / 1e3 / p.micro_batch_size
-                bwd_m[lp.index] = lp.backward_ms / 1e3 / p.micro_batch_size
+                samples_by_layer.setdefault(lp.index, []).append((p.micro_batch_size, lp.forward_ms / 1e3,
+                                                                  lp.backward_ms / 1e3))
                 measured[lp.index] = True
+        fwd_m, bwd_m, fwd_a, bwd_a = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        for idx, pts in samples_by_layer.items():
+            (fwd_a[idx], fwd_m[idx]), (bwd_a[idx], bwd_m[idx]) = (_affine([(q[0], q[1]) for q in pts]),
+                                                                  _affine([(q[0], q[2]) for q in pts]))
         # One efficiency factor for the type, from the measured compute-bound layers (blocks and head).
         efficiency = calibrate_efficiency(self.model, self.cluster.device_type(t).peak(profiles[0].dtype),
                                           {lp.index: lp.forward_ms + lp.backward_ms for lp in profiles[0].layers},
@@ -185,7 +201,7 @@ class CostModel:
             missing = np.flatnonzero(~measured)
             self.notes.append(f"profile for {t} lacks layers {_ranges(missing)}: analytic cost model used for them "
                               f"(efficiency {efficiency:.3f})")
-        return DeviceCosts(fwd, bwd, efficiency, measured)
+        return DeviceCosts(fwd, bwd, efficiency, measured, fwd_a, bwd_a)
 
     def prefix(self, t: str, recompute: bool = False) -> np.ndarray:
         """Cumulative per-sample (fwd + bwd [+ recompute fwd]) seconds over layers: stage time = p[b] - p[a]."""
@@ -193,16 +209,25 @@ class CostModel:
         per_layer = d.fwd_s + d.bwd_s + (d.fwd_s if recompute else 0.0)
         return np.concatenate([[0.0], np.cumsum(per_layer)])
 
+    def prefix_fixed(self, t: str, recompute: bool = False) -> np.ndarray:
+        """Cumulative per-call fixed seconds (same layout as ``prefix``)."""
+        d = self.devices[t]
+        per_layer = d.fwd_fixed_s + d.bwd_fixed_s + (d.fwd_fixed_s if recompute else 0.0)
+        return np.concatenate([[0.0], np.cumsum(per_layer)])
+
     def stage_compute_s(self, t: str, first: int, last: int, samples: float, recompute: bool = False
                         ) -> tuple[float, float]:
         """(forward, backward) seconds of layers [first, last) for ``samples`` samples on one device of type t."""
         d = self.devices[t]
-        fwd = float(d.fwd_s[first:last].sum()) * samples
-        bwd = float(d.bwd_s[first:last].sum() + (d.fwd_s[first:last].sum() if recompute else 0.0)) * samples
+        sl = slice(first, last)
+        fwd = float(d.fwd_fixed_s[sl].sum()) + float(d.fwd_s[sl].sum()) * samples
+        bwd = (float(d.bwd_fixed_s[sl].sum()) + float(d.bwd_s[sl].sum()) * samples
+               + ((float(d.fwd_fixed_s[sl].sum()) + float(d.fwd_s[sl].sum()) * samples) if recompute else 0.0))
         return fwd, bwd
 
     def sample_s(self, t: str) -> float:
-        """Seconds for one device of type t to run the whole model forward+backward for one sample."""
+        """Seconds per sample for one device of type t running the whole model forward+backward (large batches:
+        the fixed per-call part amortised away)."""
         return float(self.prefix(t)[-1])
 
     def upper_bound_samples_per_s(self, counts: Optional[dict[str, int]] = None) -> float:
@@ -271,6 +296,19 @@ class CostModel:
         """Optimizer step: memory-bound pass over this replica's state."""
         dt = self.cluster.device_type(t)
         return self.state_bytes(first, last, width) * OPTIMIZER_PASSES / (dt.memory_gbps * 1e9)
+
+
+def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed, per-sample) seconds from (micro-batch size, seconds) points: least squares, fixed >= 0."""
+    ns = sorted({n for n, _ in points})
+    if len(ns) < 2:
+        return 0.0, float(np.mean([t / n for n, t in points]))
+    x = np.array([n for n, _ in points], dtype=float)
+    y = np.array([t for _, t in points])
+    slope, intercept = np.polyfit(x, y, 1)
+    if intercept < 0 or slope <= 0:
+        return 0.0, float(np.mean(y / x))
+    return float(intercept), float(slope)
 
 
 def calibrate_efficiency(model: ModelConfig, peak_tflops: float, measured_ms: dict[int, float],

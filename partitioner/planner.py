@@ -139,13 +139,14 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
         limit = cm.memory_limit_bytes(t)
         for rc in ((False, True) if allow_recompute else (False,)):
             per_sample = cm.prefix(t, rc)[e] - cm.prefix(t, rc)[a]
+            fixed = cm.prefix_fixed(t, rc)[e] - cm.prefix_fixed(t, rc)[a]
             for w in widths_for(b, counts[t]):
                 s = -(-b // w)
                 # Output boundary: this stage's share crosses to the next stage and the gradient comes back.
                 # Intra-node when the type's largest node holds this stage and an equal-width neighbour.
                 gbps, lat = cm._link_gbps(t, t, same_host=2 * w <= node_max[t])
                 comm = np.where(out_bytes > 0, 2 * (lat + s * out_bytes * 8 / (gbps * 1e9)), 0.0)
-                c = per_sample * s + comm
+                c = fixed + per_sample * s + comm
                 one_node = w <= node_max[t]
                 ag, alat = cm._link_gbps(t, t, same_host=one_node)
                 ar = (2 * (w - 1) * alat + 2 * (w - 1) / w * params * BYTES_PER_ACT * 8 / (ag * 1e9)) if w > 1 \
