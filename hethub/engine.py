@@ -31,7 +31,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .kernels import pack, unpack
+from .kernels import pack, unpack, wire_dtype_for, wire_layout
 from .topology import HeteroGrid
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
@@ -311,85 +311,99 @@ class HeteroPipelineEngine(PipelineEngine):
             pos += 3 + nd
         self._recv_meta = out
 
-    def _exchange(self, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]]):
-        ops = [dist.P2POp(dist.isend, t, r) for t, r in send] + [dist.P2POp(dist.irecv, t, r) for t, r in recv]
+    def _exchange(self, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]], group=None):
+        ops = ([dist.P2POp(dist.isend, t, r, group=group) for t, r in send] +
+               [dist.P2POp(dist.irecv, t, r, group=group) for t, r in recv])
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
+
+    def _transport(self, boundary):
+        """(process group, through host memory?) for a boundary: the bridge uses the gloo group on host buffers."""
+        if boundary is not None and boundary.transport == "host":
+            return self.grid.host_group, True
+        return None, False
+
+    def _send_rows(self, tensors: Sequence[torch.Tensor], peers, boundary) -> None:
+        """Send each peer its overlapping rows of every tensor, packed (and cast to the boundary's wire dtype)."""
+        base = self.grid.sample_start
+        ranges = [(p.start - base, p.stop - base) for p in peers]
+        group, host = self._transport(boundary)
+        wire = boundary.dtype if boundary is not None else None
+        sends = []
+        for t in tensors:
+            t = t.detach()
+            if t.is_floating_point():
+                buf = pack(t, ranges, wire_dtype_for(t.dtype, wire))
+            else:  # integer side inputs (masks, ids) travel as they are
+                buf = torch.cat([t[a:b] for a, b in ranges]) if ranges else t[:0]
+            if host and buf.device.type != "cpu":
+                buf = buf.to("cpu", non_blocking=False)
+            off = 0
+            for (a, b), p in zip(ranges, peers):
+                sends.append((buf[off:off + b - a].contiguous(), p.rank))
+                off += b - a
+        self._exchange(sends, [], group)
+
+    def _recv_rows(self, specs: Sequence[tuple[torch.dtype, tuple]], peers, boundary) -> list[torch.Tensor]:
+        """Receive this replica's rows of each tensor (dtype, trailing shape) from its peers; unpack and up-cast."""
+        base, n = self.grid.sample_start, self.micro_batch_size
+        ranges = [(p.start - base, p.stop - base) for p in peers]
+        group, host = self._transport(boundary)
+        wire = boundary.dtype if boundary is not None else None
+        where = "cpu" if host else self.device
+        recvs, layouts = [], []
+        for dtype, shape in specs:
+            wdt = wire_dtype_for(dtype, wire) if dtype.is_floating_point else None
+            bdt, row_shape = wire_layout(dtype, shape, wdt)
+            layouts.append(bdt)
+            for (a, b), p in zip(ranges, peers):
+                recvs.append((torch.empty((b - a, *row_shape), dtype=bdt, device=where), p.rank))
+        self._exchange([], recvs, group)
+        out, k = [], 0
+        for (dtype, shape), bdt in zip(specs, layouts):
+            pieces = [recvs[k + i][0] for i in range(len(ranges))]
+            k += len(ranges)
+            buf = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(self.device)
+            full = torch.empty((n, *shape), dtype=dtype, device=self.device)
+            if dtype.is_floating_point:
+                unpack(buf, full, ranges)
+            else:
+                off = 0
+                for a, b in ranges:
+                    full[a:b].copy_(buf[off:off + b - a])
+                    off += b - a
+            out.append(full)
+        return out
 
     def _exec_send_activations(self, buffer_id: int):
         outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
         if not self._meta_sent:
             self._send_meta(outputs)
             self._meta_sent = True
-        base = self.grid.sample_start
-        ranges = [(p.start - base, p.stop - base) for p in self.grid.next_peers]
-        sends = []
-        for t in outputs:
-            buf = pack(t.detach(), ranges)
-            off = 0
-            for (a, b), p in zip(ranges, self.grid.next_peers):
-                sends.append((buf[off:off + b - a].contiguous(), p.rank))
-                off += b - a
-        self._exchange(sends, [])
+        self._send_rows(outputs, self.grid.next_peers, self.grid.next_boundary)
 
     def _exec_recv_activations(self, buffer_id: int):
         if self._recv_meta is None:
             self._recv_meta_from_prev()
-        base, n = self.grid.sample_start, self.micro_batch_size
-        ranges = [(p.start - base, p.stop - base) for p in self.grid.prev_peers]
-        bufs, recvs = [], []
-        for dtype, shape, _ in self._recv_meta:
-            buf = torch.empty((n, *shape), dtype=dtype, device=self.device)
-            bufs.append(buf)
-            off = 0
-            for (a, b), p in zip(ranges, self.grid.prev_peers):
-                recvs.append((torch.empty((b - a, *shape), dtype=dtype, device=self.device), p.rank))
-        self._exchange([], recvs)
-        k = 0
-        inputs = []
-        for buf, (dtype, shape, req) in zip(bufs, self._recv_meta):
-            pieces = [recvs[k + i][0] for i in range(len(ranges))]
-            k += len(ranges)
-            unpack(torch.cat(pieces) if len(pieces) > 1 else pieces[0], buf, ranges)
-            buf.requires_grad_(req)
-            inputs.append(buf)
-        self.pipe_buffers["inputs"][buffer_id] = tuple(inputs) if len(inputs) > 1 else inputs[0]
+        received = self._recv_rows([(d, s) for d, s, _ in self._recv_meta], self.grid.prev_peers,
+                                   self.grid.prev_boundary)
+        for t, (_, _, req) in zip(received, self._recv_meta):
+            t.requires_grad_(req)
+        self.pipe_buffers["inputs"][buffer_id] = tuple(received) if len(received) > 1 else received[0]
 
     def _exec_send_grads(self, buffer_id: int):
-        inputs = _as_tuple(self.pipe_buffers["inputs"][buffer_id])
-        base = self.grid.sample_start
-        ranges = [(p.start - base, p.stop - base) for p in self.grid.prev_peers]
-        sends = []
-        for t in inputs:
-            if not (t.is_floating_point() and t.requires_grad):
-                continue
-            grad = t.grad if t.grad is not None else torch.zeros_like(t)
-            buf = pack(grad, ranges)
-            off = 0
-            for (a, b), p in zip(ranges, self.grid.prev_peers):
-                sends.append((buf[off:off + b - a].contiguous(), p.rank))
-                off += b - a
-        self._exchange(sends, [])
+        inputs = [t for t in _as_tuple(self.pipe_buffers["inputs"][buffer_id])
+                  if t.is_floating_point() and t.requires_grad]
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+        self._send_rows(grads, self.grid.prev_peers, self.grid.prev_boundary)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id: int):
         outputs = [o for o in _as_tuple(self.pipe_buffers["outputs"][buffer_id])
                    if o.is_floating_point() and o.requires_grad]
-        base = self.grid.sample_start
-        ranges = [(p.start - base, p.stop - base) for p in self.grid.next_peers]
-        grads, recvs = [], []
-        for o in outputs:
-            grads.append(torch.empty_like(o))
-            for (a, b), p in zip(ranges, self.grid.next_peers):
-                recvs.append((torch.empty((b - a, *o.shape[1:]), dtype=o.dtype, device=o.device), p.rank))
-        self._exchange([], recvs)
-        k = 0
-        for g in grads:
-            pieces = [recvs[k + i][0] for i in range(len(ranges))]
-            k += len(ranges)
-            unpack(torch.cat(pieces) if len(pieces) > 1 else pieces[0], g, ranges)
-        self.grad_layer = grads
+        self.grad_layer = self._recv_rows([(o.dtype, tuple(o.shape[1:])) for o in outputs], self.grid.next_peers,
+                                          self.grid.next_boundary)
 
     # ------------------------------------------------------------------ gradients and step
     def _exec_reduce_tied_grads(self):

@@ -71,6 +71,12 @@ class HeteroGrid:
             if r == rank:
                 self._self_group = group
         self._world_group = dist.group.WORLD
+        # The cross-vendor bridge: a gloo group over every rank, built by all ranks (same order) if used.
+        self.host_group = None
+        if any(b.transport == "host" for b in plan.boundaries):
+            self.host_group = dist.new_group(ranks=list(range(self.world_size)), backend="gloo")
+        self.next_boundary = plan.boundary(self.stage_id)
+        self.prev_boundary = plan.boundary(self.stage_id - 1) if self.stage_id > 0 else None
         # Rows [start, stop) of every micro-batch this replica owns.
         self.sample_start, self.sample_stop = self.stage.sample_ranges()[self.replica_id]
         self.next_peers = boundary_peers(plan, self.stage_id, self.replica_id, "next")

@@ -72,6 +72,29 @@ def _fp8_shape(shape: torch.Size) -> tuple[int, int]:
     return T, H
 
 
+WIRE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}
+
+
+def wire_dtype_for(dtype: torch.dtype, wire: Optional[str]) -> Optional[torch.dtype]:
+    """The dtype ``pack`` should cast a tensor of ``dtype`` to on a boundary whose wire dtype is ``wire``
+    (None: send as is; never widen)."""
+    if wire is None or dtype not in WIRE_DTYPES:
+        return None
+    w = WIRE_NAMES[wire]
+    if w == torch.float32 or w == dtype:
+        return None
+    return w
+
+
+def wire_layout(dtype: torch.dtype, trailing: Sequence[int], wire: Optional[torch.dtype]
+                ) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(buffer dtype, per-row shape) of the packed rows of a ``[rows, *trailing]`` tensor."""
+    if wire == FP8:
+        T, H = _fp8_shape(torch.Size((1, *trailing)))
+        return torch.uint8, (T * H + 4 * T,)
+    return (wire or dtype), tuple(trailing)
+
+
 # ---------------------------------------------------------------- reference
 
 

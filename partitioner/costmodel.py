@@ -28,6 +28,9 @@ from .errors import InputError
 from .records import Cluster, ModelConfig, Profile
 
 BYTES_PER_ACT = 2  # 16-bit activations
+# bytes on the wire relative to 16-bit activations, by a boundary's wire dtype (fp8: codes + one fp32 scale
+# per hidden vector, ~1/2 for hidden sizes in the thousands)
+WIRE_FACTOR = {None: 1.0, "fp32": 2.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5}
 PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> pinned host buffer)
 OPTIMIZER_PASSES = 2.0  # optimizer step reads and writes its 16 B/param state once each (memory-bound)
 

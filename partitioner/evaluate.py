@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costmodel import CostModel
+from .costmodel import WIRE_FACTOR, CostModel
 from .records import Plan, Predicted
 
 
@@ -56,7 +56,8 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
             # host's NIC, which all the stage's replicas on that host share.
             per_sender: dict[int, float] = {}
             per_nic: dict[str, float] = {}
-            row_bytes = float(cm.layers.out_bytes[last - 1])
+            bd = plan.boundary(s)
+            row_bytes = float(cm.layers.out_bytes[last - 1]) * WIRE_FACTOR[bd.dtype if bd else None]
             for i, j, lo, hi in boundary_transfers(plan, s):
                 same = st.replicas[i].host == nxt.replicas[j].host
                 t = cm.p2p_s((hi - lo) * row_bytes, st.device_type, nxt.device_type, same)

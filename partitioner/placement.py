@@ -77,8 +77,12 @@ def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayo
                 for (host, slot), n in zip(sorted(slots, key=lambda hs: rank_of[hs]), lay.samples)]
         stages.append({"index": i, "layers": list(lay.layers), "device_type": lay.device_type,
                        "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "replicas": reps})
+    boundaries = [{"after_stage": i, "transport": "host"} for i in range(len(layouts) - 1)
+                  if cluster.device_type(layouts[i].device_type).vendor
+                  != cluster.device_type(layouts[i + 1].device_type).vendor]
     data = {"model": model, "cluster": cluster, "global_batch_size": micro_batch_size * num_micro_batches,
-            "micro_batch_size": micro_batch_size, "num_micro_batches": num_micro_batches, "stages": stages}
+            "micro_batch_size": micro_batch_size, "num_micro_batches": num_micro_batches, "stages": stages,
+            "boundaries": boundaries}
     if predicted is not None:
         data["predicted"] = predicted
     if solver is not None:

@@ -381,6 +381,19 @@ class Stage(Record):
         return out
 
 
+class Boundary(Record):
+    """How activations and gradients cross the boundary after stage ``after_stage``.
+
+    transport: "direct" (the job's backend, e.g. NCCL/RCCL) or "host" (device -> host buffer -> gloo ->
+    host -> device: the bridge between vendors whose collectives do not talk to each other).
+    dtype: the wire dtype (None = the tensors' own); "fp8" is lossy (e4m3 with per-vector scales).
+    """
+
+    after_stage: int = Field(ge=0)
+    transport: Literal["direct", "host"] = "direct"
+    dtype: Optional[Literal["fp32", "bf16", "fp16", "fp8"]] = None
+
+
 class Predicted(Record):
     model_config = ConfigDict(frozen=True, extra="allow")
     iteration_s: float
@@ -408,6 +421,7 @@ class Plan(Record):
     micro_batch_size: int = Field(gt=0)
     num_micro_batches: int = Field(gt=0)
     stages: list[Stage] = Field(min_length=1)
+    boundaries: list[Boundary] = Field(default_factory=list)
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
 
@@ -432,6 +446,10 @@ class Plan(Record):
     def _rank_map(self) -> dict[int, tuple[int, int]]:
         return {r.rank + t: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)
                 for t in range(s.tensor_parallel)}
+
+    def boundary(self, after_stage: int) -> Optional[Boundary]:
+        """The boundary after stage ``after_stage`` (None: direct, no cast)."""
+        return next((b for b in self.boundaries if b.after_stage == after_stage), None)
 
     def idle_devices(self) -> list[tuple[str, int, str]]:
         """(host, slot, device_type) of cluster devices the plan leaves unused."""
@@ -501,6 +519,14 @@ def validate_plan(plan: Plan) -> None:
     if expected_first != n_layers:
         raise ValueError(f"stages[{len(plan.stages) - 1}].layers: stages must cover all {n_layers} planner layers, "
                          f"last stage ends at {expected_first}")
+    seen_b = set()
+    for k, bd in enumerate(plan.boundaries):
+        if bd.after_stage >= len(plan.stages) - 1:
+            raise ValueError(f"boundaries[{k}].after_stage: the last boundary is after stage {len(plan.stages) - 2}, "
+                             f"got {bd.after_stage}")
+        if bd.after_stage in seen_b:
+            raise ValueError(f"boundaries[{k}].after_stage: boundary after stage {bd.after_stage} is listed twice")
+        seen_b.add(bd.after_stage)
     world = len(seen_ranks)
     missing = sorted(set(range(world)) - set(seen_ranks))
     if missing:

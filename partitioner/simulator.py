@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .costmodel import CostModel
+from .costmodel import WIRE_FACTOR, CostModel
 from .errors import InputError
 from .records import Plan
 from .schedule import Action, Transfer, build_schedule
@@ -133,7 +133,8 @@ def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]]
         src, dst = key[0], key[1]
         (sst, srep), (dst_st, drep) = where[src], where[dst]
         layer = sst.layers[1] - 1
-        nbytes = (t.stop - t.start) * float(cm.layers.out_bytes[layer])
+        bd = plan.boundary(sst.index)
+        nbytes = (t.stop - t.start) * float(cm.layers.out_bytes[layer]) * WIRE_FACTOR[bd.dtype if bd else None]
         same = srep.host == drep.host
         dur = cm.p2p_s(nbytes, sst.device_type, dst_st.device_type, same)
         start = max(posted[src], posted[dst])
