@@ -19,7 +19,7 @@ replaces its behaviour (each point measured in shared/NOTES.md):
 """
 from __future__ import annotations
 
-from types import MethodType
+import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -445,6 +445,18 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def is_gradient_accumulation_boundary(self):
         return self._force_grad_boundary
+
+    # ------------------------------------------------------------------ checkpoints (per layer: any plan loads them)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **_kw):
+        """Collective. Per-layer files that any other plan of the same model can load (hethub.checkpoint)."""
+        from . import checkpoint
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, **_kw):
+        """Returns (checkpoint path, client_state) like DeepSpeed's engine."""
+        from . import checkpoint
+        tag, client = checkpoint.load(self, load_dir, tag, load_optimizer_states)
+        return os.path.join(load_dir, tag), client
 
     def reset_activation_shape(self):
         self._recv_meta = None

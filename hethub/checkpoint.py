@@ -1,0 +1,223 @@
+"""Checkpoints stored per *layer*, not per rank, so a checkpoint saved under plan A loads under plan B.
+
+Layout of ``<dir>/<tag>/`` (DeepSpeed's layer-file naming where it helps interoperability):
+
+    layer_03-model_states.pt   the layer's state_dict (DeepSpeed's pipeline files carry the same name stem)
+    layer_03-optim_states.pt   per parameter name: the optimizer's state (momentum, Adam moments, step)
+    meta.json                  model shape, step, samples consumed, optimizer hyper-parameters, plan summary
+
+Saving is atomic: every writer (replica 0 of each stage: replicas hold identical weights and optimizer
+state under ZeRO-0) writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 flushes, renames it to
+``<dir>/<tag>`` and then replaces ``<dir>/latest`` (written to a temporary file and renamed). A crash at
+any point leaves the previous checkpoint and ``latest`` intact. Loading uses
+``torch.load(..., weights_only=True)``; a missing or dangling ``latest`` falls back to the newest
+complete checkpoint and says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .partitioner.errors import InputError
+
+LATEST = "latest"
+
+
+def _layer_file(d: str, idx: int, kind: str) -> str:
+    return os.path.join(d, f"layer_{idx:02d}-{kind}_states.pt")
+
+
+def _local_layers(engine) -> list[tuple[int, torch.nn.Module]]:
+    """(planner layer index, the user's module) for this stage, unwrapping emulation wrappers."""
+    from .emulation import SlowDown
+    start = engine.grid.stage.layers[0]
+    out = []
+    for k, f in enumerate(engine.module.forward_funcs):
+        base = f.module if isinstance(f, SlowDown) else f
+        if isinstance(base, torch.nn.Module):
+            out.append((start + k, base))
+    return out
+
+
+def _param_names(engine) -> dict[int, tuple[int, str]]:
+    """id(parameter) -> (layer index, parameter name inside the layer)."""
+    return {id(p): (idx, name) for idx, layer in _local_layers(engine) for name, p in layer.named_parameters()}
+
+
+def _fsync_dir(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def complete_checkpoints(save_dir: str) -> list[str]:
+    """Tags of complete checkpoints (renamed into place, with meta.json), oldest first by step."""
+    if not os.path.isdir(save_dir):
+        return []
+    tags = []
+    for name in os.listdir(save_dir):
+        meta = os.path.join(save_dir, name, "meta.json")
+        if not name.startswith(".") and os.path.isfile(meta):
+            try:
+                with open(meta) as f:
+                    tags.append((json.load(f).get("global_steps", 0), name))
+            except (OSError, json.JSONDecodeError):
+                continue
+    return [t for _, t in sorted(tags)]
+
+
+def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+    """Collective: every rank calls it. Returns the tag."""
+    tag = tag or f"global_step{engine.global_steps}"
+    tmp = os.path.join(save_dir, f".tmp-{tag}")
+    final = os.path.join(save_dir, tag)
+    rank = engine.global_rank
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    dist.barrier()
+    if engine.grid.replica_id == 0:
+        names = _param_names(engine)
+        opt = engine.optimizer
+        per_layer_state: dict[int, dict[str, Any]] = {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) in names and p in opt.state:
+                    idx, name = names[id(p)]
+                    per_layer_state.setdefault(idx, {})[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                                                 for k, v in opt.state[p].items()}
+        for idx, layer in _local_layers(engine):
+            torch.save({k: v.detach().cpu() for k, v in layer.state_dict().items()}, _layer_file(tmp, idx, "model"))
+            torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
+    dist.barrier()
+    if rank == 0:
+        plan = engine.plan
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+        meta = {"format": "hethub-layer-checkpoint", "version": 1, "model": plan.model.model_dump(),
+                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
+                "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
+                "client_state": _jsonable(client_state or {}),
+                "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
+                         "world_size": plan.world_size}}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+    dist.barrier()
+    return tag
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=lambda o: o.tolist() if torch.is_tensor(o) else str(o)))
+
+
+def resolve_tag(load_dir: str, tag: Optional[str], say=print) -> str:
+    if tag is not None:
+        if not os.path.isfile(os.path.join(load_dir, tag, "meta.json")):
+            raise InputError("checkpoint", f"{os.path.join(load_dir, tag)} is not a complete checkpoint")
+        return tag
+    latest = os.path.join(load_dir, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            t = f.read().strip()
+        if os.path.isfile(os.path.join(load_dir, t, "meta.json")):
+            return t
+        reason = f"{latest} names {t!r}, which is not a complete checkpoint"
+    else:
+        reason = f"no {latest}"
+    tags = complete_checkpoints(load_dir)
+    if not tags:
+        raise InputError("checkpoint", f"no complete checkpoint in {load_dir!r} ({reason})")
+    say(f"hethub: {reason}; loading the newest complete checkpoint {tags[-1]!r}")
+    return tags[-1]
+
+
+def _load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InputError("checkpoint", f"missing file {path}") from None
+    except Exception as exc:  # noqa: BLE001 - truncated/corrupt files raise many types
+        raise InputError("checkpoint", f"{path} is truncated or corrupt ({type(exc).__name__})") from None
+
+
+def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True) -> tuple[str, dict]:
+    """Collective. Load whatever layers this rank's stage holds under the *current* plan.
+
+    Every rank checks its own files first; an all-reduce of the verdict then ends every rank with
+    exit 2 when any rank found a problem (its own message, or which rank failed), so none hangs.
+    """
+    error = None
+    try:
+        result = _load_local(engine, load_dir, tag, load_optimizer_states)
+    except InputError as exc:
+        error, result = str(exc), None
+    failed = torch.tensor([engine.global_rank if error else engine.plan.world_size], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MIN)
+    if int(failed) < engine.plan.world_size:
+        from .runtime import fail
+        fail(error or f"checkpoint: rank {int(failed)} could not load its layers (see its message)")
+    return result
+
+
+def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool) -> tuple[str, dict]:
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if engine.global_rank == 0 else (lambda m: None)
+    tag = resolve_tag(load_dir, tag, say)
+    d = os.path.join(load_dir, tag)
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    names = _param_names(engine)
+    states: dict[int, dict] = {}
+    for idx, layer in _local_layers(engine):
+        state = _load(_layer_file(d, idx, "model"))
+        for k, v in layer.state_dict().items():
+            if k not in state:
+                raise InputError("checkpoint", f"layer {idx} ({type(layer).__name__}): {k} missing in "
+                                               f"{_layer_file(d, idx, 'model')}")
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise InputError("checkpoint", f"layer {idx} ({type(layer).__name__}).{k}: checkpoint shape "
+                                               f"{tuple(state[k].shape)}, model shape {tuple(v.shape)} "
+                                               f"(checkpoint of model {meta['model'].get('name')!r})")
+        states[idx] = state
+    saved, mine = meta["model"], engine.plan.model.model_dump()
+    for key in ("architecture", "num_layers"):
+        if saved.get(key) != mine.get(key):
+            raise InputError("checkpoint", f"{d} holds model {saved.get('name')!r} with {key}={saved.get(key)}, "
+                                           f"the plan's model {mine.get('name')!r} has {key}={mine.get(key)}")
+    by_layer = {idx: _load(_layer_file(d, idx, "optim")) for idx in states} if load_optimizer_states else {}
+    for idx, layer in _local_layers(engine):
+        layer.load_state_dict(states[idx])
+    if load_optimizer_states:
+        opt = engine.optimizer
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    continue
+                idx, name = names[id(p)]
+                st = by_layer.get(idx, {}).get(name)
+                if st is not None:
+                    opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                                    for k, v in st.items()}
+        if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
+            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    engine.global_steps = meta["global_steps"]
+    engine.global_samples = meta["global_samples"]
+    return tag, meta.get("client_state", {})

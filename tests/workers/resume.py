@@ -1,0 +1,67 @@
+"""Worker for checkpoint tests: train steps [first, last) under a plan, optionally loading/saving a checkpoint.
+
+usage: resume.py PLAN OUT FIRST LAST OPT CLIP [--load DIR] [--save DIR]   (PLAN "single": one process)
+OPT: sgd (with momentum) | adam. Data of step k is the same whatever the plan (seeded by k).
+"""
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_stack import loss_fn, make_layers, micro_batch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def opt_factory(kind):
+    if kind == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    return lambda ps: torch.optim.Adam(ps, lr=0.01)
+
+
+def main():
+    plan_path, out, first, last, kind, clip = sys.argv[1:7]
+    first, last, clip = int(first), int(last), float(clip)
+    load = sys.argv[sys.argv.index("--load") + 1] if "--load" in sys.argv else None
+    save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else None
+    mb, M, n_layers = 6, 2, 7
+    layers = make_layers(n_layers)
+    losses = []
+    if plan_path == "single":
+        model = nn.Sequential(*layers)
+        opt = opt_factory(kind)(model.parameters())
+        for step in range(first, last):
+            opt.zero_grad()
+            total = 0.0
+            for m in range(M):
+                x, y = micro_batch(step, m, mb)
+                loss = loss_fn(model(x), y) / M
+                loss.backward()
+                total += loss.item()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            losses.append(total)
+        params = {f"{i}.{k}": v for i, l in enumerate(layers) for k, v in l.state_dict().items()}
+    else:
+        import hethub
+        cfg = {"gradient_clipping": clip} if clip > 0 else {}
+        engine, *_ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=cfg, plan=plan_path,
+                                       optimizer=opt_factory(kind))
+        if load:
+            engine.load_checkpoint(load)
+            assert engine.global_steps == first, (engine.global_steps, first)
+        for step in range(first, last):
+            losses.append(float(engine.train_batch(iter([micro_batch(step, m, mb) for m in range(M)]))))
+        if save:
+            engine.save_checkpoint(save)
+        a, b = engine.grid.stage.layers
+        params = {f"{i}.{k}": v for i in range(a, b) for k, v in layers[i].state_dict().items()}
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params},
+               out.replace("{rank}", os.environ.get("RANK", "0")))
+
+
+if __name__ == "__main__":
+    main()
