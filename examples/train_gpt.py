@@ -38,6 +38,8 @@ def main():
     parser.add_argument("--deepspeed_config", default=None, help="ds_config JSON (may hold hetero.plan)")
     parser.add_argument("--emulate", default=None, help='emulated slowdown per device type, e.g. "SLOW=3"')
     parser.add_argument("--log-json", default=None, help="rank 0 writes per-step loss and seconds here")
+    parser.add_argument("--save-dir", default=None, help="checkpoint directory (per-layer: loads under any plan)")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -58,10 +60,11 @@ def main():
     torch.manual_seed(0)  # every rank builds the same initial weights
     layers = build_layers(m)
     engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=lm_loss, config=config, plan=plan_path,
-                                        optimizer=lambda ps: torch.optim.Adam(ps, lr=args.lr))
+                                        optimizer=lambda ps: torch.optim.Adam(ps, lr=args.lr), args=args)
     rank = int(os.environ.get("RANK", "0"))
     log = []
-    for step in range(args.steps):
+    # Resumed runs continue at the saved step: the data of step k is the same under any plan.
+    for step in range(engine.global_steps, args.steps):
         t0 = time.perf_counter()
         loss = engine.train_batch(iter(batches(step, plan.num_micro_batches, plan.micro_batch_size,
                                                m.seq_length, m.vocab_size)))
@@ -69,6 +72,8 @@ def main():
         log.append({"step": step, "loss": float(loss), "seconds": seconds})
         if rank == 0:
             print(f"step {step:3d}  loss {float(loss):.4f}  {seconds * 1e3:.1f} ms", flush=True)
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+            engine.save_checkpoint(args.save_dir)
     if rank == 0 and args.log_json:
         with open(args.log_json, "w") as f:
             json.dump(log, f)

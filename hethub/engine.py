@@ -20,6 +20,7 @@ replaces its behaviour (each point measured in shared/NOTES.md):
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -104,6 +105,13 @@ class _Lambda(nn.Module):
 
     def forward(self, x):
         return self.fn(x)
+
+
+def _is_comm_failure(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, getattr(dist, "DistBackendError", ())) or any(
+        k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                            "gloo", "peer"))
 
 
 def _as_tuple(x) -> tuple:
@@ -209,7 +217,22 @@ class HeteroPipelineEngine(PipelineEngine):
             for cmd in step_cmds:
                 if type(cmd) not in self._INSTRUCTION_MAP:
                     raise RuntimeError(f"hethub: pipeline instruction {type(cmd).__name__} is not supported")
-                self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+                self._peers_in_flight = ()
+                try:
+                    self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+                except RuntimeError as exc:
+                    if not _is_comm_failure(exc):
+                        raise
+                    self._lost_peer(cmd, exc)
+
+    def _lost_peer(self, cmd, exc: Exception) -> None:
+        """A peer died or hung: end this rank at once with one line naming who it was waiting for."""
+        peers = self._peers_in_flight or tuple(self.grid.stage_ranks[self.stage_id])
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        print(f"error: rank {self.global_rank} (stage {self.stage_id}) lost rank(s) "
+              f"{', '.join(map(str, sorted(set(peers) - {self.global_rank})))} during {type(cmd).__name__} at "
+              f"step {self.global_steps}: {first}", file=sys.stderr, flush=True)
+        os._exit(3)  # not SystemExit: gloo's threads may still hold the process
 
     def _aggregate_total_loss(self) -> torch.Tensor:
         """Sum of every replica's sample-weighted loss (already divided by the batch), on every rank."""
@@ -312,6 +335,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self._recv_meta = out
 
     def _exchange(self, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]], group=None):
+        self._peers_in_flight = tuple(r for _, r in send) + tuple(r for _, r in recv)
         ops = ([dist.P2POp(dist.isend, t, r, group=group) for t, r in send] +
                [dist.P2POp(dist.irecv, t, r, group=group) for t, r in recv])
         if ops:

@@ -100,7 +100,7 @@ def _free_port() -> int:
 
 def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
     """hethub's own flags come first: --hetero-plan P [--local] [--dry-run]; the rest goes to DeepSpeed."""
-    plan, local, dry, i = None, False, False, 0
+    plan, local, dry, resume, i = None, False, False, None, 0
     argv = list(argv)
     while i < len(argv):
         tok = argv[i]
@@ -112,6 +112,10 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
             plan, i = tok.split("=", 1)[1], i + 1
         elif tok == "--local":
             local, i = True, i + 1
+        elif tok == "--resume":
+            if i + 1 >= len(argv):
+                raise InputError("--resume", "expects the checkpoint directory")
+            resume, i = argv[i + 1], i + 2
         elif tok == "--dry-run":
             dry, i = True, i + 1
         elif tok in ("-h", "--help"):
@@ -121,11 +125,19 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
     if plan is None:
         raise InputError("--hetero-plan", "is required: hethub launch --hetero-plan plan.json [--local] "
                                           "[deepspeed flags] train.py [args]")
-    return plan, local, dry, argv[i:]
+    rest = argv[i:]
+    if resume is not None:
+        rest = _insert_after_script(rest, ["--hetero-resume", resume])
+    return plan, local, dry, rest
+
+
+def _insert_after_script(rest: list[str], extra: list[str]) -> list[str]:
+    flags, script, script_args = split_script(rest)
+    return [*flags, script, *extra, *script_args]
 
 
 def _usage() -> str:
-    print("usage: hethub launch --hetero-plan plan.json [--local] [--dry-run] [deepspeed launcher flags] "
+    print("usage: hethub launch --hetero-plan plan.json [--local] [--resume DIR] [--dry-run] [deepspeed launcher flags] "
           "train.py [script args]\n\n" + __doc__)
     return 0
 

@@ -27,6 +27,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group = parser.add_argument_group("hethub", "heterogeneous pipeline plan")
     group.add_argument("--hetero-plan", "--hetero_plan", dest="hetero_plan", default=None,
                        help="plan.json written by `hethub plan` (overrides ds_config['hetero']['plan'])")
+    group.add_argument("--hetero-resume", "--hetero_resume", dest="hetero_resume", default=None, metavar="DIR",
+                       help="load the newest complete checkpoint in DIR at initialize (any plan's checkpoint)")
     return parser
 
 
@@ -217,4 +219,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     config_class = DeepSpeedConfig(cfg, grid)
     engine = HeteroPipelineEngine(plan=the_plan, grid=grid, module=module, config=cfg, config_class=config_class,
                                   optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    resume = getattr(args, "hetero_resume", None) or hetero.get("resume")
+    if resume:
+        engine.load_checkpoint(resume)
     return engine, engine.optimizer, None, engine.lr_scheduler

@@ -96,3 +96,98 @@ def test_checkpoint_of_another_model_shape_names_layer_and_shapes(tmp_path):
     errs = "".join(e for _, _, e in results)
     assert all(rc == 2 for rc, _, _ in results)
     assert "layer 2 (Sequential).0.weight: checkpoint shape (5, 12), model shape (12, 12)" in errs
+
+
+def _cluster_file(tmp_path, n: int) -> str:
+    path = tmp_path / f"cluster{n}.yaml"
+    path.write_text("name: cpu-box\n"
+                    "device_types:\n  CPU: {vendor: cpu, peak_tflops: {fp32: 0.1}, memory_gib: 4, memory_gbps: 10}\n"
+                    f"nodes:\n  - {{host: localhost, device_type: CPU, count: {n}}}\n")
+    return str(path)
+
+
+def _launch(args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "hethub.cli", "launch", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_elastic_story_kill_replan_resume(tmp_path):
+    """Plan for 5 devices, train and checkpoint; kill a rank (everything ends non-zero); re-plan for 4;
+    resume: training continues at the saved step with the same data and the losses of an uninterrupted run."""
+    import json
+    import signal
+    import time
+    from conftest import run_cli
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    plans = {}
+    for n in (5, 4):
+        out = tmp_path / f"plan{n}.json"
+        r = run_cli("plan", "--cluster", _cluster_file(tmp_path, n), "--model", "gpt-tiny", "--global-batch", "8",
+                    "--max-micro-batch", "4", "--no-compare", "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        plans[n] = str(out)
+    ckpt = str(tmp_path / "ckpt")
+    tag = f"elastic-{os.getpid()}"
+    proc = _launch(["--hetero-plan", plans[5], "--local", script, "--steps", "1000", "--save-dir", ckpt,
+                    "--save-every", "2", "--log-json", tag])
+    deadline = time.time() + 150
+    while not os.path.exists(os.path.join(ckpt, "latest")) and time.time() < deadline:
+        time.sleep(0.5)
+    assert os.path.exists(os.path.join(ckpt, "latest")), "no checkpoint written"
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    victims = [int(l.split()[0]) for l in ps.splitlines() if tag in l and "--local_rank=1" in l]
+    assert victims, ps
+    os.kill(victims[0], signal.SIGKILL)
+    t0 = time.time()
+    rc = proc.wait(timeout=60)
+    assert rc != 0 and time.time() - t0 < 60
+    time.sleep(0.5)
+    assert tag not in subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    saved = int(open(os.path.join(ckpt, "latest")).read().replace("global_step", ""))
+    assert saved >= 2
+    # resume under the 4-device plan for two more steps, and an uninterrupted run for comparison
+    steps = saved + 2
+    resumed = _launch(["--hetero-plan", plans[4], "--local", "--resume", ckpt, script, "--steps", str(steps),
+                       "--log-json", str(tmp_path / "resumed.json")])
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err[-3000:]
+    full = _launch(["--hetero-plan", plans[4], "--local", script, "--steps", str(steps), "--log-json",
+                    str(tmp_path / "full.json")])
+    out, err = full.communicate(timeout=240)
+    assert full.returncode == 0, err[-3000:]
+    res = json.load(open(tmp_path / "resumed.json"))
+    ref = json.load(open(tmp_path / "full.json"))
+    assert [e["step"] for e in res] == list(range(saved, steps))  # continues at the saved step
+    for e in res:
+        assert abs(e["loss"] - ref[e["step"]]["loss"]) <= 1e-4 * abs(ref[e["step"]]["loss"])
+
+
+def test_sigkilled_rank_ends_every_other_rank_with_its_name(tmp_path):
+    import signal
+    import time
+    from dist_util import free_port, rank_env
+    plan = stack_plan(*PLAN_A)
+    path = _write(tmp_path, "a", plan)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join("tests", "workers", "train_stack.py"), path,
+                               str(tmp_path / "k{rank}.pt"), "100000", "0"], env=rank_env(r, 5, port), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(5)]
+    try:
+        time.sleep(12)  # well into training
+        assert all(p.poll() is None for p in procs)
+        procs[3].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        errs = []
+        for r, p in enumerate(procs):
+            _, err = p.communicate(timeout=60)
+            if r != 3:
+                assert p.returncode != 0
+                errs.append(err.strip().splitlines()[-1])
+        assert time.time() - t0 < 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(e.startswith("error: rank") and " lost rank(s) " in e for e in errs), errs
+    assert any("lost rank(s) " in e and "3" in e.split(" lost rank(s) ")[1].split(" during")[0] for e in errs)
