@@ -61,7 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cm = CostModel(cluster, model, profiles=profiles, memory_reserve_gib=args.memory_reserve_gib, zero1=args.zero1)
     opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
-                          max_units=args.max_units)
+                          max_units=args.max_units, equal_widths=args.equal_widths)
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
@@ -126,6 +126,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .partitioner.megatron_export import export_megatron
+    from .partitioner.records import load_plan
+    ex = export_megatron(load_plan(args.plan))
+    print(" \\\n".join(ex.flags()))
+    print(f"# data-parallel size {ex.data_parallel_size} (world = {ex.pipeline_model_parallel_size} x "
+          f"{ex.data_parallel_size}); per-rank micro-batch {ex.micro_batch_size}")
+    if ex.first_last:
+        print(f"# megatron-core without pipeline_model_parallel_layout: --decoder-first-pipeline-num-layers "
+              f"{ex.first_last[0]} --decoder-last-pipeline-num-layers {ex.first_last[1]}")
+    print("# launch ranks in this order (Megatron's rank order tp-cp-ep-dp-pp: rank r runs stage r // DP):")
+    for r, s, j, host, slot, dtype in ex.rank_order:
+        print(f"#   rank {r}: stage {s} replica {j} -> {host}:{slot} ({dtype})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise InputError("--steps", f"must be >= 1, got {args.steps}")
@@ -187,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--zero1", action="store_true", help="shard optimizer state over each stage's replicas")
     sp.add_argument("--max-units", type=int, default=48,
                     help="group blocks into at most this many cut points (large models)")
+    sp.add_argument("--equal-widths", action="store_true",
+                    help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "
                                                                "plans (faster)")
     sp.set_defaults(func=cmd_plan)
@@ -200,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(one line per rank: `RANK: action action ...`)")
     sp.add_argument("--print-schedule", action="store_true", help="print each rank's actions")
     sp.set_defaults(func=cmd_simulate)
+
+    sp = sub.add_parser("export", help="print what another framework needs to run a plan (megatron)")
+    sp.add_argument("target", choices=["megatron"])
+    sp.add_argument("plan")
+    sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("show", help="human summary of a plan")
     sp.add_argument("plan", help="plan JSON")

@@ -48,6 +48,9 @@ class PlannerOptions:
     allow_recompute: bool = True
     max_units: int = 48
     device_types: Optional[tuple[str, ...]] = None  # restrict to these types (fastest-only, homogeneous sums)
+    # Every stage the same width w, each replica micro_batch / w samples: what Megatron-core's
+    # parallel_state can express (stages may still differ in device type and layer count).
+    equal_widths: bool = False
 
 
 @dataclass
@@ -118,8 +121,11 @@ def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
 
 def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
-               counts: dict[str, int], allow_recompute: bool = True) -> Candidates:
-    """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges)."""
+               counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None) -> Candidates:
+    """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
+
+    ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths).
+    """
     L = cm.model.num_planner_layers
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = np.triu_indices(len(bounds), k=1)
@@ -140,7 +146,7 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
         for rc in ((False, True) if allow_recompute else (False,)):
             per_sample = cm.prefix(t, rc)[e] - cm.prefix(t, rc)[a]
             fixed = cm.prefix_fixed(t, rc)[e] - cm.prefix_fixed(t, rc)[a]
-            for w in widths_for(b, counts[t]):
+            for w in (widths_for(b, counts[t]) if width is None else ([width] if width <= counts[t] else [])):
                 s = -(-b // w)
                 # Output boundary: this stage's share crosses to the next stage and the gradient comes back.
                 # Intra-node when the type's largest node holds this stage and an equal-width neighbour.
@@ -517,13 +523,16 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     t0 = time.perf_counter()
     todo = []
     n_cands = 0
-    for b in bs:
+    # With equal widths, each (micro-batch size, width) pair is its own sub-problem.
+    jobs = [(b, w) for b in bs for w in range(1, min(b, max(counts)) + 1) if b % w == 0] if opts.equal_widths \
+        else [(b, None) for b in bs]
+    for b, w in jobs:
         M = global_batch // b
-        cand = candidates(cm, units, b, M, types, dict(zip(types, counts)), opts.allow_recompute)
+        cand = candidates(cm, units, b, M, types, dict(zip(types, counts)), opts.allow_recompute, width=w)
         n_cands += len(cand)
         t_lb = bottleneck_lower_bound(cand, U, sum(counts), M) if len(cand) else math.inf
         lb = (M - 1) * t_lb + sum_lower_bound(cand, U, sum(counts), M) if math.isfinite(t_lb) else math.inf
-        todo.append((lb, b, M, cand, t_lb))
+        todo.append((lb, (b, w), M, cand, t_lb))
     todo.sort(key=lambda x: x[0])
     brute = opts.solver == "brute-force"  # the reference: no bounding, every chain of every size
     best: Optional[Solution] = None
@@ -551,7 +560,7 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         bounds[b] = max(bounds[b], bound if status != "infeasible" else (cut if cut is not None else math.inf))
         solved[b] = status in ("optimal", "infeasible")
         if chosen is not None and (best is None or obj < best.objective):
-            best = Solution(b, M, [int(back[k]) for k in chosen], obj, bound, status, cand)
+            best = Solution(b[0], M, [int(back[k]) for k in chosen], obj, bound, status, cand)
 
     # Incumbents from the heuristic chain for every size: the MILPs then only look below the best.
     if not brute:
@@ -561,7 +570,7 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
                 if chain is not None:
                     obj = objective_of(cand, chain, M)
                     if best is None or obj < best.objective:
-                        best = Solution(b, M, chain, obj, lb, "feasible", cand)
+                        best = Solution(b[0], M, chain, obj, lb, "feasible", cand)
     # Pass 1: every size briefly, most promising first (an early incumbent prunes the rest);
     # pass 2: the sizes left unproven, with the remaining time.
     quick = opts.time_limit_s / (2 * max(1, len(todo)))

@@ -1,0 +1,105 @@
+"""Plans for Megatron: --equal-widths, `hethub export megatron`, and megatron-core accepting the export."""
+import os
+
+import pytest
+
+from conftest import EXAMPLES, run_cli
+from dist_util import spawn
+from hethub.partitioner import Cluster, InputError, ModelConfig, builtin_model, load_plan
+from hethub.partitioner.api import make_plan
+from hethub.partitioner.megatron_export import export_megatron
+from hethub.partitioner.placement import StageLayout, build_plan
+from hethub.partitioner.planner import PlannerOptions
+
+TWO_TYPE = Cluster.model_validate({
+    "name": "a100-v100", "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 8},
+                                   {"host": "v", "device_type": "V100-32GB", "count": 8}]})
+
+
+def test_equal_widths_plan_and_export():
+    plan = make_plan(TWO_TYPE, builtin_model("gpt-1.3b"), 64, opts=PlannerOptions(equal_widths=True),
+                     with_homogeneous_sum=False)
+    assert len({s.width for s in plan.stages}) == 1
+    assert all(len({r.samples for r in s.replicas}) == 1 for s in plan.stages)
+    ex = export_megatron(plan)
+    assert ex.pipeline_model_parallel_size == plan.num_stages
+    assert ex.micro_batch_size * ex.data_parallel_size == plan.micro_batch_size
+    assert ex.layout.count("|") == plan.num_stages - 1 and ex.layout.startswith("E") and ex.layout.endswith("L")
+    free = make_plan(TWO_TYPE, builtin_model("gpt-1.3b"), 64, with_homogeneous_sum=False)
+    assert free.predicted.samples_per_s >= plan.predicted.samples_per_s * (1 - 1e-9)  # a restriction costs
+
+
+def test_plans_megatron_cannot_express_are_refused_with_the_reason():
+    with pytest.raises(InputError, match=r"stage widths \[2, 3, 4\] differ.*hethub's runtime"):
+        export_megatron(load_plan(os.path.join(EXAMPLES, "plan.json")))
+    r = run_cli("export", "megatron", os.path.join(EXAMPLES, "plan.json"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+def test_megatron_core_accepts_the_export(tmp_path):
+    pytest.importorskip("megatron.core")
+    cl = Cluster.model_validate({"name": "cpu", "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": 1,
+                                                                         "memory_gib": 4, "memory_gbps": 10}},
+                                 "nodes": [{"host": "localhost", "device_type": "CPU", "count": 4}]})
+    m = ModelConfig(name="m", architecture="gpt", num_layers=5, hidden_size=32, num_attention_heads=4,
+                    ffn_hidden_size=64, vocab_size=64, seq_length=8)
+    plan = build_plan(m, cl, [StageLayout((0, 2), "CPU", (2, 2)), StageLayout((2, 7), "CPU", (2, 2))], 4, 2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert export_megatron(plan).layout == "Et|t*4L"
+    results = spawn(4, [os.path.join("tests", "workers", "megatron_accept.py"), str(path)], timeout=120)
+    for rc, out, err in results:
+        assert rc == 0 and "ok" in out, err[-2000:]
+
+
+def test_megatron_core_gpt_under_a_2_to_3_plan_matches_one_process(tmp_path):
+    """A tiny megatron-core GPT (local spec) under widths 2 -> 3 trains like one process (5 SGD steps, clipped)."""
+    pytest.importorskip("megatron.core")
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import ROOT
+    from dist_util import free_port, rank_env
+    sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
+    from hethub.megatron import model_config_from_megatron
+    from train_megatron import SEQ, VOCAB, megatron_config
+    model = model_config_from_megatron(megatron_config(), VOCAB, SEQ, name="megatron-tiny")
+    assert model.num_planner_layers == 5 and model.architecture == "gpt"
+    cl = Cluster.model_validate({"name": "cpu", "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": 1,
+                                                                         "memory_gib": 4, "memory_gbps": 10}},
+                                 "nodes": [{"host": "localhost", "device_type": "CPU", "count": 5}]})
+    plan = build_plan(model, cl, [StageLayout((0, 2), "CPU", (3, 3)), StageLayout((2, 5), "CPU", (2, 2, 2))], 6, 2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    worker = os.path.join("tests", "workers", "train_megatron.py")
+    results = spawn(5, [worker, str(path), str(tmp_path / "r{rank}.pt"), "5"], timeout=150)
+    for rank, (rc, _o, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {err[-3000:]}"
+    r = subprocess.run([sys.executable, worker, str(path), str(tmp_path / "single.pt"), "5", "single"], cwd=ROOT,
+                       env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = torch.load(tmp_path / "single.pt", weights_only=True)
+    seen = set()
+    for rank in range(5):
+        got = torch.load(tmp_path / f"r{rank}.pt", weights_only=True)
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+        for k, v in got["params"].items():
+            torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=1e-5)
+            seen.add(k)
+    assert seen == set(ref["params"]) and ref["losses"][-1] < ref["losses"][0]
+
+
+def test_cost_model_reads_a_megatron_config():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hethub.megatron import model_config_from_megatron
+    from hethub.partitioner.costmodel import layer_costs
+    tc = TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                           ffn_hidden_size=14336, gated_linear_unit=True, normalization="RMSNorm",
+                           use_cpu_initialization=True)
+    m = model_config_from_megatron(tc, 128256, 8192, name="llama-3-8b")
+    assert m.architecture == "llama" and m.kv_heads == 8
+    assert layer_costs(m).params.sum() / 1e9 == pytest.approx(8.03, rel=0.01)  # Llama-3-8B: 8.03B
