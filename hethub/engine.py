@@ -187,7 +187,7 @@ class HeteroPipelineEngine(PipelineEngine):
         sched = schedule.TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
                                        stage_id=self.stage_id)
         self._exec_schedule(sched)
-        self.agg_train_loss = self._aggregate_total_loss()
+        self.agg_train_loss = self._guarded(self._aggregate_total_loss, "loss broadcast")
         return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
@@ -206,7 +206,7 @@ class HeteroPipelineEngine(PipelineEngine):
                                            stage_id=self.stage_id)
         with torch.no_grad():
             self._exec_schedule(sched)
-        self.agg_eval_loss = self._aggregate_total_loss()
+        self.agg_eval_loss = self._guarded(self._aggregate_total_loss, "loss broadcast")
         self.module.train()
         return self.agg_eval_loss
 
@@ -218,19 +218,23 @@ class HeteroPipelineEngine(PipelineEngine):
                 if type(cmd) not in self._INSTRUCTION_MAP:
                     raise RuntimeError(f"hethub: pipeline instruction {type(cmd).__name__} is not supported")
                 self._peers_in_flight = ()
-                try:
-                    self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
-                except RuntimeError as exc:
-                    if not _is_comm_failure(exc):
-                        raise
-                    self._lost_peer(cmd, exc)
+                self._guarded(lambda: self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs), type(cmd).__name__)
 
-    def _lost_peer(self, cmd, exc: Exception) -> None:
+    def _guarded(self, fn, what: str):
+        """Run fn; a communication failure (a peer died or hung) ends this rank at once with one line."""
+        try:
+            return fn()
+        except RuntimeError as exc:
+            if not _is_comm_failure(exc):
+                raise
+            self._lost_peer(what, exc)
+
+    def _lost_peer(self, what: str, exc: Exception) -> None:
         """A peer died or hung: end this rank at once with one line naming who it was waiting for."""
-        peers = self._peers_in_flight or tuple(self.grid.stage_ranks[self.stage_id])
+        peers = getattr(self, "_peers_in_flight", ()) or tuple(range(self.grid.world_size))
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         print(f"error: rank {self.global_rank} (stage {self.stage_id}) lost rank(s) "
-              f"{', '.join(map(str, sorted(set(peers) - {self.global_rank})))} during {type(cmd).__name__} at "
+              f"{', '.join(map(str, sorted(set(peers) - {self.global_rank})))} during {what} at "
               f"step {self.global_steps}: {first}", file=sys.stderr, flush=True)
         os._exit(3)  # not SystemExit: gloo's threads may still hold the process
 

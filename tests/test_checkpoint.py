@@ -170,11 +170,15 @@ def test_sigkilled_rank_ends_every_other_rank_with_its_name(tmp_path):
     plan = stack_plan(*PLAN_A)
     path = _write(tmp_path, "a", plan)
     port = free_port()
+    beat = tmp_path / "beat"
     procs = [subprocess.Popen([sys.executable, os.path.join("tests", "workers", "train_stack.py"), path,
-                               str(tmp_path / "k{rank}.pt"), "100000", "0"], env=rank_env(r, 5, port), cwd=ROOT,
+                               str(tmp_path / "k{rank}.pt"), "100000", "0"],
+                              env=rank_env(r, 5, port, {"HEARTBEAT": str(beat)}), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(5)]
     try:
-        time.sleep(12)  # well into training
+        deadline = time.time() + 90
+        while time.time() < deadline and not (beat.exists() and beat.read_text().strip() not in ("", "0", "1")):
+            time.sleep(0.2)  # until training is well under way
         assert all(p.poll() is None for p in procs)
         procs[3].send_signal(signal.SIGKILL)
         t0 = time.time()

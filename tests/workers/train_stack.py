@@ -4,6 +4,7 @@ usage: train_stack.py PLAN OUT STEPS CLIP [single]
 With "single", trains the same layers in one process (the reference) without hethub.
 """
 import json
+import os
 import sys
 
 import torch
@@ -66,9 +67,13 @@ def main():
         config = {"gradient_clipping": clip} if clip > 0 else {}
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
+        beat = os.environ.get("HEARTBEAT")  # fault tests: wait for training to be under way
         for step in range(steps):
             it = iter([micro_batch(step, m, mb) for m in range(M)])
             losses.append(float(engine.train_batch(it)))
+            if beat and engine.global_rank == 0:
+                with open(beat, "w") as f:
+                    f.write(str(step))
         eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
         first, last = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
