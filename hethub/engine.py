@@ -159,6 +159,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self._recv_meta = None  # [(dtype, trailing shape, requires_grad)] of the tensors from the previous stage
         self._meta_sent = False
         self._global_batch = plan.global_batch_size
+        self.autocast_dtype = None  # torch.bfloat16 under "bf16": {"enabled": true} (set by hethub.initialize)
         # DeepSpeed builds this map from the *base class's* functions; subclass overrides only run via our map.
         self._INSTRUCTION_MAP = {
             schedule.OptimizerStep: HeteroPipelineEngine._exec_optimizer_step,
@@ -284,11 +285,14 @@ class HeteroPipelineEngine(PipelineEngine):
         inputs = self.pipe_buffers["inputs"][buffer_id]
         if isinstance(inputs, tuple):
             inputs = tuple(t.clone() if not t.is_floating_point() else t for t in inputs)
-        outputs = self.module(inputs)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            outputs = self.module(inputs)
+            if self.stage_id == self.num_stages - 1:
+                labels = self.pipe_buffers["labels"][buffer_id]
+                loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None else outputs
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if self.stage_id == self.num_stages - 1:
-            labels = self.pipe_buffers["labels"][buffer_id]
-            loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None else outputs
             if not (torch.is_tensor(loss) and loss.numel() == 1):
                 raise ValueError("hethub: loss_fn must return a scalar tensor (mean over the given samples)")
             # Mean over this replica's samples -> its share of the mean over the whole batch.
@@ -320,13 +324,13 @@ class HeteroPipelineEngine(PipelineEngine):
             pos += 2 + t.dim()
         if pos > _META_LEN:
             raise ValueError("hethub: too many or too high-dimensional tensors cross a stage boundary")
-        ops = [dist.P2POp(dist.isend, meta, p.rank) for p in self.grid.next_peers]
+        ops = [dist.P2POp(dist.isend, meta, p.peer) for p in self.grid.next_peers]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
     def _recv_meta_from_prev(self):
         metas = [torch.zeros(_META_LEN, dtype=torch.int64) for _ in self.grid.prev_peers]
-        ops = [dist.P2POp(dist.irecv, m, p.rank) for m, p in zip(metas, self.grid.prev_peers)]
+        ops = [dist.P2POp(dist.irecv, m, p.peer) for m, p in zip(metas, self.grid.prev_peers)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         if any(not torch.equal(m, metas[0]) for m in metas):
@@ -369,7 +373,7 @@ class HeteroPipelineEngine(PipelineEngine):
                 buf = buf.to("cpu", non_blocking=False)
             off = 0
             for (a, b), p in zip(ranges, peers):
-                sends.append((buf[off:off + b - a].contiguous(), p.rank))
+                sends.append((buf[off:off + b - a].contiguous(), p.peer))
                 off += b - a
         self._exchange(sends, [], group)
 
@@ -386,7 +390,7 @@ class HeteroPipelineEngine(PipelineEngine):
             bdt, row_shape = wire_layout(dtype, shape, wdt)
             layouts.append(bdt)
             for (a, b), p in zip(ranges, peers):
-                recvs.append((torch.empty((b - a, *row_shape), dtype=bdt, device=where), p.rank))
+                recvs.append((torch.empty((b - a, *row_shape), dtype=bdt, device=where), p.peer))
         self._exchange([], recvs, group)
         out, k = [], 0
         for (dtype, shape), bdt in zip(specs, layouts):

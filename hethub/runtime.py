@@ -128,9 +128,8 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
     if zero:
         raise InputError("config.zero_optimization.stage", f"only ZeRO stage 0 is supported with hethub plans, "
                                                            f"got {zero}")
-    for key in ("fp16", "bf16"):
-        if (config.get(key) or {}).get("enabled"):
-            raise InputError(f"config.{key}.enabled", "only fp32 training is supported by the runtime yet")
+    if (config.get("fp16") or {}).get("enabled"):
+        raise InputError("config.fp16.enabled", "fp16 (loss-scaled) training is not supported yet; use bf16 or fp32")
 
 
 def plan_local_index(plan: Plan, rank: int) -> int:
@@ -190,12 +189,16 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         fail(str(exc))
 
     import deepspeed  # noqa: F401  (after the checks: a bad plan fails fast, before the heavy import)
+    import torch
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import HeteroPipelineEngine, HeteroPipelineModule
     from .topology import HeteroGrid
 
     hetero = cfg.pop("hetero", None) or {}
+    # bf16: autocast compute with fp32 weights, gradients and optimizer state (hethub runs it, not DeepSpeed's
+    # BF16_Optimizer, whose gradient bookkeeping assumes equal widths).
+    bf16 = bool((cfg.pop("bf16", None) or {}).get("enabled"))
     _fix_local_rank(the_plan, rank)
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     grid = HeteroGrid(the_plan, rank)
@@ -219,6 +222,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     config_class = DeepSpeedConfig(cfg, grid)
     engine = HeteroPipelineEngine(plan=the_plan, grid=grid, module=module, config=cfg, config_class=config_class,
                                   optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    engine.autocast_dtype = torch.bfloat16 if bf16 else None
     resume = getattr(args, "hetero_resume", None) or hetero.get("resume")
     if resume:
         engine.load_checkpoint(resume)

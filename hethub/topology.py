@@ -4,44 +4,17 @@ DeepSpeed's ``PipeDataParallelTopology`` is a dense (pipe x data) grid: every st
 width, and the pipe group of a rank is "the ranks with my data-parallel index". With unequal widths
 neither exists. Here a stage's data-parallel group is its replicas, there is no tensor/slice
 parallelism (groups of one), and pipeline neighbours are found from sample-range overlaps
-(``boundary_peers``), not from a shared index.
+(``partitioner.schedule.overlaps``, the same function the simulator's schedule uses), not from a shared index.
 
 Every rank creates every group in the same order (``torch.distributed.new_group`` is collective
 over the world), so no rank waits on a group another rank never built.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.distributed as dist
 
 from .partitioner.records import Plan
-
-
-@dataclass(frozen=True)
-class Peer:
-    """One transfer partner at a stage boundary: its global rank and the overlapping micro-batch rows."""
-
-    rank: int
-    start: int  # first row of the overlap, in micro-batch coordinates
-    stop: int
-
-
-def boundary_peers(plan: Plan, stage: int, replica: int, direction: str) -> list[Peer]:
-    """Replicas of the neighbouring stage whose sample ranges overlap this replica's range.
-
-    ``direction`` is "next" (who receives my activations / sends me gradients) or "prev".
-    """
-    other = stage + 1 if direction == "next" else stage - 1
-    if not 0 <= other < plan.num_stages:
-        return []
-    a, b = plan.stages[stage].sample_ranges()[replica]
-    peers = []
-    for rep, (c, d) in zip(plan.stages[other].replicas, plan.stages[other].sample_ranges()):
-        lo, hi = max(a, c), min(b, d)
-        if lo < hi:
-            peers.append(Peer(rep.rank, lo, hi))
-    return peers
+from .partitioner.schedule import overlaps
 
 
 class HeteroGrid:
@@ -79,8 +52,9 @@ class HeteroGrid:
         self.prev_boundary = plan.boundary(self.stage_id - 1) if self.stage_id > 0 else None
         # Rows [start, stop) of every micro-batch this replica owns.
         self.sample_start, self.sample_stop = self.stage.sample_ranges()[self.replica_id]
-        self.next_peers = boundary_peers(plan, self.stage_id, self.replica_id, "next")
-        self.prev_peers = boundary_peers(plan, self.stage_id, self.replica_id, "prev")
+        # Transfer(peer rank, first row, stop row) for each overlapping replica of the neighbouring stages
+        self.next_peers = overlaps(plan, self.stage_id, self.replica_id, "next")
+        self.prev_peers = overlaps(plan, self.stage_id, self.replica_id, "prev")
         self.last_stage_root = self.stage_ranks[-1][0]
 
     # --- the mpu interface DeepSpeed's engine uses

@@ -210,28 +210,39 @@ def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int
 # ------------------------------------------------------------------------- bounds
 
 
-def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
-    """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory.
+def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.ndarray] = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Cheapest memory-feasible chains by (start boundary u, stages from u to the end r).
 
-    DP over (boundary u, stages from u to the end r): a stage starting at u needs room for
-    min(r, M) micro-batches in flight. Per-type device limits are relaxed to the total.
+    dp[u, r] = min over candidates k starting at u (allowed by ``ok``, holding min(r, M) micro-batches)
+    of cost[k] + dp[j_k, r - 1]; arg[u, r] is that k. The 1F1B memory rule is exact here, device
+    limits are not (callers relax or check them).
     """
     R = U
     dp = np.full((U + 1, R + 1), np.inf)
     dp[U, 0] = 0.0
+    arg = np.full((U + 1, R + 1), -1)
     need = np.minimum(np.arange(1, R + 1), M)  # in-flight micro-batches for r = 1..R
-    ok = c.c <= T
     order = np.argsort(c.i, kind="stable")
     i_sorted = c.i[order]
     for u in range(U - 1, -1, -1):
         lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
         ks = order[lo:hi]
-        ks = ks[ok[ks]]
+        if ok is not None:
+            ks = ks[ok[ks]]
         if not len(ks):
             continue
-        vals = c.w[ks, None] + dp[c.j[ks], :R]  # a chain of r stages from u: this one + r-1 from j
+        vals = cost[ks, None] + dp[c.j[ks], :R]  # a chain of r stages from u: this one + r-1 from j
         vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
-        dp[u, 1:] = vals.min(axis=0)
+        best = vals.argmin(axis=0)
+        dp[u, 1:] = vals[best, np.arange(R)]
+        arg[u, 1:] = ks[best]
+    return dp, arg
+
+
+def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
+    """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory."""
+    dp, _ = chain_dp(c, U, M, c.w.astype(float), c.c <= T)
     return float(dp[0].min())
 
 
@@ -241,24 +252,10 @@ def sum_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
     For any lambda >= 0: min over memory-feasible chains of sum(c + lambda w) - lambda N <= the true
     minimum of sum(c) subject to sum(w) <= N. The best of a few lambdas is taken.
     """
-    R = U
-    need = np.minimum(np.arange(1, R + 1), M)
-    order = np.argsort(c.i, kind="stable")
-    i_sorted = c.i[order]
     scale = float(np.median(c.c / c.w))
     best = 0.0
     for lam in (0.0, 0.1 * scale, 0.3 * scale, scale, 3 * scale):
-        cost = c.c + lam * c.w
-        dp = np.full((U + 1, R + 1), np.inf)
-        dp[U, 0] = 0.0
-        for u in range(U - 1, -1, -1):
-            lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
-            ks = order[lo:hi]
-            if not len(ks):
-                continue
-            vals = cost[ks, None] + dp[c.j[ks], :R]
-            vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
-            dp[u, 1:] = vals.min(axis=0)
+        dp, _ = chain_dp(c, U, M, c.c + lam * c.w)
         best = max(best, float(dp[0].min()) - lam * total_devices)
     return best
 
@@ -282,26 +279,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
                     ) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
     the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
-    R = U
-    dp = np.full((U + 1, R + 1), np.inf)
-    dp[U, 0] = 0.0
-    arg = np.full((U + 1, R + 1), -1)
-    need = np.minimum(np.arange(1, R + 1), M)
-    ok = c.c <= T
-    order = np.argsort(c.i, kind="stable")
-    i_sorted = c.i[order]
-    cost = weights[c.t] * c.w
-    for u in range(U - 1, -1, -1):
-        lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
-        ks = order[lo:hi]
-        ks = ks[ok[ks]]
-        if not len(ks):
-            continue
-        vals = cost[ks, None] + dp[c.j[ks], :R]
-        vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
-        best = vals.argmin(axis=0)
-        dp[u, 1:] = vals[best, np.arange(R)]
-        arg[u, 1:] = ks[best]
+    dp, arg = chain_dp(c, U, M, weights[c.t] * c.w, c.c <= T)
     r = int(dp[0].argmin())
     if not np.isfinite(dp[0, r]):
         return None

@@ -38,7 +38,9 @@ def main():
     plan_path, out_path, steps, clip = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     import os
     out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
-    single = len(sys.argv) > 5 and sys.argv[5] == "single"
+    single = "single" in sys.argv[5:]
+    bf16 = "bf16" in sys.argv[5:]
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     from hethub.partitioner import load_plan
     plan = load_plan(plan_path)
     layers = make_layers(plan.model.num_planner_layers)
@@ -52,7 +54,8 @@ def main():
             total = 0.0
             for m in range(M):
                 x, y = micro_batch(step, m, mb)
-                loss = loss_fn(model(x), y) / M
+                with cast:
+                    loss = loss_fn(model(x), y) / M
                 loss.backward()
                 total += loss.item()
             if clip > 0:
@@ -60,11 +63,14 @@ def main():
             opt.step()
             losses.append(total)
         with torch.no_grad():
-            eval_loss = sum(loss_fn(model(x), y).item() for x, y in (micro_batch(-1, m, mb) for m in range(2))) / 2
+            with cast:
+                eval_loss = sum(loss_fn(model(x), y).item() for x, y in (micro_batch(-1, m, mb) for m in range(2))) / 2
         params = {f"{i}.{k}": v for i, l in enumerate(layers) for k, v in l.state_dict().items()}
     else:
         import hethub
         config = {"gradient_clipping": clip} if clip > 0 else {}
+        if bf16:
+            config["bf16"] = {"enabled": True}
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         beat = os.environ.get("HEARTBEAT")  # fault tests: wait for training to be under way
