@@ -142,3 +142,29 @@ def test_tensor_parallel_plan_refused(tmp_path):
     results = spawn(3, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
     for rc, _out, err in results:
         assert rc == 2 and "plan.stages[1].tensor_parallel: tensor parallelism is not supported" in err, err
+
+
+def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):
+    """"bf16": {"enabled": true}: autocast compute, fp32 weights/grads/optimizer, unequal widths, clipping.
+    The single-process reference runs the same autocast; only GEMM blocking over sliced rows differs."""
+    plan = stack_plan(*CASES["uneven2to3"])
+    plan_path = str(tmp_path / "plan.json")
+    with open(plan_path, "w") as f:
+        f.write(plan.to_json())
+    results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
+                                      "bf16"], timeout=90)
+    for rank, (rc, _out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
+    out = str(tmp_path / "single.pt")
+    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single", "bf16"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = torch.load(out, weights_only=True)
+    fp32 = _single(tmp_path, plan_path)
+    for rank in range(plan.world_size):
+        got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-2, atol=0)
+        for k, v in got["params"].items():
+            assert v.dtype == torch.float32  # master weights stay fp32
+            torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=1e-2)
+    assert not torch.allclose(ref["losses"], fp32["losses"], rtol=1e-6, atol=0)  # autocast really ran in bf16
