@@ -49,7 +49,7 @@ def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path, opt, cl
         got = torch.load(str(tmp_path / f"b{rank}.pt"), weights_only=True)
         torch.testing.assert_close(got["losses"], ref["losses"][K:], rtol=1e-6, atol=0)
         for k, v in got["params"].items():
-            torch.testing.assert_close(v, ref["params"][k], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(v, ref["params"][k], rtol=1e-6, atol=1e-6)
             seen.add(k)
     assert seen == set(ref["params"])
 
