@@ -50,7 +50,7 @@ def main():
     with open(model_json, "w") as f:
         f.write(model.to_json())
     profiles = [profile_model(model, t, mb, "fp32", reps=7, slowdown=k, progress=False)
-                for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2)]
+                for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2, 4, 8)]
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
     G = 16
     plan = make_plan(cluster, model, G, opts=PlannerOptions(time_limit_s=20, max_micro_batch_size=8), cost_model=cm,

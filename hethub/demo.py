@@ -64,9 +64,9 @@ def run_demo(out_dir: str = "demo-out", steps: int = 20, global_batch: int = 16,
                   f"(2 FAST + 3 SLOW ranks, SLOW emulated {SLOWDOWN:g}x slower), global batch {global_batch}")
 
     t0 = time.perf_counter()
-    # two micro-batch sizes per type: the cost model fits fixed + per-sample time per layer
+    # several micro-batch sizes per type: the cost model fits fixed + per-sample time per layer
     profiles = [profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False)
-                for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2)]
+                for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2, 4, 8)]
     for p in profiles:
         with open(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"), "w") as f:
             f.write(p.to_json())
