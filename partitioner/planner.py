@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .costmodel import BYTES_PER_ACT, OPTIMIZER_PASSES, CostModel
+from .costmodel import BYTES_PER_ACT, OPTIMIZER_PASSES, PCIE_GBPS, CostModel
 from .errors import InfeasibleError, InputError
 from .placement import StageLayout, build_plan, even_split
 from .records import Cluster, ModelConfig, Plan, Predicted, SolverInfo
@@ -66,9 +66,14 @@ class Candidates:
     ar: np.ndarray  # gradient all-reduce, s
     opt: np.ndarray  # optimizer step, s
     k: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
+    v: np.ndarray  # vendor id of the device type
+    pen: np.ndarray  # extra per-micro-batch seconds when the next stage is another vendor's (host bridge)
 
     def __len__(self) -> int:
         return len(self.c)
+
+
+FIELDS = ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k", "v", "pen")
 
 
 @dataclass
@@ -139,7 +144,10 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     out_bytes = lay.out_bytes[e - 1]  # 0 for the last layer
     in_bytes = lay.out_bytes[np.maximum(a - 1, 0)]
     node_max = {t: max(n.count for n in cm.cluster.nodes if n.device_type == t) for t in types}
-    cols: dict[str, list] = {k: [] for k in ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k")}
+    cols: dict[str, list] = {k: [] for k in FIELDS}
+    vendor_ids = {v: n for n, v in enumerate(sorted({cm.cluster.device_type(t).vendor for t in types}))}
+    net = cm.cluster.network
+    gx, lx = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
     for ti, t in enumerate(types):
         dt = cm.cluster.device_type(t)
         limit = cm.memory_limit_bytes(t)
@@ -150,9 +158,18 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
                 s = -(-b // w)
                 # Output boundary: this stage's share crosses to the next stage and the gradient comes back.
                 # Intra-node when the type's largest node holds this stage and an equal-width neighbour.
-                gbps, lat = cm._link_gbps(t, t, same_host=2 * w <= node_max[t])
-                comm = np.where(out_bytes > 0, 2 * (lat + s * out_bytes * 8 / (gbps * 1e9)), 0.0)
+                intra = 2 * w <= node_max[t]
+                gbps, lat = cm._link_gbps(t, t, same_host=intra)
+                # Inter-node: the replicas sharing a node also share its NIC (as the evaluator and simulator
+                # model it), so a node's share of the micro-batch queues on one link.
+                per_link = s if intra else min(w, node_max[t]) * s
+                comm = np.where(out_bytes > 0, 2 * (lat + per_link * out_bytes * 8 / (gbps * 1e9)), 0.0)
                 c = fixed + per_sample * s + comm
+                # ... and when the next stage is another vendor's: host copies both ways, the cross-vendor link
+                per_x = min(w, node_max[t]) * s
+                cross = np.where(out_bytes > 0, 2 * (lx + per_x * out_bytes * 8 / (gx * 1e9)
+                                                     + 2 * s * out_bytes / (PCIE_GBPS * 1e9)), 0.0)
+                pen = np.maximum(cross - comm, 0.0)
                 one_node = w <= node_max[t]
                 ag, alat = cm._link_gbps(t, t, same_host=one_node)
                 ar = (2 * (w - 1) * alat + 2 * (w - 1) / w * params * BYTES_PER_ACT * 8 / (ag * 1e9)) if w > 1 \
@@ -168,11 +185,13 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
                 cols["i"].append(I[keep]); cols["j"].append(J[keep]); cols["t"].append(np.full(n, ti))
                 cols["w"].append(np.full(n, w)); cols["rc"].append(np.full(n, rc)); cols["c"].append(c[keep])
                 cols["ar"].append(ar[keep]); cols["opt"].append(opt[keep]); cols["k"].append(k[keep])
+                cols["v"].append(np.full(n, vendor_ids[dt.vendor])); cols["pen"].append(pen[keep])
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
     cand = Candidates(**{k: cat[k] for k in cols})
     cand.i, cand.j, cand.t, cand.w = (cand.i.astype(int), cand.j.astype(int), cand.t.astype(int),
                                       cand.w.astype(int))
     cand.rc = cand.rc.astype(bool)
+    cand.v = cand.v.astype(int)
     return _prune_recompute(cand)
 
 
@@ -188,13 +207,24 @@ def _prune_recompute(c: Candidates) -> Candidates:
     for idx in np.flatnonzero(c.rc):
         if best_plain.get(key[idx], -1) >= c.k[idx]:
             keep[idx] = False
-    return Candidates(*(getattr(c, f)[keep] for f in ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k")))
+    return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
+
+
+def stage_costs_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
+    """Per-micro-batch cost of each stage of a chain, with the bridge penalty where the next stage's vendor differs."""
+    ch = list(chosen)
+    cost = c.c[ch].astype(float)
+    for n in range(len(ch) - 1):
+        if c.v[ch[n]] != c.v[ch[n + 1]]:
+            cost[n] += c.pen[ch[n]]
+    return cost
 
 
 def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
     """The planning objective of a chain of candidates (same formula the MILP minimises)."""
     ch = list(chosen)
-    return float((M - 1) * c.c[ch].max() + c.c[ch].sum() + c.ar[ch].max() + c.opt[ch].max())
+    cost = stage_costs_of(c, ch)
+    return float((M - 1) * cost.max() + cost.sum() + c.ar[ch].max() + c.opt[ch].max())
 
 
 def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int], M: int) -> bool:
@@ -311,7 +341,7 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float)
 
 def restrict(c: Candidates, keep: np.ndarray) -> tuple[Candidates, np.ndarray]:
     idx = np.flatnonzero(keep)
-    return Candidates(*(getattr(c, f)[idx] for f in ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k"))), idx
+    return Candidates(*(getattr(c, f)[idx] for f in FIELDS)), idx
 
 
 # ------------------------------------------------------------------------- MILP
@@ -352,15 +382,37 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
     for p in range(1, U):
         prob += pulp.lpSum(x[k] for k in ends[p]) == pulp.lpSum(x[k] for k in starts[p])
     # running loads: y[u] = value of the stage covering unit u (for c, ar, opt); bottleneck rows per unit
+    loads: dict[str, list] = {}
     for top, vals, name in ((Z, c.c, "c"), (A, c.ar, "ar"), (O, c.opt, "opt")):
         prev = None
+        loads[name] = []
         for u in range(U):
             y = var(f"y_{name}_{u}", lowBound=0)
+            loads[name].append(y)
             expr = pulp.LpAffineExpression([(x[k], float(vals[k])) for k in starts[u]] +
                                            [(x[k], -float(vals[k])) for k in ends[u]])
             prob += (y == (prev if prev is not None else 0) + expr)
             prob += top >= y
             prev = y
+    # A boundary between vendors: z[p] = 1 when the stage ending at p and the one starting there differ in
+    # vendor; q[p] >= the ending stage's bridge penalty then, added to its cost (sum and bottleneck).
+    if len(set(c.v.tolist())) > 1:
+        for p in range(1, U):
+            if not ends[p] or not starts[p]:
+                continue
+            z = var(f"z_{p}", lowBound=0, upBound=1)
+            for vid in set(c.v.tolist()):
+                e_v = [(x[k], 1.0) for k in ends[p] if c.v[k] == vid]
+                s_v = [(x[k], -1.0) for k in starts[p] if c.v[k] == vid]
+                if e_v:
+                    prob += z >= pulp.LpAffineExpression(e_v + s_v)
+            pmax = float(max(c.pen[k] for k in ends[p]))
+            if pmax <= 0:
+                continue
+            q = var(f"q_{p}", lowBound=0)
+            prob += q >= pulp.LpAffineExpression([(x[k], float(c.pen[k])) for k in ends[p]]) - pmax * (1 - z)
+            prob += Z >= loads["c"][p - 1] + q
+            prob.objective += q
     # stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); memory rows
     r_next = None
     for u in range(U - 1, -1, -1):
@@ -439,11 +491,13 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     for k in np.argsort(c.c, kind="stable"):
         starts[c.i[k]].append(int(k))
     cc, ar, opt, w, t = c.c.tolist(), c.ar.tolist(), c.opt.tolist(), c.w.tolist(), c.t.tolist()
+    vend, pen = c.v.tolist(), c.pen.tolist()
     used = [0] * len(counts)
     best: list = [None, math.inf]
     nodes = [0]
 
     def walk(u: int, chain: list[int], mx: float, sm: float, mar: float, mop: float):
+        # mx/sm count every stage's cost; the last stage's bridge penalty is added once its successor is known
         nodes[0] += 1
         if nodes[0] > max_nodes:
             raise InputError("--solver", f"brute force is for small instances: more than {max_nodes} partial "
@@ -458,8 +512,11 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
             if used[t[k]] + w[k] > counts[t[k]]:
                 continue
             used[t[k]] += w[k]
+            extra = pen[chain[-1]] if chain and vend[chain[-1]] != vend[k] else 0.0
+            prev_cost = cc[chain[-1]] + extra if chain else 0.0
             chain.append(k)
-            walk(int(c.j[k]), chain, max(mx, cc[k]), sm + cc[k], max(mar, ar[k]), max(mop, opt[k]))
+            walk(int(c.j[k]), chain, max(mx, cc[k], prev_cost), sm + cc[k] + extra, max(mar, ar[k]),
+                 max(mop, opt[k]))
             chain.pop()
             used[t[k]] -= w[k]
 
