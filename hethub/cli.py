@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .partitioner.errors import InputError
 
@@ -20,13 +20,6 @@ class _Parser(argparse.ArgumentParser):
         raise InputError("", f"{self.prog}: {message}")
 
 
-def _not_yet(verb: str, issue: int) -> Callable[[argparse.Namespace], int]:
-    def run(_args: argparse.Namespace) -> int:
-        raise InputError("", f"`hethub {verb}` is not available yet in this version (it lands with issue #{issue}); "
-                             "see README 'Status'")
-    return run
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     from .partitioner.records import load_plan
     from .show import print_plan
@@ -35,8 +28,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import time
-
     from rich.console import Console
 
     from .partitioner.api import BASELINES, make_baseline, make_plan

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import Sequence
 
 from .partitioner.errors import InputError
 from .partitioner.records import Plan

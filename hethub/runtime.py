@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 from .emulation import slowdown_for
 from .partitioner.errors import InputError
@@ -32,7 +32,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     """One line on stderr, exit 2 (on every rank: each rank reaches the same verdict from the same input)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)

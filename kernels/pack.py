@@ -50,7 +50,7 @@ def check_ranges(rows: int, ranges: Sequence[Range], what: str = "ranges") -> in
 
 def _check_pack(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.dtype]) -> tuple[int, torch.dtype]:
     if x.dim() < 1:
-        raise ValueError(f"x: expected a [batch, ...] tensor, got a scalar")
+        raise ValueError("x: expected a [batch, ...] tensor, got a scalar")
     if x.dtype not in WIRE_DTYPES:
         raise ValueError(f"x: dtype {x.dtype} cannot be packed (expected float32, bfloat16 or float16)")
     wire = dtype or x.dtype

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pack import FP8, FP8_MAX, Range, _check_pack, _check_unpack, _fp8_shape
+from .pack import FP8, Range, _check_pack, _check_unpack, _fp8_shape
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

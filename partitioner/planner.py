@@ -25,7 +25,6 @@ Models with more than ``max_units`` planner layers have their blocks grouped int
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,8 +34,8 @@ import numpy as np
 
 from .costmodel import BYTES_PER_ACT, OPTIMIZER_PASSES, PCIE_GBPS, CostModel
 from .errors import InfeasibleError, InputError
-from .placement import StageLayout, build_plan, even_split
-from .records import Cluster, ModelConfig, Plan, Predicted, SolverInfo
+from .placement import StageLayout, even_split
+from .records import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,6 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
 
     ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths).
     """
-    L = cm.model.num_planner_layers
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = np.triu_indices(len(bounds), k=1)
     a, e = bounds[I], bounds[J]
