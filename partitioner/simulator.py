@@ -218,13 +218,15 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "") -> None
 
     n = plan.world_size
     fig, ax = plt.subplots(figsize=(12, 0.45 * n + 1.6))
-    cmap = plt.get_cmap("tab20")
+    # tab20 without its two greys, which read as transfers / all-reduce
+    palette = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (14, 15)]
+    cmap = lambda mb: palette[mb % len(palette)]  # noqa: E731
     scale = 1e3  # ms
     for e in result.events:
         y = n - 1 - e.rank
         x, w = e.start_s * scale, max((e.end_s - e.start_s) * scale, 0.0)
         if e.kind in ("F", "B"):
-            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(e.mb % 20), edgecolor="black", linewidth=0.3,
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(e.mb), edgecolor="black", linewidth=0.3,
                            hatch="///" if e.kind == "B" else None, alpha=1.0 if e.kind == "F" else 0.75)
         elif e.kind == "transfer":
             ax.broken_barh([(x, w)], (y - 0.45, 0.12), facecolors="dimgray")

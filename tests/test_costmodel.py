@@ -1,14 +1,9 @@
 """Tier 1: the analytic cost model; tier 2 (torch, seconds): the profiler and its merge."""
-import os
-
-import numpy as np
 import pytest
 
-from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model, load_cluster
-from hethub.partitioner.costmodel import (CostModel, block_activation_bytes, block_forward_flops, block_params,
+from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model
+from hethub.partitioner.costmodel import (CostModel, block_activation_bytes, block_forward_flops,
                                           calibrate_efficiency, layer_costs)
-
-from conftest import EXAMPLES
 
 MIXED = Cluster.model_validate({
     "name": "mixed",

@@ -1,5 +1,4 @@
 """Tier 1 (pure): records, their JSON/YAML round trips, validation errors, the catalogue."""
-import json
 import os
 import subprocess
 import sys
@@ -8,10 +7,9 @@ import pytest
 import yaml
 
 from conftest import DATA, EXAMPLES, ROOT, run_cli
-from hethub.partitioner import (Cluster, DeviceType, InputError, ModelConfig, Plan, Profile, builtin_device_type, load_profile,
-                                builtin_model, load_cluster, load_model, load_plan)
-from hethub.partitioner.catalogue import DEVICE_TYPES, MODELS
-from hethub.partitioner.records import LayerProfile, parse_record, read_data_file
+from hethub.partitioner import (Cluster, InputError, Profile, builtin_device_type, builtin_model, load_cluster,
+                                load_model, load_plan, load_profile)
+from hethub.partitioner.records import LayerProfile
 
 BAD = os.path.join(DATA, "bad")
 EXPECTED = yaml.safe_load(open(os.path.join(BAD, "expected.yaml")))

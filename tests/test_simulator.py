@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from hethub.partitioner import Cluster, ModelConfig, builtin_model
+from hethub.partitioner import Cluster, ModelConfig
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.evaluate import predict
 from hethub.partitioner.placement import StageLayout, build_plan, even_split

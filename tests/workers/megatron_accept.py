@@ -2,7 +2,6 @@
 
 usage: megatron_accept.py PLAN  -- prints "ok" or raises.
 """
-import os
 import sys
 
 import torch

@@ -3,7 +3,6 @@
 usage: train_stack.py PLAN OUT STEPS CLIP [single]
 With "single", trains the same layers in one process (the reference) without hethub.
 """
-import json
 import os
 import sys
 
@@ -36,7 +35,6 @@ def loss_fn(out, y):
 
 def main():
     plan_path, out_path, steps, clip = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    import os
     out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
     single = "single" in sys.argv[5:]
     bf16 = "bf16" in sys.argv[5:]
