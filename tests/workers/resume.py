@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_stack import loss_fn, make_layers, micro_batch  # noqa: E402
+from train_stack import loss_fn, make_layers, micro_batch, reference_step  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -33,17 +33,7 @@ def main():
         model = nn.Sequential(*layers)
         opt = opt_factory(kind)(model.parameters())
         for step in range(first, last):
-            opt.zero_grad()
-            total = 0.0
-            for m in range(M):
-                x, y = micro_batch(step, m, mb)
-                loss = loss_fn(model(x), y) / M
-                loss.backward()
-                total += loss.item()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            losses.append(total)
+            losses.append(reference_step(model, opt, [micro_batch(step, m, mb) for m in range(M)], loss_fn, clip))
         params = {f"{i}.{k}": v for i, l in enumerate(layers) for k, v in l.state_dict().items()}
     else:
         import hethub

@@ -39,17 +39,9 @@ def main():
     if single:
         model = nn.Sequential(*layers)
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        from train_stack import reference_step
         for step in range(steps):
-            opt.zero_grad()
-            total = 0.0
-            for m in range(M):
-                x, y = batch(step, m, mb)
-                loss = lm_loss(model(x), y) / M
-                loss.backward()
-                total += loss.item()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            losses.append(total)
+            losses.append(reference_step(model, opt, [batch(step, m, mb) for m in range(M)], lm_loss, clip))
         params = {f"{i}.{k}": v for i, l in enumerate(layers) for k, v in l.state_dict().items()
                   if torch.is_tensor(v) and v.is_floating_point()}
     else:

@@ -3,6 +3,7 @@
 usage: train_stack.py PLAN OUT STEPS CLIP [single]
 With "single", trains the same layers in one process (the reference) without hethub.
 """
+import contextlib
 import os
 import sys
 
@@ -33,6 +34,22 @@ def loss_fn(out, y):
     return nn.functional.mse_loss(out, y)
 
 
+def reference_step(model, opt, batches, loss, clip: float, cast=None) -> float:
+    """One single-process step over a global batch of equal micro-batches: the mean loss, the
+    reference every equivalence test compares hethub against."""
+    opt.zero_grad()
+    total = 0.0
+    for x, y in batches:
+        with cast or contextlib.nullcontext():
+            value = loss(model(x), y) / len(batches)
+        value.backward()
+        total += value.item()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return total
+
+
 def main():
     plan_path, out_path, steps, clip = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
@@ -48,18 +65,8 @@ def main():
         model = nn.Sequential(*layers)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         for step in range(steps):
-            opt.zero_grad()
-            total = 0.0
-            for m in range(M):
-                x, y = micro_batch(step, m, mb)
-                with cast:
-                    loss = loss_fn(model(x), y) / M
-                loss.backward()
-                total += loss.item()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            losses.append(total)
+            losses.append(reference_step(model, opt, [micro_batch(step, m, mb) for m in range(M)], loss_fn, clip,
+                                         cast))
         with torch.no_grad():
             with cast:
                 eval_loss = sum(loss_fn(model(x), y).item() for x, y in (micro_batch(-1, m, mb) for m in range(2))) / 2
