@@ -78,33 +78,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .partitioner.costmodel import CostModel
-    from .partitioner.evaluate import predict
+    from .partitioner.evaluate import closed_form_s, predict
     from .partitioner.records import load_plan, load_profiles
-    from .partitioner.schedule import build_schedule, format_schedule, parse_schedule
+    from .partitioner.schedule import build_schedule, format_schedule, read_schedule_file
     from .partitioner.simulator import simulate, write_png, write_trace
 
     plan = load_plan(args.plan)
     cm = CostModel(plan.cluster, plan.model, profiles=load_profiles(args.profiles) if args.profiles else ())
-    sched = build_schedule(plan)
-    if args.schedule:
-        sched = {}
-        with open(args.schedule, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip() or line.startswith("#"):
-                    continue
-                rank, sep, text = line.partition(":")
-                try:
-                    sched[int(rank)] = parse_schedule(text)
-                except ValueError as exc:
-                    raise InputError(f"{args.schedule}:{lineno}", str(exc)) from None
+    sched = read_schedule_file(args.schedule) if args.schedule else build_schedule(plan)
     if args.print_schedule:
         for r in sorted(sched):
             print(f"{r}: {format_schedule(sched[r])}")
     res = simulate(plan, cm, sched)
-    closed = predict(plan, cm).iteration_s
+    pred = plan.predicted.iteration_s if plan.predicted is not None else predict(plan, cm).iteration_s
     print(f"iteration {res.iteration_s * 1e3:.3f} ms, {res.samples_per_s:.4g} samples/s, "
-          f"bubble {res.bubble_fraction:.1%} (closed form {closed * 1e3:.3f} ms, "
-          f"{closed / res.iteration_s - 1:+.1%})")
+          f"bubble {res.bubble_fraction:.1%} (predicted {pred * 1e3:.3f} ms, {pred / res.iteration_s - 1:+.1%}; "
+          f"closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
     for st in plan.stages:
         print(f"stage {st.index} ({st.device_type}): busy " +
               ", ".join(f"r{r.rank} {res.busy[r.rank]:.0%}" for r in st.replicas))

@@ -1,15 +1,20 @@
-"""DeepSpeed's pipeline engine, running a hethub plan: stages of unequal width and uneven sample splits.
+"""DeepSpeed's pipeline engine, running a hethub plan and hethub's schedule.
 
-A plugin on an unmodified DeepSpeed 0.19.x. Where DeepSpeed assumes equal widths, this module
-replaces its behaviour (each point measured in shared/NOTES.md):
+A plugin on an unmodified DeepSpeed 0.19.x. ``DeepSpeedEngine`` keeps what it is good at (config,
+optimizer and LR scheduler wiring, the optimizer step); the pipeline itself runs here:
 
-- ``PipelineEngine.__init__`` (dense grid asserts, batch arithmetic, a blocking one-to-one
-  warm-up send) is skipped: ``DeepSpeedEngine.__init__`` runs with ``HeteroGrid`` as mpu, then
-  the pipeline state is set here.
-- ``_INSTRUCTION_MAP`` holds the base class's functions, so the map is rebuilt for this class.
-- Boundary transfers are slice-aware: a replica sends exactly the overlapping rows of each micro-
-  batch to each downstream replica that owns them, and receives gradients back the same way, all
-  through ``hethub.kernels.pack/unpack``.
+- **The schedule is hethub's.** Each rank executes its action list from
+  ``partitioner.schedule.build_schedule`` (or a hand-edited schedule file), the same list
+  ``hethub simulate`` replays, and records what it ran (``engine.executed``). DeepSpeed's
+  ``TrainSchedule`` is not used: its instructions pair blocking sends with receives step by step,
+  which couples neighbouring stages (a stage waits for its neighbour's progress, not just for
+  data), and its buffers are ring slots that cannot express receives posted ahead.
+- **Transfers are non-blocking.** ``SA``/``SG`` post ``isend``s of exactly the rows each peer owns
+  (packed and cast by ``hethub.kernels.pack``) and return; ``RA``/``RG`` post ``irecv``s ahead of
+  use; a forward or backward waits only for the rows it needs. Sends still in flight are waited for
+  at the end of the iteration.
+- ``PipelineEngine.__init__`` (dense grid asserts, batch arithmetic, a blocking one-to-one warm-up
+  send) is skipped: ``DeepSpeedEngine.__init__`` runs with ``HeteroGrid`` as mpu.
 - Gradient scaling: each replica's loss is its per-sample mean times ``samples / global_batch``;
   summing gradients within a stage's replicas then gives the gradient of the global mean loss.
   DeepSpeed's gradient-accumulation division is never applied (backward is called directly).
@@ -26,13 +31,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .kernels import pack, unpack, wire_dtype_for, wire_layout
+from .partitioner.schedule import Action, build_schedule
 from .topology import HeteroGrid
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
@@ -119,16 +124,16 @@ def _as_tuple(x) -> tuple:
 
 
 class HeteroPipelineEngine(PipelineEngine):
-    """Executes DeepSpeed's 1F1B ``TrainSchedule`` under a hethub plan."""
+    """Executes hethub's per-rank schedule (1F1B, non-blocking transfers) under a hethub plan."""
 
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
-                 optimizer=None, model_parameters=None, lr_scheduler=None):
+                 optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class)
         self.plan = plan
         self.grid = grid
-        self.enable_backward_allreduce = False  # gradients are reduced at the ReduceGrads instruction
+        self.enable_backward_allreduce = False  # gradients are reduced at the AR action
         self.pipeline_enable_backward_allreduce = True
         self.has_bool_tensors = False
         self.eval_return_logits = False
@@ -150,8 +155,6 @@ class HeteroPipelineEngine(PipelineEngine):
         self.is_model_parallel = False
         self.is_pipe_partitioned = False
         self.is_grad_partitioned = False
-        self.num_pipe_buffers = 0
-        self.pipe_buffers = {"inputs": [], "labels": [], "outputs": [], "output_tensors": []}
         self.total_loss = None
         self.agg_train_loss = None
         self.agg_eval_loss = None
@@ -160,19 +163,18 @@ class HeteroPipelineEngine(PipelineEngine):
         self._meta_sent = False
         self._global_batch = plan.global_batch_size
         self.autocast_dtype = None  # torch.bfloat16 under "bf16": {"enabled": true} (set by hethub.initialize)
-        # DeepSpeed builds this map from the *base class's* functions; subclass overrides only run via our map.
-        self._INSTRUCTION_MAP = {
-            schedule.OptimizerStep: HeteroPipelineEngine._exec_optimizer_step,
-            schedule.ReduceGrads: HeteroPipelineEngine._exec_reduce_grads,
-            schedule.ReduceTiedGrads: HeteroPipelineEngine._exec_reduce_tied_grads,
-            schedule.LoadMicroBatch: HeteroPipelineEngine._exec_load_micro_batch,
-            schedule.ForwardPass: HeteroPipelineEngine._exec_forward_pass,
-            schedule.BackwardPass: HeteroPipelineEngine._exec_backward_pass,
-            schedule.SendActivation: HeteroPipelineEngine._exec_send_activations,
-            schedule.RecvActivation: HeteroPipelineEngine._exec_recv_activations,
-            schedule.SendGrad: HeteroPipelineEngine._exec_send_grads,
-            schedule.RecvGrad: HeteroPipelineEngine._exec_recv_grads,
-        }
+        # This rank's training actions: the plan's 1F1B or a hand-edited schedule (checked before launch).
+        self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[self.global_rank]
+        self.executed: list[str] = []  # the actions of the last train_batch/eval_batch, as text, in order
+        self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        self._inputs: dict[int, Any] = {}  # micro-batch -> this stage's input (loaded or received)
+        self._labels: dict[int, Any] = {}
+        self._outputs: dict[int, Any] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._recvs: dict[tuple[str, int], tuple] = {}  # ("A"|"G", mb) -> posted receive
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, buffer) in flight
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, data_iter: Optional[Iterator] = None):
@@ -183,11 +185,8 @@ class HeteroPipelineEngine(PipelineEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = None
-        self._compute_loss = True
         self._loss_denominator = self._global_batch
-        sched = schedule.TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
-                                       stage_id=self.stage_id)
-        self._exec_schedule(sched)
+        self._run(self.schedule)
         self.agg_train_loss = self._guarded(self._aggregate_total_loss, "loss broadcast")
         return self.agg_train_loss
 
@@ -201,25 +200,28 @@ class HeteroPipelineEngine(PipelineEngine):
         micro_batches = num_micro_batches or self.micro_batches
         self.set_dataiterator(data_iter)
         self.total_loss = None
-        self._compute_loss = True
         self._loss_denominator = micro_batches * self.plan.micro_batch_size
-        sched = schedule.InferenceSchedule(micro_batches=micro_batches, stages=self.num_stages,
-                                           stage_id=self.stage_id)
+        actions = build_schedule(self.plan, train=False, num_micro_batches=micro_batches)[self.global_rank]
         with torch.no_grad():
-            self._exec_schedule(sched)
+            self._run(actions)
         self.agg_eval_loss = self._guarded(self._aggregate_total_loss, "loss broadcast")
         self.module.train()
         return self.agg_eval_loss
 
-    def _exec_schedule(self, pipe_schedule):
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                if type(cmd) not in self._INSTRUCTION_MAP:
-                    raise RuntimeError(f"hethub: pipeline instruction {type(cmd).__name__} is not supported")
-                self._peers_in_flight = ()
-                self._guarded(lambda: self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs), type(cmd).__name__)
+    def _run(self, actions: Sequence[Action]) -> None:
+        """Execute one iteration's actions in order; every send has landed when this returns."""
+        self._reset_iteration()
+        self.executed = []
+        handlers = {"L": self._act_load, "F": self._act_forward, "B": self._act_backward,
+                    "SA": self._act_send_activations, "RA": self._act_recv_activations,
+                    "SG": self._act_send_grads, "RG": self._act_recv_grads,
+                    "AR": lambda a: self._exec_reduce_grads(), "OPT": lambda a: self._exec_optimizer_step()}
+        for a in actions:
+            self._peers_in_flight = tuple(t.peer for t in a.transfers)
+            self._guarded(lambda: handlers[a.kind](a), str(a))
+            self.executed.append(str(a))
+        self._peers_in_flight = ()
+        self._guarded(self._wait_sends, "the iteration's last sends")
 
     def _guarded(self, fn, what: str):
         """Run fn; a communication failure (a peer died or hung) ends this rank at once with one line."""
@@ -258,12 +260,12 @@ class HeteroPipelineEngine(PipelineEngine):
             self.training_dataloader = None
             self.data_iterator = iterator
 
-    def _exec_load_micro_batch(self, buffer_id: int):
+    def _act_load(self, a: Action) -> None:
         batch = self._next_batch()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("hethub: data_iter must yield (inputs, labels) per micro-batch")
         inputs, labels = batch
-        a, b = self.grid.sample_start, self.grid.sample_stop
+        lo, hi = self.grid.sample_start, self.grid.sample_stop
         mb = self.plan.micro_batch_size
 
         def rows(t, what):
@@ -271,67 +273,73 @@ class HeteroPipelineEngine(PipelineEngine):
                 raise ValueError(f"hethub: {what} must be a tensor, got {type(t).__name__}")
             if t.shape[0] != mb:
                 raise ValueError(f"hethub: {what} has {t.shape[0]} rows; the plan's micro_batch_size is {mb}")
-            return t[a:b].to(self.device)
+            return t[lo:hi].to(self.device)
 
         if self.stage_id == 0:
             local = tuple(rows(t, "inputs") for t in _as_tuple(inputs))
-            self.pipe_buffers["inputs"][buffer_id] = local if isinstance(inputs, tuple) else local[0]
+            self._inputs[a.mb] = local if isinstance(inputs, tuple) else local[0]
         if self.stage_id == self.num_stages - 1:
             local = tuple(rows(t, "labels") for t in _as_tuple(labels))
-            self.pipe_buffers["labels"][buffer_id] = local if isinstance(labels, tuple) else local[0]
+            self._labels[a.mb] = local if isinstance(labels, tuple) else local[0]
 
     # ------------------------------------------------------------------ compute
-    def _exec_forward_pass(self, buffer_id: int):
-        inputs = self.pipe_buffers["inputs"][buffer_id]
+    def _act_forward(self, a: Action) -> None:
+        if self.stage_id > 0:
+            received = self._take_recv("A", a.mb)
+            for t, (_, _, req) in zip(received, self._recv_meta):
+                t.requires_grad_(req and torch.is_grad_enabled())
+            self._inputs[a.mb] = tuple(received) if len(received) > 1 else received[0]
+        inputs = self._inputs[a.mb]
         if isinstance(inputs, tuple):
             inputs = tuple(t.clone() if not t.is_floating_point() else t for t in inputs)
+        last = self.stage_id == self.num_stages - 1
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             outputs = self.module(inputs)
-            if self.stage_id == self.num_stages - 1:
-                labels = self.pipe_buffers["labels"][buffer_id]
+            if last:
+                labels = self._labels.pop(a.mb)
                 loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None else outputs
-        self.pipe_buffers["outputs"][buffer_id] = outputs
-        if self.stage_id == self.num_stages - 1:
-            if not (torch.is_tensor(loss) and loss.numel() == 1):
-                raise ValueError("hethub: loss_fn must return a scalar tensor (mean over the given samples)")
-            # Mean over this replica's samples -> its share of the mean over the whole batch.
-            self.loss = loss * (self.micro_batch_size / self._loss_denominator)
-            detached = self.loss.detach()
-            self.total_loss = detached.clone() if self.total_loss is None else self.total_loss + detached
+        if self.stage_id == 0 or not torch.is_grad_enabled():
+            self._inputs.pop(a.mb)  # nothing to send upstream: no need to keep the input
+        if not last:
+            self._outputs[a.mb] = outputs
+            return
+        if not (torch.is_tensor(loss) and loss.numel() == 1):
+            raise ValueError("hethub: loss_fn must return a scalar tensor (mean over the given samples)")
+        # Mean over this replica's samples -> its share of the mean over the whole batch.
+        loss = loss * (self.micro_batch_size / self._loss_denominator)
+        detached = loss.detach()
+        self.total_loss = detached.clone() if self.total_loss is None else self.total_loss + detached
+        if torch.is_grad_enabled():
+            self._losses[a.mb] = loss
 
-    def _exec_backward_pass(self, buffer_id: int):
+    def _act_backward(self, a: Action) -> None:
         if self.stage_id == self.num_stages - 1:
-            self.loss.backward()
-        else:
-            outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
-            grads = self.grad_layer
-            pairs = [(o, g) for o, g in zip([o for o in outputs if o.is_floating_point() and o.requires_grad], grads)]
-            torch.autograd.backward(tensors=[o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
-        self.pipe_buffers["outputs"][buffer_id] = None
-        self.grad_layer = None
+            self._losses.pop(a.mb).backward()
+            return
+        grads = self._take_recv("G", a.mb)
+        outputs = [o for o in _as_tuple(self._outputs.pop(a.mb)) if o.is_floating_point() and o.requires_grad]
+        torch.autograd.backward(tensors=outputs, grad_tensors=grads)
 
-    # ------------------------------------------------------------------ boundary transfers
-    def _send_meta(self, outputs: tuple):
+    # ------------------------------------------------------------------ boundary transfers (non-blocking)
+    def _send_meta(self, outputs: tuple, peers) -> None:
         meta = torch.zeros(_META_LEN, dtype=torch.int64)
         meta[0] = len(outputs)
         pos = 1
         for t in outputs:
+            if pos + 2 + t.dim() > _META_LEN:
+                raise ValueError("hethub: too many or too high-dimensional tensors cross a stage boundary")
             meta[pos] = _DTYPES.index(t.dtype)
             meta[pos + 1] = int(t.is_floating_point() and t.requires_grad)
             meta[pos + 2] = t.dim() - 1
             meta[pos + 3:pos + 2 + t.dim()] = torch.tensor(t.shape[1:], dtype=torch.int64)
             pos += 2 + t.dim()
-        if pos > _META_LEN:
-            raise ValueError("hethub: too many or too high-dimensional tensors cross a stage boundary")
-        ops = [dist.P2POp(dist.isend, meta, p.peer) for p in self.grid.next_peers]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        for p in peers:
+            self._sends.append((dist.isend(meta, p.peer), meta))
 
-    def _recv_meta_from_prev(self):
-        metas = [torch.zeros(_META_LEN, dtype=torch.int64) for _ in self.grid.prev_peers]
-        ops = [dist.P2POp(dist.irecv, m, p.peer) for m, p in zip(metas, self.grid.prev_peers)]
-        for w in dist.batch_isend_irecv(ops):
+    def _recv_meta_from(self, peers) -> None:
+        metas = [torch.zeros(_META_LEN, dtype=torch.int64) for _ in peers]
+        for w in [dist.irecv(m, p.peer) for m, p in zip(metas, peers)]:
             w.wait()
         if any(not torch.equal(m, metas[0]) for m in metas):
             raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
@@ -342,61 +350,61 @@ class HeteroPipelineEngine(PipelineEngine):
             pos += 3 + nd
         self._recv_meta = out
 
-    def _exchange(self, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]], group=None):
-        self._peers_in_flight = tuple(r for _, r in send) + tuple(r for _, r in recv)
-        ops = ([dist.P2POp(dist.isend, t, r, group=group) for t, r in send] +
-               [dist.P2POp(dist.irecv, t, r, group=group) for t, r in recv])
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-
     def _transport(self, boundary):
         """(process group, through host memory?) for a boundary: the bridge uses the gloo group on host buffers."""
         if boundary is not None and boundary.transport == "host":
             return self.grid.host_group, True
         return None, False
 
-    def _send_rows(self, tensors: Sequence[torch.Tensor], peers, boundary) -> None:
-        """Send each peer its overlapping rows of every tensor, packed (and cast to the boundary's wire dtype)."""
+    def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, boundary) -> None:
+        """isend each peer its rows of every tensor, packed (and cast to the boundary's wire dtype)."""
         base = self.grid.sample_start
-        ranges = [(p.start - base, p.stop - base) for p in peers]
+        ranges = [(t.start - base, t.stop - base) for t in transfers]
         group, host = self._transport(boundary)
         wire = boundary.dtype if boundary is not None else None
-        sends = []
-        for t in tensors:
-            t = t.detach()
-            if t.is_floating_point():
-                buf = pack(t, ranges, wire_dtype_for(t.dtype, wire))
+        for x in tensors:
+            x = x.detach()
+            if x.is_floating_point():
+                buf = pack(x, ranges, wire_dtype_for(x.dtype, wire))
             else:  # integer side inputs (masks, ids) travel as they are
-                buf = torch.cat([t[a:b] for a, b in ranges]) if ranges else t[:0]
+                buf = torch.cat([x[a:b] for a, b in ranges]) if ranges else x[:0]
             if host and buf.device.type != "cpu":
                 buf = buf.to("cpu", non_blocking=False)
             off = 0
-            for (a, b), p in zip(ranges, peers):
-                sends.append((buf[off:off + b - a].contiguous(), p.peer))
+            for (a, b), t in zip(ranges, transfers):
+                piece = buf[off:off + b - a]
+                self._sends.append((dist.isend(piece, t.peer, group=group), piece))
                 off += b - a
-        self._exchange(sends, [], group)
 
-    def _recv_rows(self, specs: Sequence[tuple[torch.dtype, tuple]], peers, boundary) -> list[torch.Tensor]:
-        """Receive this replica's rows of each tensor (dtype, trailing shape) from its peers; unpack and up-cast."""
-        base, n = self.grid.sample_start, self.micro_batch_size
-        ranges = [(p.start - base, p.stop - base) for p in peers]
+    def _post_recvs(self, kind: str, mb: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
+                    boundary) -> None:
+        """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers."""
+        base = self.grid.sample_start
+        ranges = [(t.start - base, t.stop - base) for t in transfers]
         group, host = self._transport(boundary)
         wire = boundary.dtype if boundary is not None else None
         where = "cpu" if host else self.device
-        recvs, layouts = [], []
+        works, pieces, layouts = [], [], []
         for dtype, shape in specs:
             wdt = wire_dtype_for(dtype, wire) if dtype.is_floating_point else None
             bdt, row_shape = wire_layout(dtype, shape, wdt)
             layouts.append(bdt)
-            for (a, b), p in zip(ranges, peers):
-                recvs.append((torch.empty((b - a, *row_shape), dtype=bdt, device=where), p.peer))
-        self._exchange([], recvs, group)
-        out, k = [], 0
-        for (dtype, shape), bdt in zip(specs, layouts):
-            pieces = [recvs[k + i][0] for i in range(len(ranges))]
+            for (a, b), t in zip(ranges, transfers):
+                buf = torch.empty((b - a, *row_shape), dtype=bdt, device=where)
+                works.append(dist.irecv(buf, t.peer, group=group))
+                pieces.append(buf)
+        self._recvs[(kind, mb)] = (works, pieces, specs, ranges)
+
+    def _take_recv(self, kind: str, mb: int) -> list[torch.Tensor]:
+        """Wait for a posted receive; unpack and up-cast its pieces into this replica's full tensors."""
+        works, pieces, specs, ranges = self._recvs.pop((kind, mb))
+        for w in works:
+            w.wait()
+        out, k, n = [], 0, self.micro_batch_size
+        for dtype, shape in specs:
+            mine = pieces[k:k + len(ranges)]
             k += len(ranges)
-            buf = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(self.device)
+            buf = (torch.cat(mine) if len(mine) > 1 else mine[0]).to(self.device)
             full = torch.empty((n, *shape), dtype=dtype, device=self.device)
             if dtype.is_floating_point:
                 unpack(buf, full, ranges)
@@ -408,39 +416,34 @@ class HeteroPipelineEngine(PipelineEngine):
             out.append(full)
         return out
 
-    def _exec_send_activations(self, buffer_id: int):
-        outputs = _as_tuple(self.pipe_buffers["outputs"][buffer_id])
+    def _wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, _buf in sends:
+            work.wait()
+
+    def _act_send_activations(self, a: Action) -> None:
+        outputs = _as_tuple(self._outputs[a.mb])
         if not self._meta_sent:
-            self._send_meta(outputs)
+            self._send_meta(outputs, a.transfers)
             self._meta_sent = True
-        self._send_rows(outputs, self.grid.next_peers, self.grid.next_boundary)
+        self._post_sends(outputs, a.transfers, self.grid.next_boundary)
 
-    def _exec_recv_activations(self, buffer_id: int):
+    def _act_recv_activations(self, a: Action) -> None:
         if self._recv_meta is None:
-            self._recv_meta_from_prev()
-        received = self._recv_rows([(d, s) for d, s, _ in self._recv_meta], self.grid.prev_peers,
-                                   self.grid.prev_boundary)
-        for t, (_, _, req) in zip(received, self._recv_meta):
-            t.requires_grad_(req)
-        self.pipe_buffers["inputs"][buffer_id] = tuple(received) if len(received) > 1 else received[0]
+            self._recv_meta_from(a.transfers)
+        self._post_recvs("A", a.mb, [(d, s) for d, s, _ in self._recv_meta], a.transfers, self.grid.prev_boundary)
 
-    def _exec_send_grads(self, buffer_id: int):
-        inputs = [t for t in _as_tuple(self.pipe_buffers["inputs"][buffer_id])
-                  if t.is_floating_point() and t.requires_grad]
+    def _act_send_grads(self, a: Action) -> None:
+        inputs = [t for t in _as_tuple(self._inputs.pop(a.mb)) if t.is_floating_point() and t.requires_grad]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-        self._send_rows(grads, self.grid.prev_peers, self.grid.prev_boundary)
-        self.pipe_buffers["inputs"][buffer_id] = None
+        self._post_sends(grads, a.transfers, self.grid.prev_boundary)
 
-    def _exec_recv_grads(self, buffer_id: int):
-        outputs = [o for o in _as_tuple(self.pipe_buffers["outputs"][buffer_id])
-                   if o.is_floating_point() and o.requires_grad]
-        self.grad_layer = self._recv_rows([(o.dtype, tuple(o.shape[1:])) for o in outputs], self.grid.next_peers,
-                                          self.grid.next_boundary)
+    def _act_recv_grads(self, a: Action) -> None:
+        outputs = [o for o in _as_tuple(self._outputs[a.mb]) if o.is_floating_point() and o.requires_grad]
+        self._post_recvs("G", a.mb, [(o.dtype, tuple(o.shape[1:])) for o in outputs], a.transfers,
+                         self.grid.next_boundary)
 
     # ------------------------------------------------------------------ gradients and step
-    def _exec_reduce_tied_grads(self):
-        return None  # tied layers are refused at initialize
-
     def _exec_reduce_grads(self):
         """SUM within the stage's replicas: each replica's loss already carries samples / global batch."""
         if not self.is_data_parallel:

@@ -132,6 +132,17 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
         raise InputError("config.fp16.enabled", "fp16 (loss-scaled) training is not supported yet; use bf16 or fp32")
 
 
+def load_checked_schedule(plan: Plan, path: str, rank: int) -> list:
+    """A hand-edited schedule file (``hetero.schedule``), checked before any collective: every rank's list
+    present, transfers matched, structure sound, and a dry run that finishes (a deadlock names rank and step)."""
+    from .partitioner.costmodel import CostModel
+    from .partitioner.schedule import read_schedule_file
+    from .partitioner.simulator import simulate
+    sched = read_schedule_file(str(path))
+    simulate(plan, CostModel(plan.cluster, plan.model), sched)
+    return sched[rank]
+
+
 def plan_local_index(plan: Plan, rank: int) -> int:
     """Index of this rank's slot among the plan's slots on its host (= its device among the visible ones)."""
     stage, rep = plan.locate(rank)
@@ -185,6 +196,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         the_plan = resolve_plan(plan, cfg, args)
         rank, world = launched_world()
         check_against_world(the_plan, rank, world, layers, cfg)
+        schedule_file = (cfg.get("hetero") or {}).get("schedule")
+        schedule = load_checked_schedule(the_plan, schedule_file, rank) if schedule_file else None
     except InputError as exc:
         fail(str(exc))
 
@@ -221,7 +234,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         model_parameters = [p for p in module.parameters() if p.requires_grad]
     config_class = DeepSpeedConfig(cfg, grid)
     engine = HeteroPipelineEngine(plan=the_plan, grid=grid, module=module, config=cfg, config_class=config_class,
-                                  optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+                                  optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                                  schedule=schedule)
     engine.autocast_dtype = torch.bfloat16 if bf16 else None
     resume = getattr(args, "hetero_resume", None) or hetero.get("resume")
     if resume:

@@ -45,7 +45,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                   f"x {plan.num_micro_batches} micro-batches")
     p = plan.predicted
     if p:
-        line = f"predicted: {p.iteration_s:.4g} s/iteration, {p.samples_per_s:.4g} samples/s"
+        line = f"predicted: {p.iteration_s * 1e3:.4g} ms/iteration (simulated), {p.samples_per_s:.4g} samples/s"
         if p.upper_bound_samples_per_s:
             line += f", upper bound {p.upper_bound_samples_per_s:.4g} samples/s"
         if p.efficiency is not None:

@@ -1,12 +1,13 @@
 """Planning entry points: ``make_plan`` (the MILP planner) and ``make_baseline``; pure, no torch."""
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 from .baselines import deepspeed_baseline
 from .costmodel import CostModel
 from .errors import InfeasibleError, InputError
-from .evaluate import predict
+from .evaluate import choose_by_simulation
 from .placement import build_plan
 from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
@@ -19,14 +20,21 @@ def fastest_type(cm: CostModel) -> str:
 
 
 def _solve(cm: CostModel, global_batch: int, opts: PlannerOptions) -> Plan:
+    """The MILP's best chains (per micro-batch size), placed; the simulator picks among the closest few."""
     sol, stats = search(cm, global_batch, opts)
     types = list(opts.device_types or cm.cluster.type_names)
-    layouts = solution_layouts(sol, units_for(cm.model, opts.max_units), types)
-    solver = SolverInfo(name=opts.solver, status=stats["status"], gap=stats["gap"], seconds=stats["seconds"],
-                        objective_s=sol.objective, candidates=stats["candidates"], units=stats["units"],
-                        micro_batch_sizes=stats["micro_batch_sizes"])
-    plan = build_plan(cm.model, cm.cluster, layouts, sol.b, sol.M, solver=solver)
-    return plan.model_copy(update={"predicted": predict(plan, cm)})
+    units = units_for(cm.model, opts.max_units)
+    plans = []
+    for alt in stats["alternatives"]:
+        solver = SolverInfo(name=opts.solver, status=stats["status"], gap=stats["gap"], seconds=stats["seconds"],
+                            objective_s=alt.objective, candidates=stats["candidates"], units=stats["units"],
+                            micro_batch_sizes=stats["micro_batch_sizes"])
+        plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
+                                solver=solver))
+    t0 = time.perf_counter()
+    plan = choose_by_simulation(plans, cm)
+    return plan.model_copy(update={"solver": plan.solver.model_copy(
+        update={"seconds": stats["seconds"] + time.perf_counter() - t0})})
 
 
 def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> float:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from .costmodel import CostModel
 from .errors import InfeasibleError
-from .evaluate import predict
+from .evaluate import choose_by_simulation, fits_memory
 from .placement import StageLayout, build_plan, even_split
 from .records import Plan
 
@@ -57,7 +57,7 @@ def deepspeed_baseline(cm: CostModel, global_batch: int, method: str) -> Plan:
     cluster = cm.cluster
     devices = [n.device_type for n in cluster.nodes for _ in range(n.count)]
     N, L = len(devices), cm.model.num_planner_layers
-    best: Optional[tuple[float, Plan]] = None
+    feasible: list[Plan] = []
     for S in range(1, min(N, L) + 1):
         if N % S:
             continue
@@ -76,12 +76,9 @@ def deepspeed_baseline(cm: CostModel, global_batch: int, method: str) -> Plan:
                 continue
             layouts = [StageLayout((bounds[s], bounds[s + 1]), types[s][0], even_split(b, w)) for s in range(S)]
             plan = build_plan(cm.model, cluster, layouts, b, global_batch // b)
-            pred = predict(plan, cm)
-            if not pred.model_extra.get("fits_memory", True):
-                continue
-            if best is None or pred.iteration_s < best[0]:
-                best = (pred.iteration_s, plan.model_copy(update={"predicted": pred}))
-    if best is None:
+            if fits_memory(plan, cm):
+                feasible.append(plan)
+    if not feasible:
         raise InfeasibleError("--baseline", f"DeepSpeed's {method!r} partition over all {N} devices fits no stage "
                                             f"count and micro-batch size (memory, or stages straddling device types)")
-    return best[1]
+    return choose_by_simulation(feasible, cm)

@@ -1,17 +1,27 @@
-"""Closed-form prediction of a concrete plan (placed on hosts/slots) under the cost model.
+"""Prediction of a concrete plan (placed on hosts/slots): the event-level replay of its schedule.
 
-The same 1F1B formula as the planner's objective, but with the plan's real placement: boundary
-transfers use intra-node links where sender and receiver share a host, cross-vendor transfers pay
-host copies, a stage's all-reduce is intra-node only when all its replicas share a host.
+``predict`` reports the simulator's iteration time (``simulator.simulate``: the runtime's own
+actions, non-blocking transfers, shared NICs, per-replica shares) as ``iteration_s``, so that the
+plan's ``predicted``, ``hethub simulate`` and the run model one thing. The closed form the MILP
+optimises is kept beside it (``closed_form_s``), with the plan's real placement: boundary transfers
+use intra-node links where sender and receiver share a host, cross-vendor transfers pay host copies,
+a stage's all-reduce is intra-node only when all its replicas share a host.
 
-    iteration_s = (M - 1) * max_s c_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
+    closed_form_s = (M - 1) * max_s c_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
+
+With decoupled stages the closed form is pessimistic (it charges every transfer in series with
+compute, and the downstream stages' fill and every stage's all-reduce as if none overlapped), so the
+planner ranks its best chains by the closed form and chooses among them by simulation
+(``choose_by_simulation``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .costmodel import WIRE_FACTOR, CostModel
 from .records import Plan, Predicted
+from .simulator import simulate
 
 
 @dataclass(frozen=True)
@@ -79,9 +89,33 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int) -> float:
             + max(c.optimizer_s for c in costs))
 
 
+def closed_form_s(plan: Plan, cm: CostModel) -> float:
+    return iteration_s(stage_costs(plan, cm), plan.num_micro_batches)
+
+
+def fits_memory(plan: Plan, cm: CostModel) -> bool:
+    return all(c.memory_bytes <= cm.memory_limit_bytes(st.device_type) for c, st in zip(stage_costs(plan, cm),
+                                                                                       plan.stages))
+
+
+def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, within: float = 1.3) -> Plan:
+    """Of plans (any order), the one the simulator finds fastest among the ``keep`` best by closed form
+    (and within ``within`` x the best closed form): the closed form ranks, the replay decides. The
+    returned plan carries its ``predicted``."""
+    if not plans:
+        raise ValueError("choose_by_simulation: no plans")
+    ranked = sorted(plans, key=lambda p: closed_form_s(p, cm))
+    best_closed = closed_form_s(ranked[0], cm)
+    pool = [p for p in ranked[:keep] if closed_form_s(p, cm) <= within * best_closed]
+    scored = [(p, predict(p, cm)) for p in pool]
+    plan, pred = min(scored, key=lambda x: x[1].iteration_s)
+    return plan.model_copy(update={"predicted": pred})
+
+
 def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
     costs = stage_costs(plan, cm)
-    it = iteration_s(costs, plan.num_micro_batches)
+    closed = iteration_s(costs, plan.num_micro_batches)
+    it = simulate(plan, cm).iteration_s
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
     return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,
@@ -90,4 +124,4 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
                      memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
                      allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
                      fits_memory=all(c.memory_bytes <= cm.memory_limit_bytes(st.device_type)
-                                     for c, st in zip(costs, plan.stages)))
+                                     for c, st in zip(costs, plan.stages)), closed_form_s=closed)

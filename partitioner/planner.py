@@ -573,6 +573,15 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     solved: dict[int, bool] = {}
     milp_vars = 0
 
+    pool: dict[tuple, Solution] = {}  # the best chain found per (micro-batch size, width) job
+
+    def offer(sol: Solution, job: tuple) -> None:
+        nonlocal best
+        if job not in pool or sol.objective < pool[job].objective:
+            pool[job] = sol
+        if best is None or sol.objective < best.objective:
+            best = sol
+
     def attempt(entry, seconds: float) -> None:
         nonlocal best, milp_vars
         lb, b, M, cand, t_lb = entry
@@ -592,8 +601,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
                                                     cutoff=cut)
         bounds[b] = max(bounds[b], bound if status != "infeasible" else (cut if cut is not None else math.inf))
         solved[b] = status in ("optimal", "infeasible")
-        if chosen is not None and (best is None or obj < best.objective):
-            best = Solution(b[0], M, [int(back[k]) for k in chosen], obj, bound, status, cand)
+        if chosen is not None:
+            offer(Solution(b[0], M, [int(back[k]) for k in chosen], obj, bound, status, cand), b)
 
     # Incumbents from the heuristic chain for every size: the MILPs then only look below the best.
     if not brute:
@@ -601,9 +610,7 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
             if math.isfinite(t_lb):
                 chain = incumbent(cand, U, counts, M, t_lb)
                 if chain is not None:
-                    obj = objective_of(cand, chain, M)
-                    if best is None or obj < best.objective:
-                        best = Solution(b[0], M, chain, obj, lb, "feasible", cand)
+                    offer(Solution(b[0], M, chain, objective_of(cand, chain, M), lb, "feasible", cand), b)
     # Pass 1: every size briefly, most promising first (an early incumbent prunes the rest);
     # pass 2: the sizes left unproven, with the remaining time.
     quick = opts.time_limit_s / (2 * max(1, len(todo)))
@@ -621,7 +628,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     lower = min(bounds.values())
     gap = max(0.0, (best.objective - lower) / best.objective)
     stats = {"seconds": time.perf_counter() - t0, "micro_batch_sizes": bs, "candidates": n_cands, "units": U,
-             "milp_variables": milp_vars, "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible"}
+             "milp_variables": milp_vars, "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible",
+             "alternatives": sorted(pool.values(), key=lambda s: s.objective)}
     return best, stats
 
 

@@ -11,6 +11,8 @@ Gbit/s (gigaBITS, as NICs are sold), ``peak_tflops`` dense TFLOP/s.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from functools import cached_property
@@ -108,7 +110,9 @@ class DeviceType(Record):
         return max(self.peak_tflops.values())
 
 
+@functools.lru_cache(maxsize=None)
 def builtin_device_type(name: str) -> DeviceType:
+    """A catalogue entry as a record (cached: records are frozen, and cost lookups ask for them in hot loops)."""
     if name not in DEVICE_TYPES:
         raise InputError("device_type", f"unknown device type {name!r} (built-in: {', '.join(DEVICE_TYPES)})")
     return DeviceType(name=name, **DEVICE_TYPES[name])

@@ -3,17 +3,28 @@
 Each action prints as short text and parses back (``Action.parse(str(a)) == a``):
 
     L3                  load micro-batch 3 (first stage: inputs; last stage: labels)
-    F3  / B3            forward / backward of micro-batch 3 on this rank's rows
-    SA3>r5[0:2]>r6[2:4] send micro-batch 3's activations: rows 0..2 to rank 5, rows 2..4 to rank 6
-    RA3<r1[0:4]         receive micro-batch 3's activations (rows in micro-batch coordinates)
-    SG3>r1[0:4]         send micro-batch 3's input gradients upstream
-    RG3<r5[0:2]<r6[2:4] receive micro-batch 3's output gradients from downstream
+    RA3<r1[0:4]         post the receive of micro-batch 3's activations (rows in micro-batch coordinates)
+    F3                  forward of micro-batch 3 on this rank's rows; first waits for RA3's data
+    SA3>r5[0:2]>r6[2:4] post the send of micro-batch 3's activations: rows 0..2 to rank 5, 2..4 to rank 6
+    RG3<r5[0:2]<r6[2:4] post the receive of micro-batch 3's output gradients from downstream
+    B3                  backward of micro-batch 3; first waits for RG3's data
+    SG3>r1[0:4]         post the send of micro-batch 3's input gradients upstream
     AR                  all-reduce gradients within the stage's replicas
     OPT                 optimizer step
 
-The transfers of one action are issued together and waited together (the runtime's batched
-isend/irecv). The order of a stage's actions is DeepSpeed's 1F1B ``TrainSchedule`` (the runtime runs
-that schedule; a test checks the two agree), so the simulator replays what the runtime executes.
+Transfers never block the rank that posts them: a send is an ``isend`` that completes in the
+background once the receiver has posted its ``irecv``; a receive is posted ahead and only the
+forward/backward that needs its rows waits for it. So a stage waits on a neighbour exactly as long
+as the data dependency requires, never on the neighbour's progress through its own schedule
+(DeepSpeed's TrainSchedule pairs blocking send/recv steps, which couples neighbours). At the end of
+the iteration every send still in flight is waited for.
+
+``build_schedule`` writes 1F1B (PipeDream-flush): stage s runs min(S-s-1, M) warm-up forwards, then
+alternates one forward and one backward, then drains; receives of activations are posted one
+micro-batch ahead (at most two in flight), receives of gradients right after the forward that makes
+them. Sends in flight per rank are bounded by 1F1B itself: a stage is at most S-s micro-batches ahead
+of its last backward. The runtime (``hethub.engine``) executes exactly these lists and the simulator
+(``simulator.simulate``) replays them, so what is predicted is what runs.
 """
 from __future__ import annotations
 
@@ -21,10 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from .errors import InputError
 from .records import Plan
-
-KINDS = ("L", "F", "B", "SA", "RA", "SG", "RG", "AR", "OPT")
-
 
 @dataclass(frozen=True)
 class Transfer:
@@ -81,47 +90,37 @@ def parse_schedule(text: str) -> list[Action]:
     return [Action.parse(tok) for tok in text.split()]
 
 
-def stage_order(num_micro_batches: int, num_stages: int, stage: int) -> list[tuple[str, Optional[int]]]:
-    """DeepSpeed's TrainSchedule for one stage as (instruction, micro-batch) pairs, in execution order.
-
-    Re-derived here in pure Python (the planner must not import deepspeed): steps alternate forward and
-    backward by the parity of step and stage; a forward step receives activations (and first sends the
-    previous step's input gradients), a backward step receives output gradients (and first sends the
-    previous step's activations).
-    """
+def stage_order(num_micro_batches: int, num_stages: int, stage: int, train: bool = True
+                ) -> list[tuple[str, Optional[int]]]:
+    """1F1B for one stage as (action kind, micro-batch) pairs, in execution order (``train=False``:
+    forwards only, for evaluation)."""
     M, S, s = num_micro_batches, num_stages, stage
-    valid = lambda mb: 0 <= mb < M  # noqa: E731
+    first, last = s == 0, s == S - 1
+    warm = min(S - s - 1, M) if train else M
+    compute = [("F", j) for j in range(warm)]
+    for i in range(M - warm):
+        compute += [("F", warm + i), ("B", i)]
+    compute += [("B", j) for j in range(M - warm, M)] if train else []
     out: list[tuple[str, Optional[int]]] = []
-    prev = -1
-    total = 2 * (M + S - 1)
-    for step in range(total):
-        even_step, even_stage = step % 2 == 0, s % 2 == 0
-        if even_step and even_stage:
-            mb, fwd = step // 2 - s // 2, True
-        elif not even_step and not even_stage:
-            mb, fwd = (step - 1) // 2 - s // 2, True
-        elif even_step and not even_stage:
-            mb, fwd = step // 2 - S + (s + 1) // 2, False
+    next_ra = 0  # the next micro-batch whose activations' receive is not posted yet
+    for kind, mb in compute:
+        if kind == "F":
+            while not first and next_ra <= min(mb + 1, M - 1):  # this one and one ahead
+                out.append(("RA", next_ra))
+                next_ra += 1
+            if first or last:
+                out.append(("L", mb))
+            out.append(("F", mb))
+            if not last:
+                out.append(("SA", mb))
+                if train:
+                    out.append(("RG", mb))
         else:
-            mb, fwd = ((step - 1) // 2) - S + 1 + s // 2, False
-        if fwd:
-            if valid(prev) and s > 0:
-                out.append(("SG", prev))
-            if valid(mb) and s > 0:
-                out.append(("RA", mb))
-        else:
-            if valid(mb) and s < S - 1:
-                out.append(("RG", mb))
-            if valid(prev) and s < S - 1:
-                out.append(("SA", prev))
-        if (s == 0 or s == S - 1) and fwd and valid(mb):
-            out.append(("L", mb))
-        if valid(mb):
-            out.append(("F" if fwd else "B", mb))
-        if step == total - 1:
-            out.append(("AR", None))
-            out.append(("OPT", None))
-        prev = mb
+            out.append(("B", mb))
+            if not first:
+                out.append(("SG", mb))
+    if train:
+        out += [("AR", None), ("OPT", None)]
     return out
 
 
@@ -139,20 +138,39 @@ def overlaps(plan: Plan, s: int, replica: int, direction: str) -> tuple[Transfer
     return tuple(out)
 
 
-def build_schedule(plan: Plan) -> dict[int, list[Action]]:
-    """Per global rank, the actions of one training iteration under the plan."""
+def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[int] = None
+                   ) -> dict[int, list[Action]]:
+    """Per global rank, the actions of one training (or, ``train=False``, evaluation) iteration."""
+    M = num_micro_batches or plan.num_micro_batches
     out: dict[int, list[Action]] = {}
     for s, st in enumerate(plan.stages):
-        order = stage_order(plan.num_micro_batches, plan.num_stages, s)
+        order = stage_order(M, plan.num_stages, s, train)
         for j, rep in enumerate(st.replicas):
             nxt, prv = overlaps(plan, s, j, "next"), overlaps(plan, s, j, "prev")
-            acts = []
-            for kind, mb in order:
-                if kind in ("SA", "RG"):
-                    acts.append(Action(kind, mb, nxt))
-                elif kind in ("RA", "SG"):
-                    acts.append(Action(kind, mb, prv))
-                else:
-                    acts.append(Action(kind, mb))
-            out[rep.rank] = acts
+            peers = {"SA": nxt, "RG": nxt, "RA": prv, "SG": prv}
+            out[rep.rank] = [Action(kind, mb, peers.get(kind, ())) for kind, mb in order]
     return out
+
+
+def read_schedule_file(path: str) -> dict[int, list[Action]]:
+    """A schedule file: one line per rank, ``RANK: ACTION ACTION ...`` (``#`` starts a comment line)."""
+    sched: dict[int, list[Action]] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError("--schedule", f"cannot read {path!r}: {type(exc).__name__}: {exc}"[:200]) from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        rank, sep, text = line.partition(":")
+        try:
+            if not sep:
+                raise ValueError("expected 'RANK: ACTION ACTION ...'")
+            r = int(rank)
+            if r in sched:
+                raise ValueError(f"rank {r} listed twice")
+            sched[r] = parse_schedule(text)
+        except ValueError as exc:
+            raise InputError(f"{path}:{lineno}", str(exc)[:200]) from None
+    return sched

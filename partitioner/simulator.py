@@ -1,16 +1,20 @@
 """Event-level replay of one iteration of a plan's schedule (``hethub simulate``).
 
-Each rank executes its actions in order. Compute actions take the cost model's time for the rank's
-rows. A transfer starts when both its sender's and its receiver's actions are posted and the links
-are free: inter-node transfers hold the sending host's NIC (egress) and the receiving host's NIC
-(ingress) — one resource per direction per node, shared by all its ranks; intra-node transfers
-share nothing. An action's transfers are issued together; the action ends when all have ended. A
-stage's all-reduce starts when its last replica reaches it. A schedule that cannot finish is a
-deadlock, reported with the blocked ranks, their step and what they wait for.
+The replay follows the runtime's semantics (``schedule`` module docstring): posting a send or a
+receive takes no time and never blocks; a transfer starts once both its send and its receive are
+posted and its links are free, and takes the cost model's p2p time; a forward (backward) starts once
+the rank is free and every transfer of its activations (gradients) has arrived. Inter-node transfers
+hold the sending host's NIC (egress) and the receiving host's NIC (ingress) — one resource per
+direction per node, shared by all its ranks; intra-node transfers share nothing. A stage's all-reduce
+starts when its last replica reaches it. The iteration ends when every rank has finished and every
+transfer has landed. A schedule that cannot finish is a deadlock, reported with the blocked ranks,
+their step and what they wait for.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -85,123 +89,230 @@ def check_matching(sched: dict[int, list[Action]]) -> None:
                                                             f"from rank {key[2]} has no matching send")
 
 
-def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]] = None) -> SimResult:
-    sched = sched if sched is not None else build_schedule(plan)
-    if set(sched) != set(range(plan.world_size)):
-        raise ScheduleError("schedule", f"must hold ranks 0..{plan.world_size - 1}, got {sorted(sched)}")
-    check_matching(sched)
-    where = {r.rank: (st, r) for st in plan.stages for r in st.replicas}
-    n = plan.world_size
-    pc = [0] * n
-    clock = [0.0] * n
-    posted: dict[int, float] = {}  # rank -> time its current action was posted
-    done_transfers: dict[tuple, float] = {}  # (sender, receiver, kind, mb, start) -> end time
-    nic_out: dict[str, float] = {}
-    nic_in: dict[str, float] = {}
-    compute = [0.0] * n
-    events: list[Event] = []
+def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = True) -> None:
+    """What the runtime needs of each rank's list: every micro-batch's forward (and backward) once and in
+    order of dependence, each fed by exactly one receive of this rank's rows, posted before it."""
+    M = plan.num_micro_batches
+    for rank, acts in sched.items():
+        s, j = plan.locate(rank)
+        first, last = s == 0, s == plan.num_stages - 1
+        a, b = plan.stages[s].sample_ranges()[j]
+        seen: dict[tuple[str, Optional[int]], int] = {}
+        for step, act in enumerate(acts):
+            where = f"rank {rank} step {step}"
+            key = (act.kind, act.mb)
+            if key in seen:
+                raise ScheduleError(where, f"{act} repeats step {seen[key]}")
+            seen[key] = step
+            if act.mb is not None and not 0 <= act.mb < M:
+                raise ScheduleError(where, f"{act}: micro-batch {act.mb} is outside 0..{M - 1}")
+            need = {"F": [("RA", not first), ("L", first or last)], "B": [("F", True), ("RG", not last)],
+                    "SA": [("F", not last)], "RG": [("F", not last)], "SG": [("B", not first)],
+                    "RA": [("RA", False)], "L": [("L", False)], "OPT": [("AR", train)], "AR": [("AR", False)]}
+            for before, required in need[act.kind]:
+                if required and (before, act.mb) not in seen:
+                    raise ScheduleError(where, f"{act} needs {before}{'' if act.mb is None else act.mb} "
+                                               f"earlier on this rank")
+            if act.kind in ("SA", "RG") and last or act.kind in ("RA", "SG") and first:
+                raise ScheduleError(where, f"{act}: stage {s} has no {'next' if last else 'previous'} stage")
+            if act.kind in ("RA", "RG"):
+                rows = sorted((t.start, t.stop) for t in act.transfers)
+                if act.kind == "RA" and (rows[0][0] != a or rows[-1][1] != b or
+                                         any(p[1] != q[0] for p, q in zip(rows, rows[1:]))):
+                    raise ScheduleError(where, f"{act} must receive exactly this rank's rows {a}:{b}")
+            if any(not (a <= t.start < t.stop <= b) for t in act.transfers if act.kind in ("SA", "SG")):
+                raise ScheduleError(where, f"{act} sends rows outside this rank's {a}:{b}")
+        kinds = ["F"] + (["B"] if train else [])
+        for kind in kinds:
+            missing = [mb for mb in range(M) if (kind, mb) not in seen]
+            if missing:
+                raise ScheduleError(f"rank {rank}", f"no {kind}{missing[0]} (every micro-batch 0..{M - 1} needs one)")
 
-    def duration(rank: int, a: Action) -> float:
-        st, rep = where[rank]
-        first, last = st.layers
-        if a.kind == "F":
-            return cm.stage_compute_s(st.device_type, first, last, rep.samples, st.recompute)[0]
-        if a.kind == "B":
-            return cm.stage_compute_s(st.device_type, first, last, rep.samples, st.recompute)[1]
-        if a.kind == "OPT":
-            return cm.optimizer_s(st.device_type, first, last, st.width)
-        return 0.0  # L: the loader is not modelled
 
-    def transfer_key(rank: int, a: Action, t: Transfer) -> tuple:
+def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]] = None,
+             train: bool = True) -> SimResult:
+    """Replay one iteration of ``sched`` (default: the plan's own 1F1B, which needs no checks); a given
+    schedule is checked first (matching transfers, structure), and a deadlock raises ``ScheduleError``."""
+    if sched is None:
+        sched = build_schedule(plan, train)
+    else:
+        if set(sched) != set(range(plan.world_size)):
+            raise ScheduleError("schedule", f"must hold ranks 0..{plan.world_size - 1}, got {sorted(sched)[:20]}")
+        check_matching(sched)
+        check_structure(plan, sched, train)
+    return _Replay(plan, cm, sched).run()
+
+
+def _first_gap(busy: list[tuple[float, float]], t: float, dur: float) -> float:
+    """Earliest start >= t of a free interval of length dur among sorted, non-overlapping busy intervals."""
+    k = max(0, bisect.bisect_right(busy, (t, math.inf)) - 1)
+    while k < len(busy):
+        s, e = busy[k]
+        if e <= t:
+            k += 1
+            continue
+        if t + dur <= s:
+            break
+        t = max(t, e)
+        k += 1
+    return t
+
+
+class _Replay:
+    """The replay's state: per rank a program counter and clock; per transfer its posting and end times."""
+
+    def __init__(self, plan: Plan, cm: CostModel, sched: dict[int, list[Action]]):
+        self.plan, self.cm, self.sched = plan, cm, sched
+        self.where = {r.rank: (st, r) for st in plan.stages for r in st.replicas}
+        n = plan.world_size
+        self.pc, self.clock, self.compute = [0] * n, [0.0] * n, [0.0] * n
+        self.send_post: dict[tuple, float] = {}  # transfer key -> time its send was posted
+        self.recv_post: dict[tuple, float] = {}
+        self.done: dict[tuple, float] = {}  # transfer key -> time its data arrived
+        self.recv_keys: dict[tuple, list[tuple]] = {}  # (rank, "A"|"G", mb) -> keys of that receive
+        self.nic_out: dict[str, list[tuple[float, float]]] = {}  # host -> sorted busy intervals
+        self.nic_in: dict[str, list[tuple[float, float]]] = {}
+        self.ar_waiting: dict[int, float] = {}  # rank -> time it reached its AR
+        self.events: list[Event] = []
+        self.durations: dict[int, dict[str, float]] = {}
+        self.transfer_cache: dict[tuple, tuple[float, bool]] = {}
+        # per rank, the (kind, mb) its forwards/backwards wait for: activations or gradients it receives
+        self.receives = {r: {(a.kind[1], a.mb) for a in acts if a.kind in ("RA", "RG")} for r, acts in sched.items()}
+
+    @staticmethod
+    def key(rank: int, a: Action, t: Transfer) -> tuple:
+        """(sender, receiver, "A"|"G", micro-batch, first row): both halves of a transfer share it."""
         if a.kind in ("SA", "SG"):
             return (rank, t.peer, a.kind[1], a.mb, t.start)
         return (t.peer, rank, a.kind[1], a.mb, t.start)
 
-    def peer_posted(rank: int, a: Action, t: Transfer) -> bool:
-        """The peer's current action is the matching half of this transfer and has been posted."""
-        p = t.peer
-        if p not in posted or pc[p] >= len(sched[p]):
-            return False
-        b = sched[p][pc[p]]
-        want = {"SA": "RA", "RA": "SA", "SG": "RG", "RG": "SG"}[a.kind]
-        return b.kind == want and b.mb == a.mb and any(u.peer == rank and u.start == t.start for u in b.transfers)
+    def duration(self, rank: int, a: Action) -> float:
+        if rank not in self.durations:
+            st, rep = self.where[rank]
+            first, last = st.layers
+            fwd, bwd = self.cm.stage_compute_s(st.device_type, first, last, rep.samples, st.recompute)
+            self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(st.device_type, first, last,
+                                                                                   st.width)}
+        return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
 
-    def run_transfer(rank: int, a: Action, t: Transfer) -> None:
-        key = transfer_key(rank, a, t)
-        if key in done_transfers:
-            return
-        src, dst = key[0], key[1]
-        (sst, srep), (dst_st, drep) = where[src], where[dst]
-        layer = sst.layers[1] - 1
-        bd = plan.boundary(sst.index)
-        nbytes = (t.stop - t.start) * float(cm.layers.out_bytes[layer]) * WIRE_FACTOR[bd.dtype if bd else None]
-        same = srep.host == drep.host
-        dur = cm.p2p_s(nbytes, sst.device_type, dst_st.device_type, same)
-        start = max(posted[src], posted[dst])
+    def transfer_s(self, src: int, dst: int, kind: str, rows: int) -> tuple[float, bool]:
+        """(seconds, same host) of moving ``rows`` rows of a boundary tensor from src to dst."""
+        k = (src, dst, kind, rows)
+        if k not in self.transfer_cache:
+            (sst, srep), (dst_st, drep) = self.where[src], self.where[dst]
+            bd = self.plan.boundary(sst.index if kind == "A" else dst_st.index)
+            layer = (sst.layers[1] if kind == "A" else dst_st.layers[1]) - 1
+            nbytes = rows * float(self.cm.layers.out_bytes[layer]) * WIRE_FACTOR[bd.dtype if bd else None]
+            same = srep.host == drep.host
+            self.transfer_cache[k] = (self.cm.p2p_s(nbytes, sst.device_type, dst_st.device_type, same), same)
+        return self.transfer_cache[k]
+
+    def start_transfer(self, key: tuple, stop: int) -> None:
+        """Both halves are posted: the data moves once the links are free."""
+        src, dst, kind, mb, start_row = key
+        dur, same = self.transfer_s(src, dst, kind, stop - start_row)
+        begin = max(self.send_post[key], self.recv_post[key])
         if not same:
-            start = max(start, nic_out.get(srep.host, 0.0), nic_in.get(drep.host, 0.0))
-            nic_out[srep.host] = nic_in[drep.host] = start + dur
-        done_transfers[key] = start + dur
-        events.append(Event(src, f"{a.kind[1]}{a.mb}>r{dst}", "transfer", a.mb, start, start + dur))
+            srep, drep = self.where[src][1], self.where[dst][1]
+            out, inn = self.nic_out.setdefault(srep.host, []), self.nic_in.setdefault(drep.host, [])
+            begin = _first_gap(inn, _first_gap(out, begin, dur), dur)
+            while _first_gap(out, begin, dur) != begin:  # free on both NICs at once
+                begin = _first_gap(inn, _first_gap(out, begin, dur), dur)
+            bisect.insort(out, (begin, begin + dur))
+            bisect.insort(inn, (begin, begin + dur))
+        self.done[key] = begin + dur
+        self.events.append(Event(src, f"{kind}{mb}>r{dst}", "transfer", mb, begin, begin + dur))
 
-    stage_of = {r: where[r][0].index for r in range(n)}
-    progress = True
-    while progress:
-        progress = False
-        for r in range(n):
-            while pc[r] < len(sched[r]):
-                a = sched[r][pc[r]]
-                if a.kind in ("L", "F", "B", "OPT"):
-                    d = duration(r, a)
-                    events.append(Event(r, str(a), a.kind, a.mb, clock[r], clock[r] + d))
-                    if a.kind in ("F", "B"):
-                        compute[r] += d
-                    clock[r] += d
-                    pc[r] += 1
+    def post(self, r: int, a: Action) -> None:
+        sending = a.kind in ("SA", "SG")
+        keys = []
+        for t in a.transfers:
+            k = self.key(r, a, t)
+            (self.send_post if sending else self.recv_post)[k] = self.clock[r]
+            keys.append(k)
+            if k in self.send_post and k in self.recv_post:
+                self.start_transfer(k, t.stop)
+        if not sending:
+            self.recv_keys[(r, a.kind[1], a.mb)] = keys
+
+    def data_ready(self, r: int, a: Action) -> Optional[float]:
+        """When the rows a forward/backward needs have arrived (0 if it needs none); None: not yet known."""
+        need = ("A" if a.kind == "F" else "G", a.mb)
+        if need not in self.receives[r]:
+            return 0.0
+        keys = self.recv_keys.get((r, *need))
+        if keys is None or any(k not in self.done for k in keys):
+            return None
+        return max(self.done[k] for k in keys)
+
+    def try_allreduce(self, r: int) -> bool:
+        st = self.where[r][0]
+        self.ar_waiting.setdefault(r, self.clock[r])
+        group = [rep.rank for rep in st.replicas]
+        if not all(q in self.ar_waiting for q in group):
+            return False
+        start = max(self.ar_waiting.pop(q) for q in group)
+        end = start + self.cm.allreduce_s(self.cm.grad_bytes(*st.layers), st.device_type, st.width,
+                                          len({rep.host for rep in st.replicas}) == 1)
+        for q in group:
+            self.events.append(Event(q, "AR", "allreduce", None, start, end))
+            self.clock[q] = end
+            self.pc[q] += 1
+        return True
+
+    def step(self, r: int) -> bool:
+        """Advance rank r by one action if it can; False when it must wait."""
+        a = self.sched[r][self.pc[r]]
+        if a.kind in ("SA", "SG", "RA", "RG"):
+            self.post(r, a)
+        elif a.kind == "AR":
+            return self.try_allreduce(r)
+        else:
+            begin = self.clock[r]
+            if a.kind in ("F", "B"):
+                ready = self.data_ready(r, a)
+                if ready is None:
+                    return False
+                begin = max(begin, ready)
+            d = self.duration(r, a)
+            self.events.append(Event(r, str(a), a.kind, a.mb, begin, begin + d))
+            if a.kind in ("F", "B"):
+                self.compute[r] += d
+            self.clock[r] = begin + d
+        self.pc[r] += 1
+        return True
+
+    def run(self) -> SimResult:
+        n = self.plan.world_size
+        progress = True
+        while progress:
+            progress = False
+            for r in range(n):
+                while self.pc[r] < len(self.sched[r]) and r not in self.ar_waiting and self.step(r):
                     progress = True
-                    continue
-                posted.setdefault(r, clock[r])
-                if a.kind == "AR":
-                    group = [rep.rank for rep in where[r][0].replicas]
-                    ready = all(q in posted and pc[q] < len(sched[q]) and sched[q][pc[q]].kind == "AR"
-                                for q in group)
-                    if not ready:
-                        break
-                    st = where[r][0]
-                    start = max(posted[q] for q in group)
-                    end = start + cm.allreduce_s(cm.grad_bytes(*st.layers), st.device_type, st.width,
-                                                 len({rep.host for rep in st.replicas}) == 1)
-                    for q in group:
-                        events.append(Event(q, "AR", "allreduce", None, start, end))
-                        clock[q] = end
-                        pc[q] += 1
-                        posted.pop(q, None)
-                    progress = True
-                    if pc[r] >= len(sched[r]) or r not in group:
-                        break
-                    continue
-                for t in a.transfers:
-                    if transfer_key(r, a, t) not in done_transfers and peer_posted(r, a, t):
-                        run_transfer(r, a, t)
-                if all(transfer_key(r, a, t) in done_transfers for t in a.transfers):
-                    clock[r] = max([clock[r]] + [done_transfers[transfer_key(r, a, t)] for t in a.transfers])
-                    pc[r] += 1
-                    posted.pop(r, None)
-                    progress = True
-                    continue
-                break
-    stuck = [r for r in range(n) if pc[r] < len(sched[r])]
-    if stuck:
+        stuck = [r for r in range(n) if self.pc[r] < len(self.sched[r])]
+        if stuck:
+            raise self.deadlock(stuck)
+        it = max(self.clock + list(self.done.values()))
+        busy = {r: self.compute[r] / it for r in range(n)}
+        return SimResult(iteration_s=it, samples_per_s=self.plan.global_batch_size / it,
+                         bubble_fraction=1.0 - sum(busy.values()) / n, busy=busy, events=self.events)
+
+    def deadlock(self, stuck: list[int]) -> ScheduleError:
+        def what(r: int) -> str:
+            a = self.sched[r][self.pc[r]]
+            if a.kind == "AR":
+                return f"{a} waits for stage {self.where[r][0].index}'s replicas"
+            need = ("A" if a.kind == "F" else "G", a.mb)
+            keys = self.recv_keys.get((r, *need))
+            if keys is None:
+                return f"{a} waits for its receive R{need[0]}{a.mb}, which is not posted before it"
+            peers = sorted({k[0] for k in keys if k not in self.done})
+            return f"{a} waits for data from rank(s) {', '.join(map(str, peers))}"
         r = stuck[0]
-        a = sched[r][pc[r]]
-        waits = ", ".join(f"rank {t.peer}" for t in a.transfers) or f"stage {stage_of[r]}'s replicas"
-        others = "; ".join(f"rank {q} at step {pc[q]} ({sched[q][pc[q]]})" for q in stuck[1:4])
-        raise ScheduleError(f"rank {r} step {pc[r]}", f"deadlock: {a} waits for {waits}"
-                                                      + (f"; also blocked: {others}" if others else ""))
-    it = max(clock)
-    busy = {r: compute[r] / it for r in range(n)}
-    return SimResult(iteration_s=it, samples_per_s=plan.global_batch_size / it,
-                     bubble_fraction=1.0 - sum(busy.values()) / n, busy=busy, events=events)
+        others = "; ".join(f"rank {q} at step {self.pc[q]} ({what(q)})" for q in stuck[1:4])
+        return ScheduleError(f"rank {r} step {self.pc[r]}", f"deadlock: {what(r)}"
+                                                             + (f"; also blocked: {others}" if others else ""))
 
 
 def write_trace(result: SimResult, plan: Plan, path: str) -> None:

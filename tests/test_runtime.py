@@ -5,6 +5,7 @@ loss at every step (rel. 1e-5) and the same final weights (abs. 1e-5) as a singl
 the same layers on the same global batches. SGD, not Adam: Adam hides gradient-scale errors.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from dist_util import spawn
 from hethub.partitioner import Cluster
 from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.records import ModelConfig
+from hethub.partitioner.schedule import build_schedule, format_schedule
 
 pytest.importorskip("deepspeed")
 
@@ -60,12 +62,13 @@ def _single(tmp_path, plan_path):
     return torch.load(out, weights_only=True)
 
 
-def _run_and_compare(tmp_path, plan, rtol, atol):
+def _run_and_compare(tmp_path, plan, rtol, atol, sched=None):
     plan_path = str(tmp_path / "plan.json")
     with open(plan_path, "w") as f:
         f.write(plan.to_json())
-    results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP)],
-                    timeout=90)
+    extra = [f"schedule={_write_schedule(tmp_path, sched)}"] if sched else []
+    results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
+                                      *extra], timeout=90)
     for rank, (rc, _out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
     ref = _single(tmp_path, plan_path)
@@ -79,6 +82,10 @@ def _run_and_compare(tmp_path, plan, rtol, atol):
             torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=atol, msg=f"rank {rank} param {k}")
             seen.add(k)
     assert seen == set(ref["params"]), "every layer's weights were checked"
+    sched = sched or build_schedule(plan)
+    for rank in range(plan.world_size):  # each rank ran exactly its schedule's actions, in order
+        got_trace = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)["trace"]
+        assert got_trace == format_schedule(sched[rank]), f"rank {rank}"
     # Sanity: training moved the weights and the loss.
     assert not torch.equal(ref["losses"][0], ref["losses"][-1])
     return got, ref
@@ -95,6 +102,56 @@ def test_lossy_wire_dtype_through_the_bridge(tmp_path, wire, rtol):
     plan = stack_plan([3], [[3, 3], [2, 2, 2]], 6, 3, [{"after_stage": 0, "transport": "host", "dtype": wire}])
     got, ref = _run_and_compare(tmp_path, plan, rtol=rtol, atol=rtol)
     assert not torch.equal(got["losses"], ref["losses"])  # the cast really happened
+
+
+def _write_schedule(tmp_path, sched) -> str:
+    path = str(tmp_path / "schedule.txt")
+    with open(path, "w") as f:
+        f.write("# rank: actions\n" + "".join(f"{r}: {format_schedule(a)}\n" for r, a in sorted(sched.items())))
+    return path
+
+
+def _reordered(plan, keys_for_stage):
+    """Each rank's actions of the plan's schedule, in the order keys_for_stage(stage, M) gives (kind, mb) keys."""
+    out = {}
+    for s, st in enumerate(plan.stages):
+        for rep in st.replicas:
+            acts = {(a.kind, a.mb): a for a in build_schedule(plan)[rep.rank]}
+            out[rep.rank] = [acts[k] for k in keys_for_stage(s, plan.num_micro_batches) if k in acts]
+    return out
+
+
+def _gpipe(s, M):
+    """Every forward, then every backward (GPipe order): deadlock-free with non-blocking transfers."""
+    return ([("RA", j) for j in range(M)] + [k for j in range(M) for k in (("L", j), ("F", j), ("SA", j), ("RG", j))]
+            + [k for j in range(M) for k in (("B", j), ("SG", j))] + [("AR", None), ("OPT", None)])
+
+
+def _circular(s, M):
+    """Stage 0 without warm-up, stage 1 GPipe: stage 1's F1 waits for stage 0's B0, which waits for stage 1's B0."""
+    if s == 0:
+        return [k for j in range(M) for k in (("L", j), ("F", j), ("SA", j), ("RG", j), ("B", j))] + \
+            [("AR", None), ("OPT", None)]
+    return _gpipe(s, M)
+
+
+def test_hand_edited_schedule_runs_exactly_and_as_written(tmp_path):
+    """A schedule file (ds_config hetero.schedule) replaces the plan's 1F1B: the ranks execute it action by
+    action and still train exactly like one process."""
+    plan = stack_plan(*CASES["1to2to1"])
+    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, sched=_reordered(plan, _gpipe))
+
+
+def test_deadlocking_schedule_is_refused_before_launch_with_rank_and_step(tmp_path):
+    plan = stack_plan(*CASES["1to2"])
+    path = _write(tmp_path, plan)
+    sched = _write_schedule(tmp_path, _reordered(plan, _circular))
+    results = spawn(plan.world_size, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0", f"schedule={sched}"],
+                    timeout=60)
+    for rc, _out, err in results:
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1, err
+        assert re.match(r"error: rank 0 step \d+: deadlock: B0 waits for data from rank\(s\) 1, 2", lines[0]), err
 
 
 def _write(tmp_path, plan):

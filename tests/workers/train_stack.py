@@ -60,7 +60,7 @@ def main():
     plan = load_plan(plan_path)
     layers = make_layers(plan.model.num_planner_layers)
     mb, M, lr = plan.micro_batch_size, plan.num_micro_batches, 0.1
-    losses = []
+    losses, trace = [], ""
     if single:
         model = nn.Sequential(*layers)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -76,6 +76,9 @@ def main():
         config = {"gradient_clipping": clip} if clip > 0 else {}
         if bf16:
             config["bf16"] = {"enabled": True}
+        for arg in sys.argv[5:]:
+            if arg.startswith("schedule="):  # a hand-edited schedule file
+                config["hetero"] = {"schedule": arg.split("=", 1)[1]}
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         beat = os.environ.get("HEARTBEAT")  # fault tests: wait for training to be under way
@@ -85,11 +88,12 @@ def main():
             if beat and engine.global_rank == 0:
                 with open(beat, "w") as f:
                     f.write(str(step))
+        trace = " ".join(engine.executed)  # what the last train_batch ran, action by action
         eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
         first, last = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
-                "eval_loss": torch.tensor(eval_loss, dtype=torch.float64)}, out_path)
+                "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace}, out_path)
 
 
 if __name__ == "__main__":
