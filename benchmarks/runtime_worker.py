@@ -74,6 +74,10 @@ def main():
         t0 = time.perf_counter()
         engine.train_batch(iter(data))
         times.append(time.perf_counter() - t0)
+    if os.environ.get("HETHUB_BENCH_TIMELINE") and a.mode == "hethub":  # per-action wall times, last iteration
+        t0 = engine.executed_s[0][0]
+        with open(f"{os.environ['HETHUB_BENCH_TIMELINE']}.{rank}", "w") as f:
+            json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump({"times": times, "median_s": statistics.median(times[a.warmup:])}, f)

@@ -2,10 +2,13 @@
 
 Never on by default. Enable per device type with ``"hetero": {"emulate_slowdown": {"SLOW": 3.0}}``
 in ds_config, or ``HETHUB_EMULATE_SLOWDOWN="SLOW=3,FAST=1"`` in the environment; ``hethub profile
---emulate-slowdown K`` profiles under it. Each wrapped layer sleeps (k - 1) x its measured forward
-time after its forward, and (k - 1) x its measured backward time after its backward. Where the
-layer's input carries no gradient (token ids into an embedding), the backward time cannot be
-observed and twice the forward time stands for it.
+--emulate-slowdown K`` profiles under it. Each wrapped layer idles after its forward until the
+forward has taken k x its *reference* forward time, and likewise after its backward. The reference
+is the fastest time seen so far for that layer and row count: when several emulated ranks share a
+few cores and one's real compute is slowed by another's, the emulated time stays k x the uncontended
+time instead of growing k-fold with the contention (sleeping (k - 1) x the time just measured
+would). Where the layer's input carries no gradient (token ids into an embedding), the backward
+time cannot be observed and twice the reference forward time stands for it.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ class _Start(torch.autograd.Function):
     def backward(ctx, g):
         ctx.state["bwd_start"] = time.perf_counter()
         if not ctx.state["input_tracked"]:
-            time.sleep(ctx.state["extra"] * 2 * ctx.state["fwd_s"])
+            time.sleep((ctx.state["factor"] - 1.0) * 2 * ctx.state["ref"]["fwd"])
         return g, None
 
 
@@ -44,8 +47,15 @@ class _End(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         st = ctx.state
-        time.sleep(st["extra"] * max(0.0, time.perf_counter() - st.get("bwd_start", time.perf_counter())))
+        took = time.perf_counter() - st.get("bwd_start", time.perf_counter())
+        _idle_to(st["factor"], st["ref"], "bwd", took)
         return g, None
+
+
+def _idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
+    """Sleep until this phase has taken ``factor`` x its fastest time seen (the reference), updated first."""
+    ref[phase] = min(ref.get(phase, took_s), took_s)
+    time.sleep(max(0.0, factor * ref[phase] - took_s))
 
 
 class SlowDown(nn.Module):
@@ -57,19 +67,19 @@ class SlowDown(nn.Module):
             raise ValueError(f"emulate_slowdown: factor must be >= 1, got {factor}")
         self.module = module
         self.factor = float(factor)
+        self._ref: dict[tuple, dict[str, float]] = {}  # rows -> fastest forward/backward seconds seen
 
     def forward(self, x):
-        extra = self.factor - 1.0
         tracked = torch.is_tensor(x) and x.is_floating_point() and torch.is_grad_enabled()
-        state = {"extra": extra, "input_tracked": tracked, "fwd_s": 0.0}
+        rows = tuple(x.shape[:1]) if torch.is_tensor(x) else ()
+        state = {"factor": self.factor, "input_tracked": tracked, "ref": self._ref.setdefault(rows, {})}
         if tracked:
             if not x.requires_grad:
                 x = x.detach().requires_grad_()
             x = _End.apply(x, state)
         t0 = time.perf_counter()
         y = self.module(x)
-        state["fwd_s"] = time.perf_counter() - t0
-        time.sleep(extra * state["fwd_s"])
+        _idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
         if torch.is_tensor(y) and y.requires_grad:
             y = _Start.apply(y, state)
         return y

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -112,13 +113,6 @@ class _Lambda(nn.Module):
         return self.fn(x)
 
 
-def _is_comm_failure(exc: Exception) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, getattr(dist, "DistBackendError", ())) or any(
-        k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
-                            "gloo", "peer"))
-
-
 def _as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
@@ -166,6 +160,9 @@ class HeteroPipelineEngine(PipelineEngine):
         # This rank's training actions: the plan's 1F1B or a hand-edited schedule (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[self.global_rank]
         self.executed: list[str] = []  # the actions of the last train_batch/eval_batch, as text, in order
+        # (start, end, seconds waiting for data) of each of them, perf_counter seconds
+        self.executed_s: list[tuple[float, float, float]] = []
+        self._waited_s = 0.0
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -211,25 +208,29 @@ class HeteroPipelineEngine(PipelineEngine):
     def _run(self, actions: Sequence[Action]) -> None:
         """Execute one iteration's actions in order; every send has landed when this returns."""
         self._reset_iteration()
-        self.executed = []
+        self.executed, self.executed_s = [], []
         handlers = {"L": self._act_load, "F": self._act_forward, "B": self._act_backward,
                     "SA": self._act_send_activations, "RA": self._act_recv_activations,
                     "SG": self._act_send_grads, "RG": self._act_recv_grads,
                     "AR": lambda a: self._exec_reduce_grads(), "OPT": lambda a: self._exec_optimizer_step()}
         for a in actions:
             self._peers_in_flight = tuple(t.peer for t in a.transfers)
-            self._guarded(lambda: handlers[a.kind](a), str(a))
+            t0, self._waited_s = time.perf_counter(), 0.0
+            self._what = str(a)
+            handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
             self.executed.append(str(a))
+            self.executed_s.append((t0, time.perf_counter(), self._waited_s))
         self._peers_in_flight = ()
-        self._guarded(self._wait_sends, "the iteration's last sends")
+        self._what = "the iteration's last sends"
+        self._wait_sends()
 
     def _guarded(self, fn, what: str):
-        """Run fn; a communication failure (a peer died or hung) ends this rank at once with one line."""
+        """Run a communication call; its failure (a peer died or hung) ends this rank at once with one line.
+        Only hethub's own transfers and collectives go through here, so a user's error is never taken
+        for a lost peer."""
         try:
             return fn()
         except RuntimeError as exc:
-            if not _is_comm_failure(exc):
-                raise
             self._lost_peer(what, exc)
 
     def _lost_peer(self, what: str, exc: Exception) -> None:
@@ -335,12 +336,12 @@ class HeteroPipelineEngine(PipelineEngine):
             meta[pos + 3:pos + 2 + t.dim()] = torch.tensor(t.shape[1:], dtype=torch.int64)
             pos += 2 + t.dim()
         for p in peers:
-            self._sends.append((dist.isend(meta, p.peer), meta))
+            self._sends.append((self._guarded(lambda: dist.isend(meta, p.peer), self._what), meta))
 
     def _recv_meta_from(self, peers) -> None:
         metas = [torch.zeros(_META_LEN, dtype=torch.int64) for _ in peers]
-        for w in [dist.irecv(m, p.peer) for m, p in zip(metas, peers)]:
-            w.wait()
+        for w in [self._guarded(lambda: dist.irecv(m, p.peer), self._what) for m, p in zip(metas, peers)]:
+            self._guarded(w.wait, self._what)
         if any(not torch.equal(m, metas[0]) for m in metas):
             raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
         m, out, pos = metas[0].tolist(), [], 1
@@ -373,7 +374,8 @@ class HeteroPipelineEngine(PipelineEngine):
             off = 0
             for (a, b), t in zip(ranges, transfers):
                 piece = buf[off:off + b - a]
-                self._sends.append((dist.isend(piece, t.peer, group=group), piece))
+                work = self._guarded(lambda: dist.isend(piece, t.peer, group=group), self._what)
+                self._sends.append((work, piece))
                 off += b - a
 
     def _post_recvs(self, kind: str, mb: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
@@ -391,15 +393,17 @@ class HeteroPipelineEngine(PipelineEngine):
             layouts.append(bdt)
             for (a, b), t in zip(ranges, transfers):
                 buf = torch.empty((b - a, *row_shape), dtype=bdt, device=where)
-                works.append(dist.irecv(buf, t.peer, group=group))
+                works.append(self._guarded(lambda: dist.irecv(buf, t.peer, group=group), self._what))
                 pieces.append(buf)
         self._recvs[(kind, mb)] = (works, pieces, specs, ranges)
 
     def _take_recv(self, kind: str, mb: int) -> list[torch.Tensor]:
         """Wait for a posted receive; unpack and up-cast its pieces into this replica's full tensors."""
         works, pieces, specs, ranges = self._recvs.pop((kind, mb))
+        t0 = time.perf_counter()
         for w in works:
-            w.wait()
+            self._guarded(w.wait, self._what)
+        self._waited_s += time.perf_counter() - t0
         out, k, n = [], 0, self.micro_batch_size
         for dtype, shape in specs:
             mine = pieces[k:k + len(ranges)]
@@ -419,7 +423,7 @@ class HeteroPipelineEngine(PipelineEngine):
     def _wait_sends(self) -> None:
         sends, self._sends = self._sends, []
         for work, _buf in sends:
-            work.wait()
+            self._guarded(work.wait, self._what)
 
     def _act_send_activations(self, a: Action) -> None:
         outputs = _as_tuple(self._outputs[a.mb])
@@ -452,7 +456,8 @@ class HeteroPipelineEngine(PipelineEngine):
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
+        self._peers_in_flight = tuple(self.grid.stage_ranks[self.stage_id])
+        self._guarded(lambda: dist.all_reduce(flat, group=self.grid.get_data_parallel_group()), "AR")
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
 
@@ -463,7 +468,7 @@ class HeteroPipelineEngine(PipelineEngine):
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.grid.replica_id == 0 and grads:
             sq += sum(g.detach().double().pow(2).sum() for g in grads)
-        dist.all_reduce(sq)
+        self._guarded(lambda: dist.all_reduce(sq), "the gradient norm's all-reduce")
         total = float(sq.sqrt())
         self._global_grad_norm = total
         coef = max_norm / (total + 1e-6)

@@ -8,6 +8,7 @@ for a rank that already left.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import importlib
 import json
@@ -181,6 +182,48 @@ def _init_distributed(timeout_s: float) -> None:
                                timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
 
 
+_SHUTDOWN_BARRIER_S = 60.0  # how long a finished rank waits at exit for the others to finish too
+_failed = False  # an uncaught exception on this rank: skip the barrier, end at once so peers see it
+
+
+def _register_clean_shutdown() -> None:
+    """At interpreter exit: a bounded barrier, then ``destroy_process_group``.
+
+    Why: ranks that finish at different times (rank 0 doing extra work at the end) otherwise tear down
+    gloo while peers still talk to them, and a process can abort at exit ("terminate called without an
+    active exception", SIGABRT) though its training finished. After an uncaught exception the rank
+    prints its traceback and ends at once, so its peers' transfers fail within seconds and name it.
+    """
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        global _failed
+        _failed = True
+        previous_hook(kind, value, tb)
+
+    def at_exit():
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            return
+        if _failed:
+            sys.stderr.flush()
+            os._exit(1)  # gloo's threads could keep a failed process alive; its peers must see it gone
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=_SHUTDOWN_BARRIER_S))
+            else:
+                dist.barrier()
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            print(f"hethub: rank {dist.get_rank()} finished, but not every rank reached the final barrier: "
+                  f"{first}", file=sys.stderr, flush=True)
+            os._exit(3)
+        dist.destroy_process_group()
+
+    sys.excepthook = excepthook
+    atexit.register(at_exit)
+
+
 def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config: Union[dict, str, None] = None,
                plan: Union[Plan, str, None] = None, optimizer: Any = None, model_parameters: Any = None,
                lr_scheduler: Any = None, args: Any = None):
@@ -214,6 +257,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     bf16 = bool((cfg.pop("bf16", None) or {}).get("enabled"))
     _fix_local_rank(the_plan, rank)
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
+    _register_clean_shutdown()
     grid = HeteroGrid(the_plan, rank)
     slowdown = slowdown_for(grid.stage.device_type, hetero.get("emulate_slowdown"))
     if slowdown != 1.0:

@@ -10,6 +10,8 @@ from conftest import ROOT
 from dist_util import spawn
 from test_runtime import stack_plan
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("deepspeed")
 WORKER = os.path.join("tests", "workers", "resume.py")
 PLAN_A = ([3], [[3, 3], [2, 2, 2]], 6, 2)          # 2 -> 3, 5 ranks
@@ -117,6 +119,7 @@ def _launch(args, timeout=240):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+@pytest.mark.slow
 def test_elastic_story_kill_replan_resume(tmp_path):
     """Plan for 5 devices, train and checkpoint; kill a rank (everything ends non-zero); re-plan for 4;
     resume: training continues at the saved step with the same data and the losses of an uninterrupted run."""

@@ -80,6 +80,7 @@ def test_launch_dry_run_passes_flags_through(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: --include: the plan places every rank")
 
 
+@pytest.mark.dist
 def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(tmp_path):
     pytest.importorskip("deepspeed")
     plan = unequal_plan()  # 5 ranks
@@ -100,6 +101,8 @@ def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(t
     assert tag not in ps
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     """`hethub demo` (short): plans, launches 5 ranks through DeepSpeed's launcher, trains, compares."""
     pytest.importorskip("deepspeed")

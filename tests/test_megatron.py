@@ -36,6 +36,7 @@ def test_plans_megatron_cannot_express_are_refused_with_the_reason():
     assert r.returncode == 2 and r.stderr.count("\n") == 1
 
 
+@pytest.mark.dist
 def test_megatron_core_accepts_the_export(tmp_path):
     pytest.importorskip("megatron.core")
     cl = Cluster.model_validate({"name": "cpu", "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": 1,
@@ -52,6 +53,7 @@ def test_megatron_core_accepts_the_export(tmp_path):
         assert rc == 0 and "ok" in out, err[-2000:]
 
 
+@pytest.mark.dist
 def test_megatron_core_gpt_under_a_2_to_3_plan_matches_one_process(tmp_path):
     """A tiny megatron-core GPT (local spec) under widths 2 -> 3 trains like one process (5 SGD steps, clipped)."""
     pytest.importorskip("megatron.core")

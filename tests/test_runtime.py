@@ -19,6 +19,8 @@ from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.records import ModelConfig
 from hethub.partitioner.schedule import build_schedule, format_schedule
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("deepspeed")
 
 WORKER = os.path.join("tests", "workers", "train_stack.py")

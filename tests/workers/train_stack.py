@@ -82,7 +82,12 @@ def main():
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         beat = os.environ.get("HEARTBEAT")  # fault tests: wait for training to be under way
+        fail_rank, _, fail_step = os.environ.get("FAIL_AT", "-1:-1").partition(":")  # a user's bug, on one rank
         for step in range(steps):
+            if engine.global_rank == int(fail_rank) and step == int(fail_step):
+                def bug(*_):
+                    raise RuntimeError("user bug in a layer (mentions a timeout and a peer, yet is no lost peer)")
+                engine.module.forward_funcs[0].register_forward_hook(bug)
             it = iter([micro_batch(step, m, mb) for m in range(M)])
             losses.append(float(engine.train_batch(it)))
             if beat and engine.global_rank == 0:
@@ -92,6 +97,9 @@ def main():
         eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
         first, last = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
+    if os.environ.get("END_SLEEP_RANK0") and os.environ.get("RANK") == "0":
+        import time
+        time.sleep(float(os.environ["END_SLEEP_RANK0"]))  # rank 0 does extra work after training
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace}, out_path)
 
