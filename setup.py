@@ -1,9 +1,10 @@
 """hethub: DeepSpeed pipeline training across heterogeneous GPU fleets.
 
 Layout: the runtime lives in ``hethub/``; the planner in ``partitioner/`` and the
-Triton kernels in ``kernels/`` are imported as ``hethub.partitioner`` and
-``hethub.kernels`` (``hethub/partitioner`` and ``hethub/kernels`` are symlinks),
-so no top-level name collides with a PyPI package (``kernels``, ``partitioner``).
+Triton kernels in ``kernels/`` are installed as ``hethub.partitioner`` and
+``hethub.kernels`` through ``package_dir`` (no symlinks), so each module has exactly
+one import name and no top-level name collides with a PyPI package (``kernels``,
+``partitioner``).
 """
 from setuptools import setup
 
@@ -13,7 +14,7 @@ RUNTIME = [
     "deepspeed>=0.19.0,<0.20",       # the plugin overrides engine internals; tested on 0.19.x
     "triton>=3.0; platform_system == 'Linux'",
 ]
-TEST = ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7", "megatron-core>=0.16,<0.17"]
+TEST = ["pytest>=8", "hypothesis>=6", "setuptools>=64", "matplotlib>=3.7", "megatron-core>=0.16,<0.17"]
 
 setup(
     name="hethub",
@@ -23,6 +24,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["hethub", "hethub.partitioner", "hethub.kernels"],
+    package_dir={"hethub": "hethub", "hethub.partitioner": "partitioner", "hethub.kernels": "kernels"},
     package_data={"hethub": ["py.typed"]},
     install_requires=CORE,
     extras_require={"runtime": RUNTIME, "test": TEST, "plot": ["matplotlib>=3.7"]},

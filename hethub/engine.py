@@ -37,9 +37,12 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import ds_seams
 from .kernels import pack, unpack, wire_dtype_for, wire_layout
 from .partitioner.schedule import Action, build_schedule
 from .topology import HeteroGrid
+
+ds_seams.check()  # the DeepSpeed names below that are not public API exist in this DeepSpeed
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
@@ -497,6 +500,21 @@ class HeteroPipelineEngine(PipelineEngine):
         from . import checkpoint
         tag, client = checkpoint.load(self, load_dir, tag, load_optimizer_states)
         return os.path.join(load_dir, tag), client
+
+    # ------------------------------------------------------------------ inherited calls a plan cannot honour
+    def set_train_batch_size(self, train_batch_size):
+        raise NotImplementedError("hethub: the plan fixes the batch (global_batch_size = micro_batch_size x "
+                                  "num_micro_batches); make a plan for another batch with `hethub plan`")
+
+    def module_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("hethub: use engine.save_checkpoint(dir): per-layer files any plan can load")
+
+    def load_module_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("hethub: use engine.load_checkpoint(dir): per-layer files from any plan")
+
+    def get_additional_losses(self):
+        """No auxiliary losses (MoE load balancing) under hethub plans."""
+        return None
 
     def reset_activation_shape(self):
         self._recv_meta = None

@@ -241,6 +241,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         check_against_world(the_plan, rank, world, layers, cfg)
         schedule_file = (cfg.get("hetero") or {}).get("schedule")
         schedule = load_checked_schedule(the_plan, schedule_file, rank) if schedule_file else None
+        from . import ds_seams
+        ds_seams.check()
     except InputError as exc:
         fail(str(exc))
 

@@ -10,7 +10,7 @@ Formulation (for each micro-batch size b, M = G / b, solved separately — decom
 - one binary x_c per candidate stage c = (unit range [i, j), device type t, width w, recompute r);
   a stage's w replicas split the micro-batch evenly (ceil(b / w) samples at most, w <= b);
 - flow over unit boundaries: exactly one chain of candidates from 0 to U;
-- bottleneck rows per unit, written sparsely with a running load (shared/NOTES.md: one row per
+- bottleneck rows per unit, written sparsely with a running load (measured before the planner was written: one row per
   *layer* gives an LP bound of 3.99 vs 0.53 with one row per candidate);
 - device rows: sum of widths of type t <= devices of type t;
 - 1F1B memory, exactly: a stage starting at unit i keeps min(S_i, M) micro-batches in flight,
