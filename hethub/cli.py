@@ -7,16 +7,48 @@ that plan or show import no torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
 from .partitioner.errors import InputError
+from .partitioner.outputs import check_output_path, write_atomic
+from .partitioner.records import MAX_BATCH, MAX_BLOCKS
+
+
+def _int_in(lo: int, hi: int):
+    """argparse type: an integer in [lo, hi] (bad values become one line naming the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {text[:40]}")
+        return value
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    """argparse type: a finite float in [lo, hi] ((lo, hi] with lo_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
+        if not (lo < value <= hi if lo_open else lo <= value <= hi):  # nan fails both
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {text[:40]}")
+        return value
+    return parse
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (``error: ...``) and exits 2."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
+        flag, sep, rest = message.partition(": ")
+        if flag.startswith("argument ") and sep:  # "argument --x: problem" -> "--x: problem"
+            raise InputError(flag[len("argument "):].split("/")[-1], rest)
         raise InputError("", f"{self.prog}: {message}")
 
 
@@ -38,10 +70,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .show import print_plan
 
     cluster, model = load_cluster(args.cluster), load_model(args.model)
-    if args.global_batch < 1:
-        raise InputError("--global-batch", f"must be >= 1, got {args.global_batch}")
-    if args.time_limit <= 0:
-        raise InputError("--time-limit", f"must be > 0, got {args.time_limit}")
+    profile_files = ([os.path.join(args.profiles, f) for f in os.listdir(args.profiles)]
+                     if args.profiles and os.path.isdir(args.profiles) else [])
+    check_output_path(args.output, "--output", [args.cluster, args.model, *profile_files])
     sizes = None
     if args.micro_batch_sizes:
         try:
@@ -61,8 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(cluster, model, args.global_batch, opts=opts, cost_model=cm,
                          with_homogeneous_sum=not args.no_compare)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(plan.to_json() + "\n")
+    write_atomic(args.output, plan.to_json() + "\n", "--output", [args.cluster, args.model, *profile_files])
     print_plan(plan, console)
     if not args.baseline and not args.no_compare:
         for kind in BASELINES:
@@ -76,32 +106,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+TIMELINE_BUDGET = 1_000  # (rank, micro-batch) pairs drawn in a PNG or Chrome trace
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .partitioner.costmodel import CostModel
-    from .partitioner.evaluate import closed_form_s, predict
+    from .partitioner.evaluate import closed_form_s, replay_iteration_s, replay_micro_batches, with_micro_batches
     from .partitioner.records import load_plan, load_profiles
     from .partitioner.schedule import build_schedule, format_schedule, read_schedule_file
     from .partitioner.simulator import simulate, write_png, write_trace
 
     plan = load_plan(args.plan)
+    inputs = (args.plan, args.schedule)
+    for path, flag in ((args.trace, "--trace"), (args.png, "--png")):
+        if path:
+            check_output_path(path, flag, inputs)
     cm = CostModel(plan.cluster, plan.model, profiles=load_profiles(args.profiles) if args.profiles else ())
-    sched = read_schedule_file(args.schedule) if args.schedule else build_schedule(plan)
+    m = plan.num_micro_batches if args.schedule else replay_micro_batches(plan)
+    shown = plan if m == plan.num_micro_batches else with_micro_batches(plan, m)
+    sched = read_schedule_file(args.schedule) if args.schedule else build_schedule(shown)
     if args.print_schedule:
         for r in sorted(sched):
             print(f"{r}: {format_schedule(sched[r])}")
-    res = simulate(plan, cm, sched)
-    pred = plan.predicted.iteration_s if plan.predicted is not None else predict(plan, cm).iteration_s
-    print(f"iteration {res.iteration_s * 1e3:.3f} ms, {res.samples_per_s:.4g} samples/s, "
-          f"bubble {res.bubble_fraction:.1%} (predicted {pred * 1e3:.3f} ms, {pred / res.iteration_s - 1:+.1%}; "
-          f"closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
+    res = simulate(shown, cm, sched if args.schedule else None)
+    it = res.iteration_s if shown is plan else replay_iteration_s(plan, cm, t1=res.iteration_s)
+    if shown is not plan:
+        print(f"note: {plan.num_micro_batches} micro-batches on {plan.world_size} ranks: replayed {m} and "
+              f"{max(plan.num_stages + 1, m // 2)}, extrapolated linearly; busy and timeline show {m}")
+    pred = (f"predicted {plan.predicted.iteration_s * 1e3:.3f} ms, {plan.predicted.iteration_s / it - 1:+.1%}"
+            if plan.predicted is not None else "the plan holds no prediction")
+    print(f"iteration {it * 1e3:.3f} ms, {plan.global_batch_size / it:.4g} samples/s, "
+          f"bubble {res.bubble_fraction:.1%} ({pred}; closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
     for st in plan.stages:
         print(f"stage {st.index} ({st.device_type}): busy " +
               ", ".join(f"r{r.rank} {res.busy[r.rank]:.0%}" for r in st.replicas))
+    if (args.trace or args.png) and shown.world_size * shown.num_micro_batches > TIMELINE_BUDGET and not args.schedule:
+        m_t = max(2 * plan.num_stages + 2, TIMELINE_BUDGET // plan.world_size)
+        shown = with_micro_batches(plan, min(m_t, plan.num_micro_batches))
+        res = simulate(shown, cm)
+        print(f"note: the timeline shows the first {shown.num_micro_batches} of {plan.num_micro_batches} micro-batches")
     if args.trace:
-        write_trace(res, plan, args.trace)
+        write_trace(res, shown, args.trace, inputs)
         print(f"wrote {args.trace}")
     if args.png:
-        write_png(res, plan, args.png)
+        write_png(res, shown, args.png, inputs=inputs)
         print(f"wrote {args.png}")
     return 0
 
@@ -132,14 +180,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from .partitioner.records import load_model
     model = load_model(args.model)
-    if args.micro_batch_size < 1:
-        raise InputError("--micro-batch-size", f"must be >= 1, got {args.micro_batch_size}")
-    if args.reps < 1:
-        raise InputError("--reps", f"must be >= 1, got {args.reps}")
-    if args.emulate_slowdown < 1:
-        raise InputError("--emulate-slowdown", f"must be >= 1, got {args.emulate_slowdown}")
-    import os
-
+    check_output_path(args.output, "--output")
     import torch
 
     from .profiler import measure_links, profile_model
@@ -150,8 +191,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from .partitioner.records import LinkProfile
         prof = prof.model_copy(update={"links": [LinkProfile(**d) for d in measure_links()]})
     if os.environ.get("RANK", "0") == "0":
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(prof.to_json() + "\n")
+        write_atomic(args.output, prof.to_json() + "\n", "--output")
         block = next((l for l in prof.layers if l.kind == "block"), prof.layers[0])
         print(f"wrote {args.output}: {len(prof.layers)} layers of {model.name} on {args.device_type} "
               f"(micro-batch {prof.micro_batch_size}, {dtype}); block forward {block.forward_ms:.3f} ms, "
@@ -168,20 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="plan stages, widths and sample splits for a cluster and model")
     sp.add_argument("--cluster", required=True, help="cluster YAML/JSON")
     sp.add_argument("--model", required=True, help="model YAML/JSON or a built-in name (gpt-1.3b, llama-7b, ...)")
-    sp.add_argument("--global-batch", type=int, required=True, help="samples per iteration")
+    sp.add_argument("--global-batch", type=_int_in(1, MAX_BATCH), required=True, help="samples per iteration")
     sp.add_argument("-o", "--output", default="plan.json")
     sp.add_argument("--profiles", help="directory of measured profile JSON files")
     sp.add_argument("--solver", choices=["highs", "cbc", "brute-force"], default="highs")
-    sp.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, seconds")
+    sp.add_argument("--time-limit", type=_float_in(0, 86400, lo_open=True), default=60.0,
+                    help="solver time limit, seconds (brute force too)")
     sp.add_argument("--baseline", choices=["uniform", "parameters", "fastest-only"],
                     help="plan the way a baseline would, for comparison")
     sp.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sizes to consider "
                                                  "(default: divisors of the global batch up to --max-micro-batch)")
-    sp.add_argument("--max-micro-batch", type=int, default=64)
+    sp.add_argument("--max-micro-batch", type=_int_in(1, MAX_BATCH), default=64)
     sp.add_argument("--no-recompute", action="store_true", help="never plan activation recompute")
-    sp.add_argument("--memory-reserve-gib", type=float, default=2.0, help="kept free on every device")
+    sp.add_argument("--memory-reserve-gib", type=_float_in(0, 1e6), default=2.0, help="kept free on every device")
     sp.add_argument("--zero1", action="store_true", help="shard optimizer state over each stage's replicas")
-    sp.add_argument("--max-units", type=int, default=48,
+    sp.add_argument("--max-units", type=_int_in(3, MAX_BLOCKS + 2), default=48,
                     help="group blocks into at most this many cut points (large models)")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
@@ -211,11 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("profile", help="measure per-layer time and memory on the local device")
     sp.add_argument("--model", required=True)
     sp.add_argument("--device-type", required=True)
-    sp.add_argument("--micro-batch-size", type=int, default=1)
+    sp.add_argument("--micro-batch-size", type=_int_in(1, 1 << 16), default=1)
     sp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                     help="default: bf16 on a GPU, fp32 on CPU")
-    sp.add_argument("--reps", type=int, default=7, help="timed repetitions per layer (median), after 2 warm-ups")
-    sp.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
+    sp.add_argument("--reps", type=_int_in(1, 10_000), default=7, help="timed repetitions per layer (median), after 2 warm-ups")
+    sp.add_argument("--emulate-slowdown", type=_float_in(1, 1e4), default=1.0, metavar="K",
                     help="profile as if the device were K times slower (emulated heterogeneity)")
     sp.add_argument("--links", action="store_true", help="measure link bandwidth between ranks (under a launcher)")
     sp.add_argument("-o", "--output", default="profile.json")
@@ -226,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
 
     sp = sub.add_parser("demo", help="plan a built-in mixed cluster and train a small model on it (CPU, gloo)")
-    sp.add_argument("--steps", type=int, default=20)
-    sp.add_argument("--global-batch", type=int, default=16)
+    sp.add_argument("--steps", type=_int_in(1, 100_000), default=20)
+    sp.add_argument("--global-batch", type=_int_in(1, 4096), default=16)
     sp.add_argument("-o", "--output-dir", default="demo-out")
     sp.set_defaults(func=cmd_demo)
     return p

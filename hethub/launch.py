@@ -55,7 +55,10 @@ def include_arg(plan: Plan) -> str:
 def split_script(rest: Sequence[str]) -> tuple[list[str], str, list[str]]:
     """(deepspeed launcher flags, script, script args): the script is the first token DeepSpeed's parser
     would take as ``user_script``."""
-    from deepspeed.launcher import runner
+    try:
+        from deepspeed.launcher import runner
+    except ImportError:
+        raise InputError("launch", "needs DeepSpeed: pip install 'hethub[runtime]'") from None
     try:
         ns = runner.parse_args(list(rest))
     except SystemExit:

@@ -44,13 +44,11 @@ def _load_config(config: Union[dict, str, None]) -> dict:
         return {}
     if isinstance(config, dict):
         return json.loads(json.dumps(config))  # deep copy; we fill in batch keys
-    if not os.path.isfile(config):
-        raise InputError("config", f"no such file {config!r}")
-    try:
-        with open(config, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise InputError("config", f"{config}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    from .partitioner.records import read_data_file
+    data = read_data_file(str(config), "config")  # JSON (YAML also accepted)
+    if not isinstance(data, dict):
+        raise InputError("config", f"{config}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def resolve_plan(plan: Union[Plan, str, None], config: dict, args: Any = None) -> Plan:

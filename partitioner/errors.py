@@ -12,13 +12,29 @@ from typing import Any
 import pydantic
 
 
+MAX_FIELD_CHARS = 160  # a field path (a file name may be part of it)
+MAX_MESSAGE_CHARS = 400  # the message; values inside it are echoed at most ~100 characters (``short``)
+
+
+def short(value: Any, limit: int = 100) -> str:
+    """``repr`` of a value, cut to ``limit`` characters: an error must never echo a huge input whole."""
+    text = repr(value) if not isinstance(value, str) else repr(value[: limit + 1])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class InputError(ValueError):
-    """Bad user input. ``str(err)`` is the one line shown to the user (without ``error:``)."""
+    """Bad user input. ``str(err)`` is the one line shown to the user (without ``error:``): one line,
+    bounded in length whatever the input."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
+        self.field = _one_line(field, MAX_FIELD_CHARS)
+        self.message = _one_line(message, MAX_MESSAGE_CHARS)
+        super().__init__(f"{self.field}: {self.message}" if self.field else self.message)
 
 
 class InfeasibleError(InputError):
@@ -76,5 +92,5 @@ def from_validation_error(exc: pydantic.ValidationError, prefix: str) -> InputEr
     if etype in _CONSTRAINT_TEXT:
         ctx = {k: (int(v) if isinstance(v, float) and v.is_integer() else v) for k, v in err.get("ctx", {}).items()}
         text = _CONSTRAINT_TEXT[etype].format(**ctx)
-        return InputError(path, f"{text}, got {err.get('input')!r}")
-    return InputError(path, f"{msg[0].lower() + msg[1:]}, got {err.get('input')!r}")
+        return InputError(path, f"{text}, got {short(err.get('input'))}")
+    return InputError(path, f"{msg[0].lower() + msg[1:]}, got {short(err.get('input'))}")

@@ -17,7 +17,7 @@ planner ranks its best chains by the closed form and chooses among them by simul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .costmodel import WIRE_FACTOR, CostModel
 from .records import Plan, Predicted
@@ -112,10 +112,38 @@ def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, wi
     return plan.model_copy(update={"predicted": pred})
 
 
+SIM_BUDGET = 100_000  # (rank, micro-batch) pairs one prediction replays; past it the replay is extrapolated
+
+
+def with_micro_batches(plan: Plan, num_micro_batches: int) -> Plan:
+    """The same plan running ``num_micro_batches`` micro-batches per iteration (for shortened replays)."""
+    return plan.model_copy(update={"num_micro_batches": num_micro_batches,
+                                   "global_batch_size": plan.micro_batch_size * num_micro_batches})
+
+
+def replay_micro_batches(plan: Plan) -> int:
+    """How many micro-batches a prediction replays: all, unless world x M is past SIM_BUDGET (then at least
+    2S + 2, where 1F1B is in its steady state and the iteration grows linearly with M)."""
+    return min(plan.num_micro_batches, max(2 * plan.num_stages + 2, SIM_BUDGET // plan.world_size))
+
+
+def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) -> float:
+    """The simulated iteration; for very long iterations, replays of m and m/2 micro-batches extrapolated
+    linearly (1F1B's steady state adds the same time per micro-batch). ``t1``: the m-micro-batch replay's
+    iteration, where the caller has it already."""
+    m1 = replay_micro_batches(plan)
+    if m1 == plan.num_micro_batches:
+        return t1 if t1 is not None else simulate(plan, cm).iteration_s
+    m2 = max(plan.num_stages + 1, m1 // 2)
+    t1 = t1 if t1 is not None else simulate(with_micro_batches(plan, m1), cm).iteration_s
+    t2 = simulate(with_micro_batches(plan, m2), cm).iteration_s
+    return t1 + (plan.num_micro_batches - m1) * (t1 - t2) / (m1 - m2)
+
+
 def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
     costs = stage_costs(plan, cm)
     closed = iteration_s(costs, plan.num_micro_batches)
-    it = simulate(plan, cm).iteration_s
+    it = replay_iteration_s(plan, cm)
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
     return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,

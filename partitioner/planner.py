@@ -35,7 +35,7 @@ import numpy as np
 from .costmodel import BYTES_PER_ACT, OPTIMIZER_PASSES, PCIE_GBPS, CostModel
 from .errors import InfeasibleError, InputError
 from .placement import StageLayout, even_split
-from .records import ModelConfig
+from .records import MAX_MICRO_BATCHES, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -477,7 +477,8 @@ class _quiet_stdout:
 # ------------------------------------------------------------------------- brute force
 
 
-def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_nodes: int = 20_000_000
+def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_nodes: int = 20_000_000,
+                      deadline: float = math.inf, time_limit_s: float = math.inf
                       ) -> Optional[tuple[list[int], float]]:
     """Enumerate every chain of candidates (small instances only): the reference for the MILP.
 
@@ -500,6 +501,9 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
         if nodes[0] > max_nodes:
             raise InputError("--solver", f"brute force is for small instances: more than {max_nodes} partial "
                                          f"chains; use --solver highs")
+        if nodes[0] % 4096 == 0 and time.perf_counter() > deadline:
+            raise InputError("--time-limit", f"brute force did not finish within {time_limit_s:g} s; it is for "
+                                             f"small instances: use --solver highs")
         if (M - 1) * mx + sm + mar + mop >= best[1]:
             return
         if u == U:
@@ -530,8 +534,15 @@ def micro_batch_sizes(global_batch: int, opts: PlannerOptions) -> list[int]:
         bad = [b for b in opts.micro_batch_sizes if b < 1 or global_batch % b]
         if bad:
             raise InfeasibleError("micro_batch_sizes", f"{bad[0]} does not divide the global batch {global_batch}")
-        return sorted(opts.micro_batch_sizes)
-    return [b for b in range(1, min(global_batch, opts.max_micro_batch_size) + 1) if global_batch % b == 0]
+        sizes = sorted(opts.micro_batch_sizes)
+    else:
+        sizes = [b for b in range(1, min(global_batch, opts.max_micro_batch_size) + 1) if global_batch % b == 0]
+    out = [b for b in sizes if global_batch // b <= MAX_MICRO_BATCHES]
+    if sizes and not out:
+        raise InfeasibleError("--global-batch", f"{global_batch} needs more than {MAX_MICRO_BATCHES} micro-batches at "
+                                                f"micro-batch sizes up to {max(sizes)}; allow larger ones "
+                                                f"(--max-micro-batch / --micro-batch-sizes)")
+    return out
 
 
 def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptions()) -> tuple[Solution, dict]:
@@ -592,7 +603,7 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         sub, back = (restrict(cand, cand.c <= cut / M * (1 + 1e-9)) if cut is not None
                      else (cand, np.arange(len(cand))))
         if brute:
-            res = solve_brute_force(sub, U, counts, M)
+            res = solve_brute_force(sub, U, counts, M, deadline=t0 + opts.time_limit_s, time_limit_s=opts.time_limit_s)
             chosen, obj, bound, status = (None, math.inf, math.inf, "infeasible") if res is None else \
                 (res[0], res[1], res[1], "optimal")
         else:

@@ -12,7 +12,6 @@ Gbit/s (gigaBITS, as NICs are sold), ``peak_tflops`` dense TFLOP/s.
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 from functools import cached_property
@@ -26,6 +25,18 @@ from .catalogue import DEVICE_TYPES, MODELS
 from .errors import InputError, from_validation_error
 
 SCHEMA_VERSION = 1
+
+# Bounds on sizes, so that hopeless input is refused where it is read instead of exhausting memory or
+# time later (README, "Limits"). Generous for any real fleet or model.
+MAX_NAME_CHARS = 256  # names of hosts, device types, models, clusters
+MAX_DEVICES = 65_536  # devices in a cluster (and ranks in a plan)
+MAX_BLOCKS = 10_000  # transformer blocks in a model
+MAX_DIM = 10_000_000  # hidden, ffn, vocab, sequence length, heads
+MAX_BATCH = 10_000_000  # samples in a global batch
+MAX_MICRO_BATCHES = 100_000  # micro-batches in one iteration
+MAX_RATE = 1e9  # TFLOP/s, GiB, GB/s, Gbit/s, microseconds: finite and at most this
+
+Name = Field(min_length=1, max_length=MAX_NAME_CHARS)
 
 
 class Record(BaseModel):
@@ -52,18 +63,37 @@ def parse_record(cls: type[R], data: Any, prefix: str) -> R:
         raise from_validation_error(exc, prefix) from None
 
 
+MAX_FILE_BYTES = 64 * 2 ** 20  # a cluster, model, profile or plan file
+
+
 def read_data_file(path: str, what: str) -> Any:
-    """Read a JSON or YAML file (YAML with safe_load; JSON is YAML too, but JSON errors read better)."""
+    """Read a JSON or YAML file (YAML with safe_load; JSON is YAML too, but JSON errors read better).
+
+    Every way a file can be unreadable (missing, a directory, too large, not UTF-8, nested past the
+    parser's recursion limit, an integer past Python's 4300-digit limit) is one InputError."""
     if not os.path.isfile(path):
         raise InputError(what, f"no such file {path!r}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_FILE_BYTES:
+            raise InputError(what, f"{path}: {size} bytes; at most {MAX_FILE_BYTES} bytes are read")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise InputError(what, f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise InputError(what, f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         if path.endswith(".json"):
             return json.loads(text)
         return yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(what, f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise InputError(what, f"{path}: nested too deeply") from None
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            raise InputError(what, f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                                   f"{exc.msg})") from None
+        raise InputError(what, f"{path}: {exc}") from None  # e.g. an integer over 4300 digits
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -74,14 +104,14 @@ def read_data_file(path: str, what: str) -> Any:
 
 
 class DeviceType(Record):
-    name: str = ""
+    name: str = Field(default="", max_length=MAX_NAME_CHARS)
     vendor: Literal["nvidia", "amd", "intel", "cpu", "other"]
     # dtype -> dense peak TFLOP/s; a bare number means bf16 (and fp16).
     peak_tflops: dict[str, float]
-    memory_gib: float = Field(gt=0)
-    memory_gbps: float = Field(gt=0)
+    memory_gib: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
+    memory_gbps: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
     # Fraction of peak a transformer layer's matmuls reach (MFU); a measured profile calibrates it.
-    efficiency: float = Field(default=0.5, gt=0, le=1)
+    efficiency: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
 
     @field_validator("peak_tflops", mode="before")
     @classmethod
@@ -97,9 +127,11 @@ class DeviceType(Record):
             raise ValueError("must name at least one dtype")
         for dtype, tf in v.items():
             if dtype not in ("fp8", "bf16", "fp16", "tf32", "fp32", "fp64"):
-                raise ValueError(f"{dtype}: unknown dtype, expected one of fp8/bf16/fp16/tf32/fp32/fp64")
+                raise ValueError(f"{dtype[:40]}: unknown dtype, expected one of fp8/bf16/fp16/tf32/fp32/fp64")
             if not tf > 0:
                 raise ValueError(f"{dtype}: must be > 0, got {tf!r}")
+            if not tf <= MAX_RATE:
+                raise ValueError(f"{dtype}: must be <= {MAX_RATE:g}, got {tf!r}")
         return v
 
     def peak(self, dtype: str = "bf16") -> float:
@@ -122,29 +154,29 @@ def builtin_device_type(name: str) -> DeviceType:
 
 
 class Node(Record):
-    host: str = Field(min_length=1)
-    device_type: str = Field(min_length=1)
-    count: int = Field(gt=0)
+    host: str = Name
+    device_type: str = Name
+    count: int = Field(gt=0, le=MAX_DEVICES)
 
 
 class Network(Record):
     # Gbit/s between two devices of one node; one number or a map device_type -> number.
     intra_node_gbps: Union[float, dict[str, float]] = 2400.0
     # Gbit/s of one node's NIC towards another node.
-    inter_node_gbps: float = Field(default=100.0, gt=0)
+    inter_node_gbps: float = Field(default=100.0, gt=1e-6, le=MAX_RATE, allow_inf_nan=False)
     # Between devices of different vendors, traffic goes device -> host -> network -> host -> device.
     # None: inter_node_gbps, limited by host copies (PCIe) in the cost model.
-    cross_vendor_gbps: Optional[float] = Field(default=None, gt=0)
-    intra_node_latency_us: float = Field(default=5.0, ge=0)
-    inter_node_latency_us: float = Field(default=20.0, ge=0)
+    cross_vendor_gbps: Optional[float] = Field(default=None, gt=1e-6, le=MAX_RATE, allow_inf_nan=False)
+    intra_node_latency_us: float = Field(default=5.0, ge=0, le=MAX_RATE, allow_inf_nan=False)
+    inter_node_latency_us: float = Field(default=20.0, ge=0, le=MAX_RATE, allow_inf_nan=False)
 
     @field_validator("intra_node_gbps")
     @classmethod
     def _positive(cls, v: Any) -> Any:
         values = v.items() if isinstance(v, dict) else [("", v)]
         for k, x in values:
-            if not x > 0:
-                raise ValueError(f"{k + ': ' if k else ''}must be > 0, got {x!r}")
+            if not 1e-6 < x <= MAX_RATE:
+                raise ValueError(f"{k[:40] + ': ' if k else ''}must be > 1e-06 and <= {MAX_RATE:g}, got {x!r}")
         return v
 
     def intra_gbps(self, device_type: str) -> float:
@@ -155,7 +187,7 @@ class Network(Record):
 
 
 class Cluster(Record):
-    name: str = "cluster"
+    name: str = Field(default="cluster", max_length=MAX_NAME_CHARS)
     device_types: dict[str, DeviceType] = Field(default_factory=dict)
     nodes: list[Node] = Field(min_length=1)
     network: Network = Field(default_factory=Network)
@@ -181,6 +213,9 @@ class Cluster(Record):
     @model_validator(mode="after")
     def _check(self) -> "Cluster":
         hosts = set()
+        total = sum(n.count for n in self.nodes)
+        if total > MAX_DEVICES:
+            raise ValueError(f"nodes: at most {MAX_DEVICES} devices in a cluster, got {total}")
         for i, node in enumerate(self.nodes):
             if node.host in hosts:
                 raise ValueError(f"nodes[{i}].host: duplicate host {node.host!r}")
@@ -230,15 +265,15 @@ class LayerInfo(Record):
 
 
 class ModelConfig(Record):
-    name: str = "model"
+    name: str = Field(default="model", max_length=MAX_NAME_CHARS)
     architecture: Literal["gpt", "llama"]
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: Optional[int] = Field(default=None, gt=0)  # grouped-query attention; None = MHA
-    ffn_hidden_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    seq_length: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=MAX_BLOCKS)
+    hidden_size: int = Field(gt=0, le=MAX_DIM)
+    num_attention_heads: int = Field(gt=0, le=MAX_DIM)
+    num_key_value_heads: Optional[int] = Field(default=None, gt=0, le=MAX_DIM)  # grouped-query attention
+    ffn_hidden_size: int = Field(gt=0, le=MAX_DIM)
+    vocab_size: int = Field(gt=0, le=MAX_DIM)
+    seq_length: int = Field(gt=0, le=MAX_DIM)
     tie_embeddings: bool = False
 
     @model_validator(mode="after")
@@ -299,8 +334,8 @@ def load_cluster(path: str) -> Cluster:
 class LayerProfile(Record):
     index: int = Field(ge=0)
     kind: Literal["embedding", "block", "head"]
-    forward_ms: float = Field(ge=0)
-    backward_ms: float = Field(ge=0)
+    forward_ms: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)  # a measured time is never 0
+    backward_ms: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
     # Bytes autograd keeps for this layer's backward at the profile's micro-batch size.
     activation_bytes: Optional[int] = Field(default=None, ge=0)
     # Peak memory of forward+backward of this layer alone (bytes); where the device reports it.
@@ -311,21 +346,21 @@ class LinkProfile(Record):
     src_rank: int = Field(ge=0)
     dst_rank: int = Field(ge=0)
     op: Literal["p2p", "allreduce"]
-    gbps: float = Field(gt=0)  # Gbit/s
+    gbps: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)  # Gbit/s
     bytes: int = Field(gt=0)
 
 
 class Profile(Record):
     schema_version: int = SCHEMA_VERSION
-    device_type: str = Field(min_length=1)
+    device_type: str = Name
     model: ModelConfig
-    micro_batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0, le=MAX_BATCH)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # Emulated slowdown factor the profile was measured under (1 = real device speed).
-    emulated_slowdown: float = Field(default=1.0, ge=1)
+    emulated_slowdown: float = Field(default=1.0, ge=1, le=MAX_RATE, allow_inf_nan=False)
     layers: list[LayerProfile] = Field(default_factory=list)
     links: list[LinkProfile] = Field(default_factory=list)
-    host: str = ""
+    host: str = Field(default="", max_length=MAX_NAME_CHARS)
 
     @model_validator(mode="after")
     def _check(self) -> "Profile":
@@ -358,17 +393,17 @@ def load_profiles(directory: str) -> list[Profile]:
 
 
 class Replica(Record):
-    rank: int = Field(ge=0)
-    host: str = Field(min_length=1)
-    slot: int = Field(ge=0)
-    samples: int = Field(gt=0)  # of each micro-batch
+    rank: int = Field(ge=0, lt=MAX_DEVICES)
+    host: str = Name
+    slot: int = Field(ge=0, lt=MAX_DEVICES)
+    samples: int = Field(gt=0, le=MAX_BATCH)  # of each micro-batch
 
 
 class Stage(Record):
     index: int = Field(ge=0)
     layers: tuple[int, int]  # half-open [first, last) over the planner's layer list
-    device_type: str = Field(min_length=1)
-    tensor_parallel: int = Field(default=1, gt=0)
+    device_type: str = Name
+    tensor_parallel: int = Field(default=1, gt=0, le=1024)
     recompute: bool = False
     replicas: list[Replica] = Field(min_length=1)
 
@@ -421,10 +456,10 @@ class Plan(Record):
     schema_version: int = SCHEMA_VERSION
     model: ModelConfig
     cluster: Cluster
-    global_batch_size: int = Field(gt=0)
-    micro_batch_size: int = Field(gt=0)
-    num_micro_batches: int = Field(gt=0)
-    stages: list[Stage] = Field(min_length=1)
+    global_batch_size: int = Field(gt=0, le=MAX_BATCH)
+    micro_batch_size: int = Field(gt=0, le=MAX_BATCH)
+    num_micro_batches: int = Field(gt=0, le=MAX_MICRO_BATCHES)
+    stages: list[Stage] = Field(min_length=1, max_length=MAX_DEVICES)
     boundaries: list[Boundary] = Field(default_factory=list)
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None

@@ -20,6 +20,7 @@ from typing import Optional
 
 from .costmodel import WIRE_FACTOR, CostModel
 from .errors import InputError
+from .outputs import write_atomic
 from .records import Plan
 from .schedule import Action, Transfer, build_schedule
 
@@ -315,14 +316,16 @@ class _Replay:
                                                              + (f"; also blocked: {others}" if others else ""))
 
 
-def write_trace(result: SimResult, plan: Plan, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result.chrome_trace(plan), f)
+def write_trace(result: SimResult, plan: Plan, path: str, inputs: tuple = ()) -> None:
+    write_atomic(path, json.dumps(result.chrome_trace(plan)), "--trace", inputs)
 
 
-def write_png(result: SimResult, plan: Plan, path: str, title: str = "") -> None:
+def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs: tuple = ()) -> None:
     """Timeline: one row per rank, colour per micro-batch; forward solid, backward hatched, transfers thin."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError("--png", "needs matplotlib: pip install 'hethub[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -357,5 +360,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "") -> None
                        Patch(facecolor="dimgray", label="transfer"), Patch(facecolor="lightgray", label="all-reduce"),
                        Patch(facecolor="black", label="optimizer")], loc="upper right", fontsize=7, ncol=5)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), "--png", inputs)
+    finally:
+        plt.close(fig)

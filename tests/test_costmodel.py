@@ -114,4 +114,4 @@ def test_profiler_measures_every_layer_and_round_trips(tmp_path):
     # autograd keeps at least the block's input and the MLP's hidden activations (fp32, 1 x 32 x 256)
     assert block.activation_bytes >= 4 * 32 * 256
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--micro-batch-size", "0")
-    assert r.returncode == 2 and r.stderr.strip() == "error: --micro-batch-size: must be >= 1, got 0"
+    assert r.returncode == 2 and r.stderr.strip() == "error: --micro-batch-size: must be in 1..65536, got 0"

@@ -1,0 +1,205 @@
+"""Tier 1: every bad input gets one clean line and exit 2 — never a traceback, never unbounded work.
+
+A corpus of the input classes that once escaped (each case names the fragment its line must hold), a
+property test that feeds random structures and mutations of valid files to every loader, and the
+output rules (atomic, never over an input)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import EXAMPLES, ROOT
+from hethub.cli import main
+from hethub.partitioner import InputError, load_cluster, load_model, load_plan, load_profile
+from hethub.partitioner.outputs import write_atomic
+
+CLUSTER = os.path.join(EXAMPLES, "cluster.yaml")
+PLAN = os.path.join(EXAMPLES, "plan.json")
+PLAN_ARGS = ["plan", "--cluster", CLUSTER, "--model", "gpt-1.3b", "--global-batch", "8", "--no-compare",
+             "--time-limit", "5"]
+
+
+def cli_error(capsys, argv) -> str:
+    """Run the CLI in-process; it must exit 2 with exactly one bounded line on stderr."""
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out[-500:], err[-500:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) < 600, err[-1000:]
+    return lines[0]
+
+
+def write(tmp_path, name, text) -> str:
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return str(path)
+
+
+def cluster_with(**over) -> str:
+    data = yaml.safe_load(open(CLUSTER))
+    for key, value in over.items():
+        node = data
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node[int(p)] if p.isdigit() else node[p]
+        node[int(last) if last.isdigit() else last] = value
+    return json.dumps(data)
+
+
+FILE_CASES = {
+    # name: (file text, command builder, expected fragment)
+    "not_utf8": (b"name: \xff\xfe\n", lambda p: ["plan", "--cluster", p, "--model", "gpt-1.3b", "--global-batch",
+                                                   "8"], "not UTF-8"),
+    "deep_json": ("[" * 5000 + "]" * 5000, lambda p: ["show", p], "nested too deeply"),
+    "deep_yaml": ("a:\n" + "".join(" " * i + "- \n" for i in range(1, 3)) + "[" * 5000 + "]" * 5000,
+                  lambda p: ["plan", "--cluster", p, "--model", "gpt-1.3b", "--global-batch", "8"], "cluster"),
+    "huge_int": ('{"schema_version": ' + "9" * 5000 + "}", lambda p: ["show", p], "plan"),
+    "count_1e12": (cluster_with(**{"nodes.0.count": 10 ** 12}), lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:],
+                   "cluster.nodes[0].count: must be <= 65536"),
+    "count_1e9_total": (cluster_with(nodes=[{"host": f"h{i}", "device_type": "A100-80GB", "count": 60000}
+                                            for i in range(3)]),
+                        lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "at most 65536 devices"),
+    "link_tiny": (cluster_with(**{"network.inter_node_gbps": 1e-300}), lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:],
+                  "inter_node_gbps"),
+    "latency_inf": (cluster_with(**{"network.inter_node_latency_us": float("inf")}),
+                    lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "inter_node_latency_us"),
+    "long_host": (cluster_with(**{"nodes.0.host": "h" * 100_000}), lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:],
+                  "at most 256 characters"),
+    "layers_1e9": ("name: m\narchitecture: gpt\nnum_layers: 1000000000\nhidden_size: 64\nnum_attention_heads: 4\n"
+                   "ffn_hidden_size: 256\nvocab_size: 100\nseq_length: 16\n",
+                   lambda p: ["plan", "--cluster", CLUSTER, "--model", p, "--global-batch", "8"],
+                   "num_layers: must be <= 10000"),
+    # an alias bomb in a wrongly typed field: the echo stays short however large the value grows
+    "alias_bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                   "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+                   "name: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\nnodes: [{host: a, device_type: T4, count: 1}]\n",
+                   lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "cluster.name"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILE_CASES))
+def test_bad_files_are_one_line(tmp_path, capsys, name):
+    text, argv, fragment = FILE_CASES[name]
+    path = write(tmp_path, name + (".json" if name in ("deep_json", "huge_int") else ".yaml"), text)
+    line = cli_error(capsys, argv(path))
+    assert fragment in line, line
+
+
+FLAG_CASES = {
+    "global_batch_1e30": (PLAN_ARGS[:6] + ["1" + "0" * 30], "--global-batch: must be in 1..10000000"),
+    "max_units_0": (PLAN_ARGS + ["--max-units", "0"], "--max-units: must be in 3.."),
+    "max_units_2": (PLAN_ARGS + ["--max-units", "2"], "--max-units: must be in 3.."),
+    "reserve_negative": (PLAN_ARGS + ["--memory-reserve-gib", "-1000"], "--memory-reserve-gib: must be in [0"),
+    "time_limit_nan": (PLAN_ARGS + ["--time-limit", "nan"], "--time-limit: must be in (0"),
+    "max_micro_batch_0": (PLAN_ARGS + ["--max-micro-batch", "0"], "--max-micro-batch: must be in 1.."),
+    "too_many_micro_batches": (PLAN_ARGS[:6] + ["9000000", "--max-micro-batch", "8"],
+                               "--global-batch: 9000000 needs more than 100000 micro-batches"),
+    "output_is_input": (PLAN_ARGS + ["-o", CLUSTER], "--output: "),
+    "output_directory": (PLAN_ARGS + ["-o", EXAMPLES], "is a directory"),
+    "output_missing_folder": (PLAN_ARGS + ["-o", "/nonexistent-folder/plan.json"], "does not exist"),
+    "output_device": (PLAN_ARGS + ["-o", os.devnull], "is not a regular file"),
+    "trace_over_plan": (["simulate", PLAN, "--trace", PLAN], "--trace: "),
+    "missing_schedule": (["simulate", PLAN, "--schedule", "/nonexistent.txt"], "--schedule: cannot read"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLAG_CASES))
+def test_bad_flags_are_one_line(capsys, name):
+    argv, fragment = FLAG_CASES[name]
+    assert fragment in cli_error(capsys, argv)
+
+
+def test_brute_force_keeps_the_time_limit(tmp_path, capsys):
+    line = cli_error(capsys, ["plan", "--cluster", CLUSTER, "--model", "llama-7b", "--global-batch", "64",
+                              "--solver", "brute-force", "--time-limit", "1", "--no-compare",
+                              "-o", str(tmp_path / "p.json")])
+    assert "brute force did not finish within 1 s" in line
+
+
+def test_all_zero_profile_times_are_refused(tmp_path):
+    prof = json.loads(subprocess.run([sys.executable, "-c", "from hethub.partitioner import builtin_model;"
+                                      "print(builtin_model('gpt-tiny').to_json())"], capture_output=True, text=True,
+                                     cwd=ROOT).stdout)
+    data = {"device_type": "T4", "model": prof, "micro_batch_size": 1,
+            "layers": [{"index": i, "kind": k, "forward_ms": 0, "backward_ms": 0}
+                       for i, k in enumerate(["embedding"] + ["block"] * prof["num_layers"] + ["head"])]}
+    with pytest.raises(InputError, match=r"layers\[0\].forward_ms: must be > 0"):
+        load_profile(write(tmp_path, "p.json", json.dumps(data)))
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
+    target = tmp_path / "plan.json"
+    target.write_text("old")
+
+    def broken(tmp):
+        with open(tmp, "w") as f:
+            f.write("partial")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(InputError, match="--output: cannot write .* No space left on device"):
+        write_atomic(str(target), broken, "--output")
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["plan.json"]
+
+
+@pytest.mark.parametrize("blocked,argv,fragment", [
+    ("matplotlib", ["simulate", PLAN, "--png", "{tmp}/t.png"], "--png: needs matplotlib: pip install 'hethub[plot]'"),
+    ("deepspeed", ["launch", "--hetero-plan", PLAN, "--dry-run", "train.py"],
+     "launch: needs DeepSpeed: pip install 'hethub[runtime]'"),
+])
+def test_missing_optional_packages_name_the_extra(tmp_path, blocked, argv, fragment):
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"
+            "from hethub.cli import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, *[a.replace("{tmp}", str(tmp_path)) for a in argv]],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {fragment}", r.stderr[-1500:]
+
+
+# ------------------------------------------------------------------ property test: no loader ever escapes
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                       lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
+                       max_leaves=20)
+LOADERS = {"cluster": (load_cluster, CLUSTER), "model": (load_model, os.path.join(EXAMPLES, "model.yaml")),
+           "plan": (load_plan, PLAN)}
+
+
+def _paths(data, prefix=()):
+    yield prefix
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from _paths(v, prefix + (i,))
+
+
+def _set(data, path, value):
+    if not path:
+        return value
+    node = data
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return data
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(sorted(LOADERS)), value=JSONISH, pick=st.integers(min_value=0))
+def test_random_mutations_of_valid_files_load_or_give_one_line(tmp_path, kind, value, pick):
+    loader, example = LOADERS[kind]
+    with open(example) as f:
+        data = yaml.safe_load(f)
+    paths = list(_paths(data))
+    mutated = _set(data, paths[pick % len(paths)], value)
+    path = tmp_path / f"m.{'json' if kind == 'plan' else 'yaml'}"
+    path.write_text(json.dumps(mutated))
+    try:
+        loader(str(path))
+    except InputError as exc:
+        text = str(exc)
+        assert "\n" not in text and len(text) < 600, text
