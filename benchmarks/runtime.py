@@ -29,7 +29,7 @@ from hethub.partitioner.placement import StageLayout, build_plan, even_split  # 
 from hethub.partitioner.planner import PlannerOptions  # noqa: E402
 from hethub.profiler import profile_model  # noqa: E402
 
-WORKER = os.path.join(ROOT, "benchmarks", "runtime_worker.py")
+WORKER = os.path.join(ROOT, "hethub", "bench_worker.py")
 EMULATE = f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}"
 
 

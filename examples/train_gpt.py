@@ -15,19 +15,9 @@ import time
 import torch
 
 import hethub
-from hethub.models import build_layers, lm_loss
+from hethub.emulation import parse_factors
+from hethub.models import build_layers, counting_batches, lm_loss
 from hethub.partitioner import load_plan
-
-
-def batches(step: int, micro_batches: int, micro_batch_size: int, seq: int, vocab: int):
-    """The same micro-batches on every rank for a given step (seeded by the step)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    out = []
-    for _ in range(micro_batches):
-        start = torch.randint(0, vocab, (micro_batch_size, 1), generator=g)
-        tokens = (start + torch.arange(seq + 1)) % vocab
-        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    return out
 
 
 def main():
@@ -52,7 +42,7 @@ def main():
     if plan_path is None:
         parser.error("--hetero-plan (or ds_config hetero.plan) is required")
     if args.emulate:
-        slow = {k: float(v) for k, v in (item.split("=") for item in args.emulate.split(","))}
+        slow = parse_factors(args.emulate, "--emulate")
         config.setdefault("hetero", {})["emulate_slowdown"] = slow
     plan = load_plan(plan_path)
     m = plan.model
@@ -66,7 +56,7 @@ def main():
     # Resumed runs continue at the saved step: the data of step k is the same under any plan.
     for step in range(engine.global_steps, args.steps):
         t0 = time.perf_counter()
-        loss = engine.train_batch(iter(batches(step, plan.num_micro_batches, plan.micro_batch_size,
+        loss = engine.train_batch(iter(counting_batches(step, plan.num_micro_batches, plan.micro_batch_size,
                                                m.seq_length, m.vocab_size)))
         seconds = time.perf_counter() - t0
         log.append({"step": step, "loss": float(loss), "seconds": seconds})

@@ -59,6 +59,36 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+class _SolveStatus:
+    """The planner's live status: a spinner line on a terminal, a plain line every few seconds otherwise."""
+
+    def __init__(self, console, every_s: float = 5.0):
+        self.console, self.every_s, self.last = console, every_s, -1e9
+        self.status = console.status("planning: building candidate stages ...") if console.is_terminal else None
+
+    def __enter__(self):
+        if self.status:
+            self.status.__enter__()
+        else:
+            print("planning: building candidate stages ...", flush=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.status:
+            self.status.__exit__(*exc)
+
+    def __call__(self, s: dict) -> None:
+        inc, bound = s["incumbent_s"], s["bound_s"]
+        gap = (inc - bound) / inc if inc < float("inf") and inc > 0 else float("nan")
+        line = (f"planning: micro-batch {s['micro_batch_size']} ({s['done']}/{s['total']} sizes settled), "
+                f"incumbent {inc:.4g} s, bound {bound:.4g} s, gap {gap:.1%}, {s['elapsed_s']:.1f} s")
+        if self.status:
+            self.status.update(line)
+        elif s["elapsed_s"] - self.last >= self.every_s:
+            self.last = s["elapsed_s"]
+            print(line, flush=True)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -90,8 +120,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.baseline:
         plan = make_baseline(args.baseline, cluster, model, args.global_batch, opts=opts, cost_model=cm)
     else:
-        plan = make_plan(cluster, model, args.global_batch, opts=opts, cost_model=cm,
-                         with_homogeneous_sum=not args.no_compare)
+        with _SolveStatus(console) as status:
+            plan = make_plan(cluster, model, args.global_batch, opts=opts, cost_model=cm,
+                             with_homogeneous_sum=not args.no_compare, progress=status)
     write_atomic(args.output, plan.to_json() + "\n", "--output", [args.cluster, args.model, *profile_files])
     print_plan(plan, console)
     if not args.baseline and not args.no_compare:
@@ -171,8 +202,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        raise InputError("--steps", f"must be >= 1, got {args.steps}")
     from .demo import run_demo
     return run_demo(args.output_dir, args.steps, args.global_batch)
 
@@ -266,9 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "hethub launch --hetero-plan plan.json [--local] [deepspeed flags] train.py [args]",
                    add_help=False)
 
-    sp = sub.add_parser("demo", help="plan a built-in mixed cluster and train a small model on it (CPU, gloo)")
-    sp.add_argument("--steps", type=_int_in(1, 100_000), default=20)
-    sp.add_argument("--global-batch", type=_int_in(1, 4096), default=16)
+    sp = sub.add_parser("demo", help="plan a built-in mixed cluster, then train hethub's plan, the FAST-only plan and "
+                                     "DeepSpeed's partition on it side by side (CPU, gloo)")
+    sp.add_argument("--steps", type=_int_in(2, 1000), default=6, help="iterations per run (three runs)")
+    sp.add_argument("--global-batch", type=_int_in(1, 4096), default=64)
     sp.add_argument("-o", "--output-dir", default="demo-out")
     sp.set_defaults(func=cmd_demo)
     return p

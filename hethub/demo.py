@@ -1,29 +1,32 @@
-"""``hethub demo``: plan a built-in mixed cluster and train on it, emulated on this machine.
+"""``hethub demo``: plan a built-in mixed cluster, then train on it side by side, emulated on this machine.
 
-The cluster: 2 "FAST" ranks and 3 "SLOW" ranks (3x slower: each SLOW layer idles twice its compute
-time, see hethub.emulation). Steps: profile the model on this CPU (FAST) and under the emulated
-slowdown (SLOW); plan with those profiles; launch examples/train_gpt.py through ``hethub launch
---local`` (DeepSpeed's launcher, gloo); print the loss curve and measured vs predicted iteration
-time; write the simulator's timeline.
+The cluster: 2 "FAST" ranks and 4 "SLOW" ranks (SLOW 2x slower than FAST). Every rank is emulated
+(hethub.emulation): FAST idles until each layer has taken 4x its fastest time on this CPU, SLOW 8x,
+so six ranks on two cores compute only a fraction of the time and do not steal each other's cycles.
+Steps: profile the model under both emulations; plan with those profiles; then run, back to back on
+the same machine, hethub's plan (through ``hethub launch --local``), the best FAST-only plan (the
+mixed cluster's fastest part alone) and DeepSpeed's own ``parameters`` partition over all six ranks
+(vanilla ``deepspeed.initialize``); end with one table and the measured and predicted speed-ups.
 """
 from __future__ import annotations
 
 import json
 import os
-import statistics
+import signal
 import subprocess
 import sys
 import time
 
 from rich.console import Console
 
+from .partitioner.outputs import write_atomic
 from .partitioner.records import Cluster, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLOWDOWN = 3.0  # SLOW vs FAST
-# FAST ranks are emulated too (2x slower than this CPU): every rank then idles part of its time, so five
+SLOWDOWN = 2.0  # SLOW vs FAST
+# FAST ranks are emulated too (4x slower than this CPU): every rank then idles most of its time, so six
 # ranks on two cores do not steal each other's cycles and the measured time can be compared with the plan.
-FAST_SLOWDOWN = 2.0
+FAST_SLOWDOWN = 4.0
 # Nominal peaks only scale the analytic fallback; the profiles measured here set the real speeds.
 DEMO_CLUSTER = {
     "name": "demo-emulated",
@@ -32,7 +35,7 @@ DEMO_CLUSTER = {
         "SLOW": {"vendor": "cpu", "peak_tflops": {"fp32": 0.2 / SLOWDOWN}, "memory_gib": 8, "memory_gbps": 20},
     },
     "nodes": [{"host": "fast-node", "device_type": "FAST", "count": 2},
-              {"host": "slow-node", "device_type": "SLOW", "count": 3}],
+              {"host": "slow-node", "device_type": "SLOW", "count": 4}],
     "network": {"intra_node_gbps": 40, "inter_node_gbps": 10},
 }
 DEMO_MODEL = {"name": "gpt-demo", "architecture": "gpt", "num_layers": 6, "hidden_size": 192,
@@ -45,10 +48,33 @@ def sparkline(values: list[float]) -> str:
     return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in values)
 
 
-def run_demo(out_dir: str = "demo-out", steps: int = 20, global_batch: int = 16, timeout_s: float = 600) -> int:
+def _stream(cmd: list[str], env: dict, label: str, console, timeout_s: float) -> tuple[int, str]:
+    """Run a launch, echoing rank 0's per-step lines as they come; (exit code, the output's tail)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    tail: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-40:]
+            text = line.strip()
+            if "step " in text and " loss " in text:
+                console.print(f"  {label:<14} {text[text.index('step '):]}")
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout_s)
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic())), "\n".join(tail)
+    except subprocess.TimeoutExpired:
+        return 124, "\n".join(tail + [f"(did not finish within {timeout_s:.0f} s)"])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, timeout_s: float = 300) -> int:
     import torch
 
-    from .partitioner.api import make_plan
+    from .partitioner.api import make_baseline, make_plan
     from .partitioner.costmodel import CostModel
     from .partitioner.planner import PlannerOptions
     from .partitioner.simulator import simulate, write_png
@@ -60,62 +86,119 @@ def run_demo(out_dir: str = "demo-out", steps: int = 20, global_batch: int = 16,
     torch.set_num_threads(1)
     cluster = Cluster.model_validate(DEMO_CLUSTER)
     model = ModelConfig.model_validate(DEMO_MODEL)
-    console.print(f"[bold]hethub demo[/bold]: {model.name} on {cluster.name} "
-                  f"(2 FAST + 3 SLOW ranks, SLOW emulated {SLOWDOWN:g}x slower), global batch {global_batch}")
+    emulate = f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}"
+    console.print(f"[bold]hethub demo[/bold]: {model.name} on {cluster.name}: 2 FAST + 4 SLOW ranks (SLOW "
+                  f"{SLOWDOWN:g}x slower), global batch {global_batch}. Emulated on this CPU: each layer idles "
+                  f"until it has taken {FAST_SLOWDOWN:g}x (FAST) or {FAST_SLOWDOWN * SLOWDOWN:g}x (SLOW) its "
+                  f"fastest time here, so the six ranks mostly idle and share two cores fairly.")
 
     t0 = time.perf_counter()
     # several micro-batch sizes per type: the cost model fits fixed + per-sample time per layer
-    profiles = [profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False)
-                for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2, 4, 8)]
+    profiles = []
+    with console.status("profiling ...") if console.is_terminal else _Nothing():
+        for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)):
+            for mb in (1, 2, 4, 8):
+                profiles.append(profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False))
     for p in profiles:
-        with open(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"), "w") as f:
-            f.write(p.to_json())
+        write_atomic(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"),
+                     p.to_json() + "\n", "--output-dir")
     block = [p.layers[1] for p in profiles if p.micro_batch_size == 2]
-    console.print(f"profiled in {time.perf_counter() - t0:.1f} s: block fwd+bwd "
-                  f"FAST {block[0].forward_ms + block[0].backward_ms:.2f} ms, "
-                  f"SLOW {block[1].forward_ms + block[1].backward_ms:.2f} ms (micro-batch 2)")
+    console.print(f"profiled in {time.perf_counter() - t0:.1f} s: block forward+backward at micro-batch 2: "
+                  f"FAST {block[0].forward_ms + block[0].backward_ms:.1f} ms, "
+                  f"SLOW {block[1].forward_ms + block[1].backward_ms:.1f} ms")
 
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
-    plan = make_plan(cluster, model, global_batch, opts=PlannerOptions(time_limit_s=20, max_micro_batch_size=8),
-                     cost_model=cm)
+    opts = PlannerOptions(time_limit_s=10, max_micro_batch_size=8)
+    plan = make_plan(cluster, model, global_batch, opts=opts, cost_model=cm)
+    fastest = make_baseline("fastest-only", cluster, model, global_batch, opts=opts, cost_model=cm)
+    deepspeed = make_baseline("parameters", cluster, model, global_batch, opts=opts, cost_model=cm)
     plan_path = os.path.join(out_dir, "plan.json")
-    with open(plan_path, "w") as f:
-        f.write(plan.to_json() + "\n")
+    write_atomic(plan_path, plan.to_json() + "\n", "--output-dir")
     print_plan(plan, console)
-    sim = simulate(plan, cm)
     png = os.path.join(out_dir, "timeline.png")
-    write_png(sim, plan, png)
+    write_png(simulate(plan, cm), plan, png)
 
-    log_path = os.path.join(out_dir, "train-log.json")
-    cmd = [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path, "--local",
-           os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", str(steps), "--emulate", f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}",
-           "--log-json", log_path]
-    console.print(f"launching {plan.world_size} ranks: {' '.join(cmd[2:])}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    model_json = os.path.join(out_dir, "model.json")
+    write_atomic(model_json, model.to_json() + "\n", "--output-dir")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HETHUB_LOCAL="1")
     env.setdefault("DS_ACCELERATOR", "cpu")
-    t1 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        console.print(f"error: training did not finish within {timeout_s:.0f} s")
-        return 1
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        console.print(f"error: training exited with {proc.returncode}:\n{tail}")
-        return proc.returncode or 1
-    with open(log_path) as f:
-        log = json.load(f)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
+    common = ["--model-json", model_json, "--emulate", emulate, "--steps", str(steps), "--warmup",
+              str(min(2, steps - 1)), "--lr", "3e-3"]
+    runs = []  # (label, plan, measured log)
+    for label, p in (("hethub plan", plan), ("FAST only", fastest), ("DeepSpeed", deepspeed)):
+        path = os.path.join(out_dir, f"plan-{label.split()[0].lower()}.json")
+        if p is not plan:
+            write_atomic(path, p.to_json() + "\n", "--output-dir")
+        out = os.path.join(out_dir, f"run-{label.split()[0].lower()}.json")
+        if label == "DeepSpeed":  # vanilla DeepSpeed: its PipelineModule, its partition, its schedule
+            types = ",".join(p.stages[p.locate(r)[0]].device_type for r in range(p.world_size))
+            cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(p.world_size),
+                   "--master_port", str(_free_port()), worker, "--mode", "deepspeed", "--stages",
+                   str(p.num_stages), "--micro-batch", str(p.micro_batch_size), "--micro-batches",
+                   str(p.num_micro_batches), "--rank-types", types, *common, "--out", out]
+        else:
+            cmd = [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path if p is plan else path,
+                   "--local", "--master_port", str(_free_port()), worker, "--mode", "hethub", *common, "--out", out]
+        console.print(f"[bold]{label}[/bold]: {_layout(p)} ({p.world_size} ranks)")
+        rc, tail = _stream(cmd, env, label, console, timeout_s)
+        if rc != 0:
+            console.print(f"error: the {label} run exited with {rc}:\n{tail}")
+            return rc or 1
+        with open(out, encoding="utf-8") as f:
+            runs.append((label, p, json.load(f)))
+    return _report(console, runs, out_dir, plan_path, png)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layout(plan) -> str:
+    return "; ".join(f"{s.device_type} x{s.width} layers [{s.layers[0]},{s.layers[1]})" for s in plan.stages) + \
+        f"; micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}"
+
+
+def _report(console, runs, out_dir: str, plan_path: str, png: str) -> int:
+    from rich.table import Table
+    table = Table(title="one iteration = the same global batch, same model, same data, same ranks' speeds")
+    for col in ("plan", "stages", "devices used", "predicted s/it", "measured s/it", "measured samples/s"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    measured = {}
+    for label, p, res in runs:
+        measured[label] = res["median_s"]
+        table.add_row(label, str(p.num_stages), str(p.world_size), f"{p.predicted.iteration_s:.3f}",
+                      f"{res['median_s']:.3f}", f"{p.global_batch_size / res['median_s']:.1f}")
+    console.print(table)
+    ours, ok = runs[0], True
+    for label, p, _ in runs[1:]:
+        m = measured[label] / measured[ours[0]]
+        pred = p.predicted.iteration_s / ours[1].predicted.iteration_s
+        console.print(f"hethub vs {'fastest-only' if label == 'FAST only' else 'DeepSpeed'}: {m:.2f}x measured "
+                      f"({pred:.2f}x predicted)")
+        if m < pred * 0.85:
+            console.print(f"  note: the measured speed-up falls short of the predicted one by {1 - m / pred:.0%} "
+                          f"(this machine's noise, or what the cost model misses)")
+    log = ours[2]["log"]
     losses = [e["loss"] for e in log]
-    warm = log[3:] if len(log) > 5 else log
-    measured = statistics.median(e["seconds"] for e in warm)
-    predicted = plan.predicted.iteration_s
-    console.print(f"trained {len(log)} steps in {time.perf_counter() - t1:.1f} s (start-up included)")
-    console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}  {sparkline(losses)}")
-    console.print(f"iteration time: measured {measured * 1e3:.1f} ms (median after warm-up), predicted "
-                  f"{predicted * 1e3:.1f} ms (closed form, {predicted / measured - 1:+.0%}), simulated "
-                  f"{sim.iteration_s * 1e3:.1f} ms ({sim.iteration_s / measured - 1:+.0%})")
+    console.print(f"hethub plan: loss {losses[0]:.3f} -> {losses[-1]:.3f}  {sparkline(losses)}; measured "
+                  f"{measured[ours[0]] * 1e3:.0f} ms/iteration vs predicted {ours[1].predicted.iteration_s * 1e3:.0f} "
+                  f"ms ({ours[1].predicted.iteration_s / measured[ours[0]] - 1:+.0%})")
+    log_path = os.path.join(out_dir, "train-log.json")
+    write_atomic(log_path, json.dumps(log) + "\n", "--output-dir")
     console.print(f"wrote {plan_path}, {png}, {log_path}")
     if not losses[-1] < losses[0]:
         console.print("error: the loss did not fall")
-        return 1
-    return 0
+        ok = False
+    return 0 if ok else 1

@@ -85,16 +85,22 @@ class SlowDown(nn.Module):
         return y
 
 
+def parse_factors(text: str, what: str = "HETHUB_EMULATE_SLOWDOWN") -> dict[str, float]:
+    """``"SLOW=3,FAST=1.5"`` -> {"SLOW": 3.0, "FAST": 1.5}: the one parser of TYPE=FACTOR lists."""
+    out = {}
+    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, sep, k = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            out[name.strip()] = float(k)
+        except ValueError:
+            raise ValueError(f"{what}: {item[:60]!r} is not TYPE=FACTOR") from None
+    return out
+
+
 def slowdown_for(device_type: str, config_map: Optional[dict] = None) -> float:
     """The emulated slowdown factor for a device type: ds_config's map, else HETHUB_EMULATE_SLOWDOWN, else 1."""
     if config_map and device_type in config_map:
         return float(config_map[device_type])
-    env = os.environ.get("HETHUB_EMULATE_SLOWDOWN", "")
-    for item in filter(None, (p.strip() for p in env.split(","))):
-        name, _, k = item.partition("=")
-        if name.strip() == device_type:
-            try:
-                return float(k)
-            except ValueError:
-                raise ValueError(f"HETHUB_EMULATE_SLOWDOWN: {item!r} is not TYPE=FACTOR") from None
-    return 1.0
+    return parse_factors(os.environ.get("HETHUB_EMULATE_SLOWDOWN", "")).get(device_type, 1.0)

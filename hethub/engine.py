@@ -91,7 +91,7 @@ class HeteroPipelineModule(PipelineModule):
 
     def forward(self, x):
         for f in self.forward_funcs:
-            x = f(*x) if isinstance(x, tuple) and getattr(f, "_star_args", False) else f(x)
+            x = f(x)
         return x
 
     def mpu(self):

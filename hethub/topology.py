@@ -43,7 +43,6 @@ class HeteroGrid:
             group = dist.new_group(ranks=[r])
             if r == rank:
                 self._self_group = group
-        self._world_group = dist.group.WORLD
         # The cross-vendor bridge: a gloo group over every rank, built by all ranks (same order) if used.
         self.host_group = None
         if any(b.transport == "host" for b in plan.boundaries):

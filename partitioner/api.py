@@ -19,9 +19,9 @@ def fastest_type(cm: CostModel) -> str:
     return min(cm.cluster.type_names, key=cm.sample_s)
 
 
-def _solve(cm: CostModel, global_batch: int, opts: PlannerOptions) -> Plan:
+def _solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
     """The MILP's best chains (per micro-batch size), placed; the simulator picks among the closest few."""
-    sol, stats = search(cm, global_batch, opts)
+    sol, stats = search(cm, global_batch, opts, progress)
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)
     plans = []
@@ -51,10 +51,11 @@ def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> f
 
 def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profiles: Sequence[Profile] = (),
               opts: PlannerOptions = PlannerOptions(), with_homogeneous_sum: bool = True,
-              memory_reserve_gib: float = 2.0, zero1: bool = False, cost_model: Optional[CostModel] = None) -> Plan:
-    """The planner's best plan, with ``predicted`` and ``solver`` filled in."""
+              memory_reserve_gib: float = 2.0, zero1: bool = False, cost_model: Optional[CostModel] = None,
+              progress=None) -> Plan:
+    """The planner's best plan, with ``predicted`` and ``solver`` filled in (``progress``: see ``search``)."""
     cm = cost_model or CostModel(cluster, model, profiles=profiles, memory_reserve_gib=memory_reserve_gib, zero1=zero1)
-    plan = _solve(cm, global_batch, opts)
+    plan = _solve(cm, global_batch, opts, progress)
     if with_homogeneous_sum:
         hs = homogeneous_sum(cm, global_batch, PlannerOptions(**{**opts.__dict__,
                                                                 "time_limit_s": opts.time_limit_s / 4}))

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import itertools
+
 import math
 from typing import Optional, Sequence
 
@@ -20,12 +22,8 @@ from .records import Plan
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """Boundaries of num_parts parts with item counts differing by at most one (DeepSpeed's ``uniform``)."""
-    base, extra = divmod(num_items, num_parts)
-    bounds = [0]
-    for p in range(num_parts):
-        bounds.append(bounds[-1] + base + (1 if p < extra else 0))
-    return bounds
+    """DeepSpeed's ``partition_uniform``: boundaries of equal parts (the first ones take the remainder)."""
+    return [0, *itertools.accumulate(even_split(num_items, num_parts))]
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from .costmodel import WIRE_FACTOR, CostModel
 from .records import Plan, Predicted
+from .schedule import overlaps
 from .simulator import simulate
 
 
@@ -41,15 +42,8 @@ class StageCost:
 
 def boundary_transfers(plan: Plan, s: int) -> list[tuple[int, int, int, int]]:
     """(sender replica, receiver replica, first row, stop row) for the boundary after stage s."""
-    if s + 1 >= plan.num_stages:
-        return []
-    out = []
-    for i, (a, b) in enumerate(plan.stages[s].sample_ranges()):
-        for j, (c, d) in enumerate(plan.stages[s + 1].sample_ranges()):
-            lo, hi = max(a, c), min(b, d)
-            if lo < hi:
-                out.append((i, j, lo, hi))
-    return out
+    return [(i, plan.locate(t.peer)[1], t.start, t.stop)
+            for i in range(plan.stages[s].width) for t in overlaps(plan, s, i, "next")]
 
 
 def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -545,8 +545,12 @@ def micro_batch_sizes(global_batch: int, opts: PlannerOptions) -> list[int]:
     return out
 
 
-def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptions()) -> tuple[Solution, dict]:
+def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptions(),
+           progress: Optional[Callable[[dict], None]] = None) -> tuple[Solution, dict]:
     """Best solution over micro-batch sizes; also returns search statistics.
+
+    ``progress``, if given, is called after every MILP with the search's state (micro-batch size just
+    solved, sizes done/total, incumbent and lower bound in seconds, elapsed seconds): a live status.
 
     Micro-batch sizes are visited in order of their lower bound M * T_lb (T_lb: the smallest
     bottleneck any chain fitting the device total can have); a size whose bound cannot beat the
@@ -612,6 +616,10 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
                                                     cutoff=cut)
         bounds[b] = max(bounds[b], bound if status != "infeasible" else (cut if cut is not None else math.inf))
         solved[b] = status in ("optimal", "infeasible")
+        if progress is not None:
+            progress({"micro_batch_size": b[0], "done": sum(solved.values()), "total": len(todo),
+                      "incumbent_s": best.objective if best is not None else math.inf,
+                      "bound_s": min(bounds.values()), "elapsed_s": time.perf_counter() - t0})
         if chosen is not None:
             offer(Solution(b[0], M, [int(back[k]) for k in chosen], obj, bound, status, cand), b)
 

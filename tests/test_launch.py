@@ -1,5 +1,6 @@
 """hethub launch: hostfile/include mapping, LOCAL_RANK, mismatch through DeepSpeed's launcher, the demo."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -104,10 +105,13 @@ def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(t
 @pytest.mark.dist
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
-    """`hethub demo` (short): plans, launches 5 ranks through DeepSpeed's launcher, trains, compares."""
+    """`hethub demo` (short): plans, runs hethub's plan, the FAST-only plan and DeepSpeed's partition through
+    DeepSpeed's launcher, and ends with the table and the speed-up lines."""
     pytest.importorskip("deepspeed")
-    r = run_cli("demo", "--steps", "4", "-o", str(tmp_path), timeout=300)
+    r = run_cli("demo", "--steps", "2", "--global-batch", "16", "-o", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "measured" in r.stdout and "predicted" in r.stdout
-    for f in ("plan.json", "timeline.png", "train-log.json"):
-        assert (tmp_path / f).exists()
+    assert re.search(r"hethub vs fastest-only: [\d.]+x measured \([\d.]+x predicted\)", r.stdout), r.stdout[-3000:]
+    assert re.search(r"hethub vs DeepSpeed: [\d.]+x measured", r.stdout)
+    assert "step 2/2 loss" in r.stdout  # progress, step by step
+    for f in ("plan.json", "timeline.png", "train-log.json", "run-hethub.json", "run-fast.json", "run-deepspeed.json"):
+        assert (tmp_path / f).exists(), f

@@ -2,6 +2,7 @@
 ``hethub.kernels`` through setuptools' package_dir, never as top-level packages or symlinks."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -28,9 +29,14 @@ def test_no_symlinks_and_no_top_level_imports_of_the_mapped_packages():
 @pytest.mark.slow
 def test_non_editable_install_plans(tmp_path):
     """``pip install .`` (not -e) gives a package whose ``hethub plan`` runs away from the source tree."""
-    target = tmp_path / "site"
+    target, src = tmp_path / "site", tmp_path / "src"  # built from a copy: no build/ left in the checkout
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src)
+    for name in ("hethub", "partitioner", "kernels"):
+        shutil.copytree(os.path.join(ROOT, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--target", str(target), ROOT], capture_output=True, text=True, timeout=300)
+                        "--target", str(target), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (target / "hethub" / "partitioner" / "planner.py").is_file()
     assert (target / "hethub" / "kernels" / "pack.py").is_file()

@@ -1,0 +1,103 @@
+"""One rank of a side-by-side run (``hethub demo``, ``benchmarks/runtime.py``): the same model, data and
+optimizer under hethub's plan or under vanilla DeepSpeed with its own partition.
+
+    python -m deepspeed.launcher.runner --num_gpus N hethub/bench_worker.py --mode hethub --hetero-plan P ...
+    ... --mode deepspeed --stages S --micro-batch B --micro-batches M --rank-types FAST,SLOW,...
+
+Emulated speeds come from ``--emulate TYPE=K`` (and, for vanilla DeepSpeed, which knows nothing of
+device types, ``--rank-types``). Rank 0 prints one line per step (``step 3/8 loss 5.1234 0.812 s``) and
+writes every step's seconds and loss to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import hethub
+from hethub.emulation import SlowDown, parse_factors
+from hethub.models import build_layers, counting_batches, lm_loss
+from hethub.partitioner import ModelConfig
+
+
+def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optimizer):
+    """DeepSpeed's own pipeline: PipelineModule(partition_method=...), equal widths, its TrainSchedule."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    from hethub.runtime import _init_distributed
+    _init_distributed(300)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rtype = a.rank_types.split(",")[rank]
+    k = factors.get(rtype, 1.0)
+    layers = [SlowDown(layer, k) if k != 1.0 else layer for layer in layers]
+    module = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=a.stages, partition_method=a.partition)
+    dp = world // a.stages
+    cfg = {"train_micro_batch_size_per_gpu": a.micro_batch // dp, "gradient_accumulation_steps": a.micro_batches,
+           "train_batch_size": a.micro_batch * a.micro_batches, "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=module, config=cfg, optimizer=optimizer(module.parameters()))
+    return engine, dp
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    hethub.add_config_arguments(p)
+    p.add_argument("--mode", choices=["hethub", "deepspeed"], required=True)
+    p.add_argument("--model-json", required=True)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--stages", type=int, default=5)
+    p.add_argument("--partition", default="parameters")
+    p.add_argument("--rank-types", default="")
+    p.add_argument("--emulate", default="")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--out", required=True)
+    p.add_argument("--timeline", default=None, help="write each rank's per-action times (hethub mode) to FILE.RANK")
+    p.add_argument("--local_rank", type=int, default=-1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    with open(a.model_json, encoding="utf-8") as f:
+        model = ModelConfig.model_validate_json(f.read())
+    factors = parse_factors(a.emulate, "--emulate")
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    layers = build_layers(model)
+    optimizer = lambda ps: torch.optim.Adam(ps, lr=a.lr)  # noqa: E731
+    dp = 1
+    if a.mode == "hethub":
+        engine, *_ = hethub.initialize(layers=layers, loss_fn=lm_loss, plan=a.hetero_plan, optimizer=optimizer,
+                                       config={"hetero": {"emulate_slowdown": factors}})
+        mb, M = engine.plan.micro_batch_size, engine.plan.num_micro_batches
+    else:
+        engine, dp = _vanilla_deepspeed(a, layers, factors, optimizer)
+        mb, M = a.micro_batch, a.micro_batches
+    log = []
+    for step in range(a.steps):
+        data = counting_batches(step, M, mb, model.seq_length, model.vocab_size)
+        if a.mode == "deepspeed":  # vanilla DeepSpeed: each data-parallel replica reads its own rows
+            rep = engine.grid.data_parallel_id
+            data = [(x[rep::dp], y[rep::dp]) for x, y in data]
+        t0 = time.perf_counter()
+        loss = float(engine.train_batch(iter(data)))
+        log.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
+        if rank == 0:
+            print(f"step {step + 1}/{a.steps} loss {loss:.4f} {log[-1]['seconds']:.3f} s", flush=True)
+    if a.timeline and a.mode == "hethub":
+        t0 = engine.executed_s[0][0]
+        with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
+            json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
+    if rank == 0:
+        times = [e["seconds"] for e in log]
+        with open(a.out, "w", encoding="utf-8") as f:
+            json.dump({"log": log, "times": times, "median_s": statistics.median(times[min(a.warmup, len(times) - 1):])},
+                      f)
+
+
+if __name__ == "__main__":
+    main()
