@@ -64,6 +64,8 @@ def main():
             print(f"step {step:3d}  loss {float(loss):.4f}  {seconds * 1e3:.1f} ms", flush=True)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
             engine.save_checkpoint(args.save_dir)
+            if rank == 0:
+                print(f"saved global_step{engine.global_steps} in {args.save_dir}", flush=True)
     if rank == 0 and args.log_json:
         with open(args.log_json, "w") as f:
             json.dump(log, f)

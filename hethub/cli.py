@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--micro-batch-size", type=_int_in(1, 1 << 16), default=1)
     sp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                     help="default: bf16 on a GPU, fp32 on CPU")
-    sp.add_argument("--reps", type=_int_in(1, 10_000), default=7, help="timed repetitions per layer (median), after 2 warm-ups")
+    sp.add_argument("--reps", type=_int_in(1, 10_000), default=7,
+                    help="timed repetitions per layer (median), after 2 warm-ups")
     sp.add_argument("--emulate-slowdown", type=_float_in(1, 1e4), default=1.0, metavar="K",
                     help="profile as if the device were K times slower (emulated heterogeneity)")
     sp.add_argument("--links", action="store_true", help="measure link bandwidth between ranks (under a launcher)")

@@ -78,7 +78,6 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
     from .partitioner.costmodel import CostModel
     from .partitioner.planner import PlannerOptions
     from .partitioner.simulator import simulate, write_png
-    from .profiler import profile_model
     from .show import print_plan
 
     console = Console(width=None if Console().is_terminal else 160)
@@ -92,21 +91,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
                   f"until it has taken {FAST_SLOWDOWN:g}x (FAST) or {FAST_SLOWDOWN * SLOWDOWN:g}x (SLOW) its "
                   f"fastest time here, so the six ranks mostly idle and share two cores fairly.")
 
-    t0 = time.perf_counter()
-    # several micro-batch sizes per type: the cost model fits fixed + per-sample time per layer
-    profiles = []
-    with console.status("profiling ...") if console.is_terminal else _Nothing():
-        for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)):
-            for mb in (1, 2, 4, 8):
-                profiles.append(profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False))
-    for p in profiles:
-        write_atomic(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"),
-                     p.to_json() + "\n", "--output-dir")
-    block = [p.layers[1] for p in profiles if p.micro_batch_size == 2]
-    console.print(f"profiled in {time.perf_counter() - t0:.1f} s: block forward+backward at micro-batch 2: "
-                  f"FAST {block[0].forward_ms + block[0].backward_ms:.1f} ms, "
-                  f"SLOW {block[1].forward_ms + block[1].backward_ms:.1f} ms")
-
+    profiles = _profile(model, console, out_dir)
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
     opts = PlannerOptions(time_limit_s=10, max_micro_batch_size=8)
     plan = make_plan(cluster, model, global_batch, opts=opts, cost_model=cm)
@@ -127,19 +112,12 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
               str(min(2, steps - 1)), "--lr", "3e-3"]
     runs = []  # (label, plan, measured log)
     for label, p in (("hethub plan", plan), ("FAST only", fastest), ("DeepSpeed", deepspeed)):
-        path = os.path.join(out_dir, f"plan-{label.split()[0].lower()}.json")
+        name = label.split()[0].lower()
+        path = plan_path if p is plan else os.path.join(out_dir, f"plan-{name}.json")
         if p is not plan:
             write_atomic(path, p.to_json() + "\n", "--output-dir")
-        out = os.path.join(out_dir, f"run-{label.split()[0].lower()}.json")
-        if label == "DeepSpeed":  # vanilla DeepSpeed: its PipelineModule, its partition, its schedule
-            types = ",".join(p.stages[p.locate(r)[0]].device_type for r in range(p.world_size))
-            cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(p.world_size),
-                   "--master_port", str(_free_port()), worker, "--mode", "deepspeed", "--stages",
-                   str(p.num_stages), "--micro-batch", str(p.micro_batch_size), "--micro-batches",
-                   str(p.num_micro_batches), "--rank-types", types, *common, "--out", out]
-        else:
-            cmd = [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path if p is plan else path,
-                   "--local", "--master_port", str(_free_port()), worker, "--mode", "hethub", *common, "--out", out]
+        out = os.path.join(out_dir, f"run-{name}.json")
+        cmd = _launch_command(p, path, label == "DeepSpeed", worker, [*common, "--out", out])
         console.print(f"[bold]{label}[/bold]: {_layout(p)} ({p.world_size} ranks)")
         rc, tail = _stream(cmd, env, label, console, timeout_s)
         if rc != 0:
@@ -148,6 +126,39 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
         with open(out, encoding="utf-8") as f:
             runs.append((label, p, json.load(f)))
     return _report(console, runs, out_dir, plan_path, png)
+
+
+def _profile(model, console, out_dir: str) -> list:
+    """Profiles of both emulated types at several micro-batch sizes (the cost model fits fixed + per-sample
+    time per layer), written to ``out_dir``."""
+    from .profiler import profile_model
+    t0 = time.perf_counter()
+    profiles = []
+    with console.status("profiling ...") if console.is_terminal else _Nothing():
+        for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)):
+            for mb in (1, 2, 4, 8):
+                profiles.append(profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False))
+    for p in profiles:
+        write_atomic(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"),
+                     p.to_json() + "\n", "--output-dir")
+    block = [p.layers[1] for p in profiles if p.micro_batch_size == 2]
+    console.print(f"profiled in {time.perf_counter() - t0:.1f} s: block forward+backward at micro-batch 2: "
+                  f"FAST {block[0].forward_ms + block[0].backward_ms:.1f} ms, "
+                  f"SLOW {block[1].forward_ms + block[1].backward_ms:.1f} ms")
+    return profiles
+
+
+def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list[str]) -> list[str]:
+    """hethub's plan runs through ``hethub launch --local``; DeepSpeed's partition through DeepSpeed's own
+    launcher, PipelineModule and schedule (the worker's ``--mode deepspeed``)."""
+    if not vanilla:
+        return [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path, "--local",
+                "--master_port", str(_free_port()), worker, "--mode", "hethub", *args]
+    types = ",".join(plan.stages[plan.locate(r)[0]].device_type for r in range(plan.world_size))
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(plan.world_size),
+            "--master_port", str(_free_port()), worker, "--mode", "deepspeed", "--stages", str(plan.num_stages),
+            "--micro-batch", str(plan.micro_batch_size), "--micro-batches", str(plan.num_micro_batches),
+            "--rank-types", types, *args]
 
 
 class _Nothing:

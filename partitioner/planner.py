@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -54,25 +54,26 @@ class PlannerOptions:
 
 @dataclass
 class Candidates:
-    """Candidate stages for one micro-batch size, as parallel numpy arrays."""
+    """Candidate stages for one micro-batch size, as parallel numpy arrays (one entry per candidate)."""
 
-    i: np.ndarray  # first unit
-    j: np.ndarray  # end unit (exclusive)
-    t: np.ndarray  # index into types
-    w: np.ndarray  # width
-    rc: np.ndarray  # recompute (bool)
-    c: np.ndarray  # per-micro-batch cost, s
-    ar: np.ndarray  # gradient all-reduce, s
-    opt: np.ndarray  # optimizer step, s
-    k: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
-    v: np.ndarray  # vendor id of the device type
-    pen: np.ndarray  # extra per-micro-batch seconds when the next stage is another vendor's (host bridge)
+    first_unit: np.ndarray  # first unit the stage holds
+    end_unit: np.ndarray  # unit after its last (exclusive)
+    type_idx: np.ndarray  # index into the planner's device types
+    width: np.ndarray  # replicas
+    recompute: np.ndarray  # full activation recompute (bool)
+    cost_s: np.ndarray  # per-micro-batch cost: forward + backward of a replica's share + its output transfers
+    allreduce_s: np.ndarray  # gradient all-reduce over the replicas
+    optimizer_s: np.ndarray  # optimizer step
+    in_flight: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
+    vendor: np.ndarray  # vendor id of the device type
+    bridge_s: np.ndarray  # extra per-micro-batch seconds when the next stage is another vendor's (host bridge)
 
     def __len__(self) -> int:
-        return len(self.c)
+        return len(self.cost_s)
 
 
-FIELDS = ("i", "j", "t", "w", "rc", "c", "ar", "opt", "k", "v", "pen")
+FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "allreduce_s", "optimizer_s",
+          "in_flight", "vendor", "bridge_s")
 
 
 @dataclass
@@ -180,30 +181,30 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
                 k = np.minimum(k, M)
                 keep = k >= 1
                 n = int(keep.sum())
-                cols["i"].append(I[keep]); cols["j"].append(J[keep]); cols["t"].append(np.full(n, ti))
-                cols["w"].append(np.full(n, w)); cols["rc"].append(np.full(n, rc)); cols["c"].append(c[keep])
-                cols["ar"].append(ar[keep]); cols["opt"].append(opt[keep]); cols["k"].append(k[keep])
-                cols["v"].append(np.full(n, vendor_ids[dt.vendor])); cols["pen"].append(pen[keep])
+                for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, ti)),
+                                     ("width", np.full(n, w)), ("recompute", np.full(n, rc)), ("cost_s", c[keep]),
+                                     ("allreduce_s", ar[keep]), ("optimizer_s", opt[keep]), ("in_flight", k[keep]),
+                                     ("vendor", np.full(n, vendor_ids[dt.vendor])), ("bridge_s", pen[keep])):
+                    cols[name].append(values)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
     cand = Candidates(**{k: cat[k] for k in cols})
-    cand.i, cand.j, cand.t, cand.w = (cand.i.astype(int), cand.j.astype(int), cand.t.astype(int),
-                                      cand.w.astype(int))
-    cand.rc = cand.rc.astype(bool)
-    cand.v = cand.v.astype(int)
+    for name in ("first_unit", "end_unit", "type_idx", "width", "vendor"):
+        setattr(cand, name, getattr(cand, name).astype(int))
+    cand.recompute = cand.recompute.astype(bool)
     return _prune_recompute(cand)
 
 
 def _prune_recompute(c: Candidates) -> Candidates:
     """Drop a recompute candidate when the same stage without recompute holds as many micro-batches."""
-    if not c.rc.any():
+    if not c.recompute.any():
         return c
-    key = c.i * 1_000_003 + c.j * 1009 + c.t * 131 + c.w
+    key = c.first_unit * 1_000_003 + c.end_unit * 1009 + c.type_idx * 131 + c.width
     best_plain = {}
-    for idx in np.flatnonzero(~c.rc):
-        best_plain[key[idx]] = c.k[idx]
+    for idx in np.flatnonzero(~c.recompute):
+        best_plain[key[idx]] = c.in_flight[idx]
     keep = np.ones(len(c), dtype=bool)
-    for idx in np.flatnonzero(c.rc):
-        if best_plain.get(key[idx], -1) >= c.k[idx]:
+    for idx in np.flatnonzero(c.recompute):
+        if best_plain.get(key[idx], -1) >= c.in_flight[idx]:
             keep[idx] = False
     return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
 
@@ -211,10 +212,10 @@ def _prune_recompute(c: Candidates) -> Candidates:
 def stage_costs_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
     """Per-micro-batch cost of each stage of a chain, with the bridge penalty where the next stage's vendor differs."""
     ch = list(chosen)
-    cost = c.c[ch].astype(float)
+    cost = c.cost_s[ch].astype(float)
     for n in range(len(ch) - 1):
-        if c.v[ch[n]] != c.v[ch[n + 1]]:
-            cost[n] += c.pen[ch[n]]
+        if c.vendor[ch[n]] != c.vendor[ch[n + 1]]:
+            cost[n] += c.bridge_s[ch[n]]
     return cost
 
 
@@ -222,15 +223,15 @@ def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
     """The planning objective of a chain of candidates (same formula the MILP minimises)."""
     ch = list(chosen)
     cost = stage_costs_of(c, ch)
-    return float((M - 1) * cost.max() + cost.sum() + c.ar[ch].max() + c.opt[ch].max())
+    return float((M - 1) * cost.max() + cost.sum() + c.allreduce_s[ch].max() + c.optimizer_s[ch].max())
 
 
 def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int], M: int) -> bool:
     used = np.zeros(len(counts), dtype=int)
     S = len(chosen)
     for pos, idx in enumerate(chosen):
-        used[c.t[idx]] += c.w[idx]
-        if c.k[idx] < min(S - pos, M):
+        used[c.type_idx[idx]] += c.width[idx]
+        if c.in_flight[idx] < min(S - pos, M):
             return False
     return bool((used <= np.asarray(counts)).all())
 
@@ -251,8 +252,8 @@ def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.nd
     dp[U, 0] = 0.0
     arg = np.full((U + 1, R + 1), -1)
     need = np.minimum(np.arange(1, R + 1), M)  # in-flight micro-batches for r = 1..R
-    order = np.argsort(c.i, kind="stable")
-    i_sorted = c.i[order]
+    order = np.argsort(c.first_unit, kind="stable")
+    i_sorted = c.first_unit[order]
     for u in range(U - 1, -1, -1):
         lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
         ks = order[lo:hi]
@@ -260,8 +261,8 @@ def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.nd
             ks = ks[ok[ks]]
         if not len(ks):
             continue
-        vals = cost[ks, None] + dp[c.j[ks], :R]  # a chain of r stages from u: this one + r-1 from j
-        vals = np.where(c.k[ks, None] >= need[None, :], vals, np.inf)
+        vals = cost[ks, None] + dp[c.end_unit[ks], :R]  # a chain of r stages from u: this one + r-1 from j
+        vals = np.where(c.in_flight[ks, None] >= need[None, :], vals, np.inf)
         best = vals.argmin(axis=0)
         dp[u, 1:] = vals[best, np.arange(R)]
         arg[u, 1:] = ks[best]
@@ -270,7 +271,7 @@ def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.nd
 
 def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
     """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory."""
-    dp, _ = chain_dp(c, U, M, c.w.astype(float), c.c <= T)
+    dp, _ = chain_dp(c, U, M, c.width.astype(float), c.cost_s <= T)
     return float(dp[0].min())
 
 
@@ -280,17 +281,17 @@ def sum_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
     For any lambda >= 0: min over memory-feasible chains of sum(c + lambda w) - lambda N <= the true
     minimum of sum(c) subject to sum(w) <= N. The best of a few lambdas is taken.
     """
-    scale = float(np.median(c.c / c.w))
+    scale = float(np.median(c.cost_s / c.width))
     best = 0.0
     for lam in (0.0, 0.1 * scale, 0.3 * scale, scale, 3 * scale):
-        dp, _ = chain_dp(c, U, M, c.c + lam * c.w)
+        dp, _ = chain_dp(c, U, M, c.cost_s + lam * c.width)
         best = max(best, float(dp[0].min()) - lam * total_devices)
     return best
 
 
 def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
     """Smallest stage cost T for which some chain fits the device total (a relaxation: a valid bound on Z)."""
-    values = np.unique(c.c)
+    values = np.unique(c.cost_s)
     lo, hi = 0, len(values) - 1
     if min_devices_chain(c, U, values[hi], M) > total_devices:
         return math.inf
@@ -307,7 +308,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
                     ) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
     the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
-    dp, arg = chain_dp(c, U, M, weights[c.t] * c.w, c.c <= T)
+    dp, arg = chain_dp(c, U, M, weights[c.type_idx] * c.width, c.cost_s <= T)
     r = int(dp[0].argmin())
     if not np.isfinite(dp[0, r]):
         return None
@@ -315,7 +316,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
     while u < U:
         k = int(arg[u, r])
         chain.append(k)
-        u, r = int(c.j[k]), r - 1
+        u, r = int(c.end_unit[k]), r - 1
     return chain if chain_is_feasible(c, chain, counts, M) else None
 
 
@@ -323,7 +324,7 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float)
     """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound."""
     counts_a = np.asarray(counts, dtype=float)
     best, best_obj = None, math.inf
-    values = np.unique(c.c)
+    values = np.unique(c.cost_s)
     for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
         T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
         for weights in (1.0 / counts_a, np.ones_like(counts_a)):
@@ -345,6 +346,111 @@ def restrict(c: Candidates, keep: np.ndarray) -> tuple[Candidates, np.ndarray]:
 # ------------------------------------------------------------------------- MILP
 
 
+class _Milp:
+    """The candidate-chain MILP for one micro-batch size, built row family by row family."""
+
+    def __init__(self, c: Candidates, U: int, M: int, z_lower: float):
+        import pulp
+        self.pulp, self.c, self.U, self.M = pulp, c, U, M
+        self.prob = pulp.LpProblem("hethub_plan", pulp.LpMinimize)
+        # PuLP >= 3.3 owns variables by the model (add_variable); older releases construct them directly.
+        self.var = getattr(self.prob, "add_variable", None) or (
+            lambda name, lowBound=None, upBound=None, cat="Continuous": pulp.LpVariable(name, lowBound, upBound, cat))
+        n = len(c)
+        self.x = [self.var(f"x{k}", cat=pulp.LpBinary) for k in range(n)]
+        self.Z = self.var("Z", lowBound=z_lower)  # bottleneck per-micro-batch cost
+        self.A = self.var("A", lowBound=0)  # slowest all-reduce
+        self.O = self.var("O", lowBound=0)  # slowest optimizer step
+        self.prob += (M - 1) * self.Z + self.affine([(k, float(c.cost_s[k])) for k in range(n)]) + self.A + self.O
+        self.starts: list[list[int]] = [[] for _ in range(U + 1)]
+        self.ends: list[list[int]] = [[] for _ in range(U + 1)]
+        for k in range(n):
+            self.starts[c.first_unit[k]].append(k)
+            self.ends[c.end_unit[k]].append(k)
+
+    def affine(self, terms) -> "object":
+        return self.pulp.LpAffineExpression([(self.x[k], coef) for k, coef in terms])
+
+    def flow_rows(self) -> None:
+        """One chain of candidates from boundary 0 to boundary U."""
+        lpSum, x = self.pulp.lpSum, self.x
+        self.prob += lpSum(x[k] for k in self.starts[0]) == 1
+        self.prob += lpSum(x[k] for k in self.ends[self.U]) == 1
+        for p in range(1, self.U):
+            self.prob += lpSum(x[k] for k in self.ends[p]) == lpSum(x[k] for k in self.starts[p])
+
+    def load_rows(self) -> None:
+        """Running loads y[u] = value of the stage covering unit u (for c, ar, opt); bottleneck rows per unit."""
+        c = self.c
+        self.loads: dict[str, list] = {}
+        for top, vals, name in ((self.Z, c.cost_s, "c"), (self.A, c.allreduce_s, "ar"), (self.O, c.optimizer_s, "opt")):
+            prev = None
+            self.loads[name] = []
+            for u in range(self.U):
+                y = self.var(f"y_{name}_{u}", lowBound=0)
+                self.loads[name].append(y)
+                expr = self.affine([(k, float(vals[k])) for k in self.starts[u]] +
+                                   [(k, -float(vals[k])) for k in self.ends[u]])
+                self.prob += (y == (prev if prev is not None else 0) + expr)
+                self.prob += top >= y
+                prev = y
+
+    def vendor_rows(self) -> None:
+        """A boundary between vendors: z[p] = 1 when the stage ending at p and the one starting there differ
+        in vendor; q[p] >= the ending stage's bridge penalty then, added to its cost (sum and bottleneck)."""
+        c = self.c
+        vendors = set(c.vendor.tolist())
+        if len(vendors) <= 1:
+            return
+        for p in range(1, self.U):
+            if not self.ends[p] or not self.starts[p]:
+                continue
+            z = self.var(f"z_{p}", lowBound=0, upBound=1)
+            for vid in vendors:
+                e_v = [(k, 1.0) for k in self.ends[p] if c.vendor[k] == vid]
+                s_v = [(k, -1.0) for k in self.starts[p] if c.vendor[k] == vid]
+                if e_v:
+                    self.prob += z >= self.affine(e_v + s_v)
+            pmax = float(max(c.bridge_s[k] for k in self.ends[p]))
+            if pmax <= 0:
+                continue
+            q = self.var(f"q_{p}", lowBound=0)
+            self.prob += q >= self.affine([(k, float(c.bridge_s[k])) for k in self.ends[p]]) - pmax * (1 - z)
+            self.prob += self.Z >= self.loads["c"][p - 1] + q
+            self.prob.objective += q
+
+    def memory_rows(self) -> None:
+        """Stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); a candidate that holds
+        only k < M micro-batches in flight needs r[u] <= k."""
+        r_next = None
+        for u in range(self.U - 1, -1, -1):
+            r = self.var(f"r_{u}", lowBound=0)
+            self.prob += r == (r_next if r_next is not None else 0) + self.pulp.lpSum(self.x[k] for k in self.starts[u])
+            tight = [k for k in self.starts[u] if self.c.in_flight[k] < self.M]
+            if tight:
+                self.prob += r + self.affine([(k, float(self.U - self.c.in_flight[k])) for k in tight]) <= self.U
+            r_next = r
+
+    def device_rows(self, counts: Sequence[int]) -> None:
+        for ti, cnt in enumerate(counts):
+            ks = np.flatnonzero(self.c.type_idx == ti)
+            if len(ks):
+                self.prob += self.affine([(k, float(self.c.width[k])) for k in ks]) <= cnt
+
+
+def _milp_solver(solver: str, time_limit_s: float, cutoff: Optional[float]):
+    import pulp
+    if solver == "highs":
+        extra = {"objective_bound": float(cutoff)} if cutoff is not None else {}
+        return pulp.HiGHS(msg=False, timeLimit=max(0.2, time_limit_s), presolve="off", threads=1, **extra)
+    if solver == "cbc":
+        import warnings
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC in favour of pulp[cbc]'s COIN_CMD
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))), threads=1)
+    raise InputError("--solver", f"unknown MILP solver {solver!r}")
+
+
 def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str, time_limit_s: float,
                z_lower: float = 0.0, cutoff: Optional[float] = None) -> tuple[Optional[list[int]], float, float, str]:
     """(chosen candidates in order or None, objective, lower bound, status: optimal|feasible|infeasible|timeout).
@@ -356,87 +462,17 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
     """
     import pulp
 
-    n = len(c)
-    if n == 0:
+    if len(c) == 0:
         return None, math.inf, math.inf, "infeasible"
-    prob = pulp.LpProblem("hethub_plan", pulp.LpMinimize)
-    # PuLP >= 3.3 owns variables by the model (add_variable); older releases construct them directly.
-    var = getattr(prob, "add_variable", None) or (lambda name, lowBound=None, upBound=None, cat="Continuous":
-                                                   pulp.LpVariable(name, lowBound, upBound, cat))
-    x = [var(f"x{k}", cat=pulp.LpBinary) for k in range(n)]
-    Z = var("Z", lowBound=z_lower)  # bottleneck per-micro-batch cost
-    A = var("A", lowBound=0)  # slowest all-reduce
-    O = var("O", lowBound=0)  # slowest optimizer step
-    prob += (M - 1) * Z + pulp.LpAffineExpression([(x[k], float(c.c[k])) for k in range(n)]) + A + O
-
-    starts: list[list[int]] = [[] for _ in range(U + 1)]
-    ends: list[list[int]] = [[] for _ in range(U + 1)]
-    for k in range(n):
-        starts[c.i[k]].append(k)
-        ends[c.j[k]].append(k)
-    # flow: one chain from boundary 0 to boundary U
-    prob += pulp.lpSum(x[k] for k in starts[0]) == 1
-    prob += pulp.lpSum(x[k] for k in ends[U]) == 1
-    for p in range(1, U):
-        prob += pulp.lpSum(x[k] for k in ends[p]) == pulp.lpSum(x[k] for k in starts[p])
-    # running loads: y[u] = value of the stage covering unit u (for c, ar, opt); bottleneck rows per unit
-    loads: dict[str, list] = {}
-    for top, vals, name in ((Z, c.c, "c"), (A, c.ar, "ar"), (O, c.opt, "opt")):
-        prev = None
-        loads[name] = []
-        for u in range(U):
-            y = var(f"y_{name}_{u}", lowBound=0)
-            loads[name].append(y)
-            expr = pulp.LpAffineExpression([(x[k], float(vals[k])) for k in starts[u]] +
-                                           [(x[k], -float(vals[k])) for k in ends[u]])
-            prob += (y == (prev if prev is not None else 0) + expr)
-            prob += top >= y
-            prev = y
-    # A boundary between vendors: z[p] = 1 when the stage ending at p and the one starting there differ in
-    # vendor; q[p] >= the ending stage's bridge penalty then, added to its cost (sum and bottleneck).
-    if len(set(c.v.tolist())) > 1:
-        for p in range(1, U):
-            if not ends[p] or not starts[p]:
-                continue
-            z = var(f"z_{p}", lowBound=0, upBound=1)
-            for vid in set(c.v.tolist()):
-                e_v = [(x[k], 1.0) for k in ends[p] if c.v[k] == vid]
-                s_v = [(x[k], -1.0) for k in starts[p] if c.v[k] == vid]
-                if e_v:
-                    prob += z >= pulp.LpAffineExpression(e_v + s_v)
-            pmax = float(max(c.pen[k] for k in ends[p]))
-            if pmax <= 0:
-                continue
-            q = var(f"q_{p}", lowBound=0)
-            prob += q >= pulp.LpAffineExpression([(x[k], float(c.pen[k])) for k in ends[p]]) - pmax * (1 - z)
-            prob += Z >= loads["c"][p - 1] + q
-            prob.objective += q
-    # stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); memory rows
-    r_next = None
-    for u in range(U - 1, -1, -1):
-        r = var(f"r_{u}", lowBound=0)
-        prob += r == (r_next if r_next is not None else 0) + pulp.lpSum(x[k] for k in starts[u])
-        tight = [k for k in starts[u] if c.k[k] < M]
-        if tight:
-            prob += r + pulp.LpAffineExpression([(x[k], float(U - c.k[k])) for k in tight]) <= U
-        r_next = r
-    for ti, cnt in enumerate(counts):
-        ks = np.flatnonzero(c.t == ti)
-        if len(ks):
-            prob += pulp.LpAffineExpression([(x[k], float(c.w[k])) for k in ks]) <= cnt
-
-    if solver == "highs":
-        extra = {"objective_bound": float(cutoff)} if cutoff is not None else {}
-        s = pulp.HiGHS(msg=False, timeLimit=max(0.2, time_limit_s), presolve="off", threads=1, **extra)
-    elif solver == "cbc":
-        import warnings
-        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC in favour of pulp[cbc]'s COIN_CMD
-            warnings.simplefilter("ignore", DeprecationWarning)
-            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))), threads=1)
-    else:
-        raise InputError("--solver", f"unknown MILP solver {solver!r}")
+    milp = _Milp(c, U, M, z_lower)
+    milp.flow_rows()
+    milp.load_rows()
+    milp.vendor_rows()
+    milp.memory_rows()
+    milp.device_rows(counts)
+    prob = milp.prob
     with _quiet_stdout():
-        prob.solve(s)
+        prob.solve(_milp_solver(solver, time_limit_s, cutoff))
     bound = 0.0
     if solver == "highs":
         info = prob.solverModel.getInfo()
@@ -448,8 +484,7 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
                 __import__("highspy").HighsModelStatus.kObjectiveBound:
             return None, math.inf, float(cutoff), "infeasible"  # nothing better than the cutoff exists
         return None, math.inf, bound, "timeout"
-    chosen = [k for k in range(n) if (x[k].value() or 0) > 0.5]
-    chosen.sort(key=lambda k: c.i[k])
+    chosen = sorted((k for k in range(len(c)) if (milp.x[k].value() or 0) > 0.5), key=lambda k: c.first_unit[k])
     obj = objective_of(c, chosen, M)
     status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
     # CBC through PuLP reports no bound (and "Optimal" on a time-out: sol_status tells them apart)
@@ -487,10 +522,11 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     added) already reaches the best complete chain's.
     """
     starts: list[list[int]] = [[] for _ in range(U + 1)]
-    for k in np.argsort(c.c, kind="stable"):
-        starts[c.i[k]].append(int(k))
-    cc, ar, opt, w, t = c.c.tolist(), c.ar.tolist(), c.opt.tolist(), c.w.tolist(), c.t.tolist()
-    vend, pen = c.v.tolist(), c.pen.tolist()
+    for k in np.argsort(c.cost_s, kind="stable"):
+        starts[c.first_unit[k]].append(int(k))
+    cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
+    w, t = c.width.tolist(), c.type_idx.tolist()
+    vend, pen = c.vendor.tolist(), c.bridge_s.tolist()
     used = [0] * len(counts)
     best: list = [None, math.inf]
     nodes = [0]
@@ -517,7 +553,7 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
             extra = pen[chain[-1]] if chain and vend[chain[-1]] != vend[k] else 0.0
             prev_cost = cc[chain[-1]] + extra if chain else 0.0
             chain.append(k)
-            walk(int(c.j[k]), chain, max(mx, cc[k], prev_cost), sm + cc[k] + extra, max(mar, ar[k]),
+            walk(int(c.end_unit[k]), chain, max(mx, cc[k], prev_cost), sm + cc[k] + extra, max(mar, ar[k]),
                  max(mop, opt[k]))
             chain.pop()
             used[t[k]] -= w[k]
@@ -545,9 +581,129 @@ def micro_batch_sizes(global_batch: int, opts: PlannerOptions) -> list[int]:
     return out
 
 
+class _Job(NamedTuple):
+    """One sub-problem: a micro-batch size (and, with equal widths, a width) with its candidates and bounds."""
+
+    lower_bound_s: float  # (M - 1) * t_lb + a Lagrangian bound on the sum of stage costs
+    key: tuple  # (micro-batch size, width or None)
+    M: int
+    cand: Candidates
+    t_lb: float  # smallest bottleneck stage cost any chain fitting the device total can have
+
+
+class _Search:
+    """The search state over micro-batch sizes: incumbent, per-job bounds, the best chain per job."""
+
+    def __init__(self, cm: CostModel, global_batch: int, opts: PlannerOptions, progress):
+        self.cm, self.global_batch, self.opts, self.progress = cm, global_batch, opts, progress
+        counts_all = cm.cluster.count_by_type()
+        self.types = list(opts.device_types or cm.cluster.type_names)
+        for t in self.types:
+            if t not in counts_all:
+                raise InputError("device_types", f"cluster {cm.cluster.name!r} has no {t!r} devices")
+        self.counts = [counts_all[t] for t in self.types]
+        self.U = len(units_for(cm.model, opts.max_units))
+        self.sizes = micro_batch_sizes(global_batch, opts)
+        self.t0 = time.perf_counter()
+        self.brute = opts.solver == "brute-force"  # the reference: no bounding, every chain of every size
+        self.best: Optional[Solution] = None
+        self.pool: dict[tuple, Solution] = {}  # the best chain found per job
+        self.milp_vars = 0
+        self.jobs = self._make_jobs()
+        self.bounds = {j.key: j.lower_bound_s for j in self.jobs}
+        self.solved: dict[tuple, bool] = {}
+
+    def _make_jobs(self) -> list[_Job]:
+        """Candidates and lower bounds per job, most promising first."""
+        opts, U, N = self.opts, self.U, sum(self.counts)
+        units = units_for(self.cm.model, opts.max_units)
+        # With equal widths, each (micro-batch size, width) pair is its own sub-problem.
+        keys = ([(b, w) for b in self.sizes for w in range(1, min(b, max(self.counts)) + 1) if b % w == 0]
+                if opts.equal_widths else [(b, None) for b in self.sizes])
+        jobs = []
+        for b, w in keys:
+            M = self.global_batch // b
+            cand = candidates(self.cm, units, b, M, self.types, dict(zip(self.types, self.counts)),
+                              opts.allow_recompute, width=w)
+            t_lb = bottleneck_lower_bound(cand, U, N, M) if len(cand) else math.inf
+            lb = (M - 1) * t_lb + sum_lower_bound(cand, U, N, M) if math.isfinite(t_lb) else math.inf
+            jobs.append(_Job(lb, (b, w), M, cand, t_lb))
+        return sorted(jobs, key=lambda j: j.lower_bound_s)
+
+    def offer(self, sol: Solution, key: tuple) -> None:
+        if key not in self.pool or sol.objective < self.pool[key].objective:
+            self.pool[key] = sol
+        if self.best is None or sol.objective < self.best.objective:
+            self.best = sol
+
+    def beaten(self, bound: float) -> bool:
+        return self.best is not None and bound >= self.best.objective * (1 - 1e-9)
+
+    def seed_incumbents(self) -> None:
+        """Heuristic chains for every job: the MILPs then only look below the best."""
+        for job in self.jobs:
+            if math.isfinite(job.t_lb):
+                chain = incumbent(job.cand, self.U, self.counts, job.M, job.t_lb)
+                if chain is not None:
+                    self.offer(Solution(job.key[0], job.M, chain, objective_of(job.cand, chain, job.M),
+                                        job.lower_bound_s, "feasible", job.cand), job.key)
+
+    def attempt(self, job: _Job, seconds: float) -> None:
+        """Solve one job (restricted to candidates that can beat the incumbent) within ``seconds``."""
+        if not self.brute and (not math.isfinite(job.lower_bound_s) or self.beaten(job.lower_bound_s)):
+            self.solved[job.key] = True
+            return
+        cut = self.best.objective if self.best is not None and not self.brute else None
+        sub, back = (restrict(job.cand, job.cand.cost_s <= cut / job.M * (1 + 1e-9)) if cut is not None
+                     else (job.cand, np.arange(len(job.cand))))
+        if self.brute:
+            res = solve_brute_force(sub, self.U, self.counts, job.M, deadline=self.t0 + self.opts.time_limit_s,
+                                    time_limit_s=self.opts.time_limit_s)
+            chosen, obj, bound, status = (None, math.inf, math.inf, "infeasible") if res is None else \
+                (res[0], res[1], res[1], "optimal")
+        else:
+            self.milp_vars += len(sub)
+            chosen, obj, bound, status = solve_milp(sub, self.U, self.counts, job.M, self.opts.solver, seconds,
+                                                    z_lower=job.t_lb, cutoff=cut)
+        self.bounds[job.key] = max(self.bounds[job.key], bound if status != "infeasible" else
+                                   (cut if cut is not None else math.inf))
+        self.solved[job.key] = status in ("optimal", "infeasible")
+        if self.progress is not None:
+            self.progress({"micro_batch_size": job.key[0], "done": sum(self.solved.values()), "total": len(self.jobs),
+                           "incumbent_s": self.best.objective if self.best is not None else math.inf,
+                           "bound_s": min(self.bounds.values()), "elapsed_s": time.perf_counter() - self.t0})
+        if chosen is not None:
+            self.offer(Solution(job.key[0], job.M, [int(back[k]) for k in chosen], obj, bound, status, job.cand),
+                       job.key)
+
+    def run(self) -> None:
+        """Pass 1: every job briefly, most promising first (an early incumbent prunes the rest);
+        pass 2: the jobs left unproven, with the remaining time."""
+        if not self.brute:
+            self.seed_incumbents()
+        quick = self.opts.time_limit_s / (2 * max(1, len(self.jobs)))
+        for job in self.jobs:
+            self.attempt(job, min(quick, 2.0))
+        for k, job in enumerate(self.jobs):
+            if self.solved.get(job.key) or self.beaten(self.bounds[job.key]):
+                continue
+            left = self.opts.time_limit_s - (time.perf_counter() - self.t0)
+            if left <= 0.2:
+                break
+            self.attempt(job, left / max(1, sum(1 for j in self.jobs[k:] if not self.solved.get(j.key))))
+
+    def stats(self) -> dict:
+        gap = max(0.0, (self.best.objective - min(self.bounds.values())) / self.best.objective)
+        return {"seconds": time.perf_counter() - self.t0, "micro_batch_sizes": self.sizes,
+                "candidates": sum(len(j.cand) for j in self.jobs), "units": self.U, "milp_variables": self.milp_vars,
+                "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible",
+                "alternatives": sorted(self.pool.values(), key=lambda s: s.objective)}
+
+
 def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptions(),
            progress: Optional[Callable[[dict], None]] = None) -> tuple[Solution, dict]:
-    """Best solution over micro-batch sizes; also returns search statistics.
+    """Best solution over micro-batch sizes; also returns search statistics (``alternatives``: the best
+    chain of every micro-batch size, for the simulator to choose among).
 
     ``progress``, if given, is called after every MILP with the search's state (micro-batch size just
     solved, sizes done/total, incumbent and lower bound in seconds, elapsed seconds): a live status.
@@ -559,97 +715,11 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     """
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
-    counts_all = cm.cluster.count_by_type()
-    types = list(opts.device_types or cm.cluster.type_names)
-    for t in types:
-        if t not in counts_all:
-            raise InputError("device_types", f"cluster {cm.cluster.name!r} has no {t!r} devices")
-    counts = [counts_all[t] for t in types]
-    units = units_for(cm.model, opts.max_units)
-    U = len(units)
-    bs = micro_batch_sizes(global_batch, opts)
-    t0 = time.perf_counter()
-    todo = []
-    n_cands = 0
-    # With equal widths, each (micro-batch size, width) pair is its own sub-problem.
-    jobs = [(b, w) for b in bs for w in range(1, min(b, max(counts)) + 1) if b % w == 0] if opts.equal_widths \
-        else [(b, None) for b in bs]
-    for b, w in jobs:
-        M = global_batch // b
-        cand = candidates(cm, units, b, M, types, dict(zip(types, counts)), opts.allow_recompute, width=w)
-        n_cands += len(cand)
-        t_lb = bottleneck_lower_bound(cand, U, sum(counts), M) if len(cand) else math.inf
-        lb = (M - 1) * t_lb + sum_lower_bound(cand, U, sum(counts), M) if math.isfinite(t_lb) else math.inf
-        todo.append((lb, (b, w), M, cand, t_lb))
-    todo.sort(key=lambda x: x[0])
-    brute = opts.solver == "brute-force"  # the reference: no bounding, every chain of every size
-    best: Optional[Solution] = None
-    bounds: dict[int, float] = {b: lb for lb, b, _, _, _ in todo}
-    solved: dict[int, bool] = {}
-    milp_vars = 0
-
-    pool: dict[tuple, Solution] = {}  # the best chain found per (micro-batch size, width) job
-
-    def offer(sol: Solution, job: tuple) -> None:
-        nonlocal best
-        if job not in pool or sol.objective < pool[job].objective:
-            pool[job] = sol
-        if best is None or sol.objective < best.objective:
-            best = sol
-
-    def attempt(entry, seconds: float) -> None:
-        nonlocal best, milp_vars
-        lb, b, M, cand, t_lb = entry
-        if not brute and (not math.isfinite(lb) or (best is not None and lb >= best.objective * (1 - 1e-9))):
-            solved[b] = True
-            return
-        cut = best.objective if best is not None and not brute else None
-        sub, back = (restrict(cand, cand.c <= cut / M * (1 + 1e-9)) if cut is not None
-                     else (cand, np.arange(len(cand))))
-        if brute:
-            res = solve_brute_force(sub, U, counts, M, deadline=t0 + opts.time_limit_s, time_limit_s=opts.time_limit_s)
-            chosen, obj, bound, status = (None, math.inf, math.inf, "infeasible") if res is None else \
-                (res[0], res[1], res[1], "optimal")
-        else:
-            milp_vars += len(sub)
-            chosen, obj, bound, status = solve_milp(sub, U, counts, M, opts.solver, seconds, z_lower=t_lb,
-                                                    cutoff=cut)
-        bounds[b] = max(bounds[b], bound if status != "infeasible" else (cut if cut is not None else math.inf))
-        solved[b] = status in ("optimal", "infeasible")
-        if progress is not None:
-            progress({"micro_batch_size": b[0], "done": sum(solved.values()), "total": len(todo),
-                      "incumbent_s": best.objective if best is not None else math.inf,
-                      "bound_s": min(bounds.values()), "elapsed_s": time.perf_counter() - t0})
-        if chosen is not None:
-            offer(Solution(b[0], M, [int(back[k]) for k in chosen], obj, bound, status, cand), b)
-
-    # Incumbents from the heuristic chain for every size: the MILPs then only look below the best.
-    if not brute:
-        for lb, b, M, cand, t_lb in todo:
-            if math.isfinite(t_lb):
-                chain = incumbent(cand, U, counts, M, t_lb)
-                if chain is not None:
-                    offer(Solution(b[0], M, chain, objective_of(cand, chain, M), lb, "feasible", cand), b)
-    # Pass 1: every size briefly, most promising first (an early incumbent prunes the rest);
-    # pass 2: the sizes left unproven, with the remaining time.
-    quick = opts.time_limit_s / (2 * max(1, len(todo)))
-    for entry in todo:
-        attempt(entry, min(quick, 2.0))
-    for k, entry in enumerate(todo):
-        if solved.get(entry[1]) or (best is not None and bounds[entry[1]] >= best.objective * (1 - 1e-9)):
-            continue
-        left = opts.time_limit_s - (time.perf_counter() - t0)
-        if left <= 0.2:
-            break
-        attempt(entry, left / max(1, sum(1 for e in todo[k:] if not solved.get(e[1]))))
-    if best is None:
-        raise _infeasible(cm, global_batch, types, counts, bs)
-    lower = min(bounds.values())
-    gap = max(0.0, (best.objective - lower) / best.objective)
-    stats = {"seconds": time.perf_counter() - t0, "micro_batch_sizes": bs, "candidates": n_cands, "units": U,
-             "milp_variables": milp_vars, "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible",
-             "alternatives": sorted(pool.values(), key=lambda s: s.objective)}
-    return best, stats
+    s = _Search(cm, global_batch, opts, progress)
+    s.run()
+    if s.best is None:
+        raise _infeasible(cm, global_batch, s.types, s.counts, s.sizes)
+    return s.best, s.stats()
 
 
 def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list[int], bs: list[int]):
@@ -681,6 +751,7 @@ def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[st
     c = sol.cands
     out = []
     for k in sol.chosen:
-        out.append(StageLayout(layers=(units[c.i[k]][0], units[c.j[k] - 1][1]), device_type=types[c.t[k]],
-                               samples=even_split(sol.b, int(c.w[k])), recompute=bool(c.rc[k])))
+        out.append(StageLayout(layers=(units[c.first_unit[k]][0], units[c.end_unit[k] - 1][1]),
+                               device_type=types[c.type_idx[k]],
+                               samples=even_split(sol.b, int(c.width[k])), recompute=bool(c.recompute[k])))
     return out

@@ -504,14 +504,35 @@ def validate_plan(plan: Plan) -> None:
     """
     if plan.schema_version != SCHEMA_VERSION:
         raise ValueError(f"schema_version: this hethub reads version {SCHEMA_VERSION}, got {plan.schema_version}")
-    n_layers = plan.model.num_planner_layers
     if plan.micro_batch_size * plan.num_micro_batches != plan.global_batch_size:
         raise ValueError(f"global_batch_size: must equal micro_batch_size * num_micro_batches = "
                          f"{plan.micro_batch_size} * {plan.num_micro_batches} = "
                          f"{plan.micro_batch_size * plan.num_micro_batches}, got {plan.global_batch_size}")
-    expected_first = 0
+    _check_layer_cover(plan)
     seen_ranks: dict[int, str] = {}
     seen_slots: dict[tuple[str, int], str] = {}
+    for i, st in enumerate(plan.stages):
+        f = f"stages[{i}]"
+        if st.device_type not in plan.cluster.type_names:
+            raise ValueError(f"{f}.device_type: cluster {plan.cluster.name!r} has no {st.device_type!r} devices "
+                             f"(it has {', '.join(plan.cluster.type_names)})")
+        total = sum(r.samples for r in st.replicas)
+        if total != plan.micro_batch_size:
+            raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
+                             f"got {total}")
+        for j, r in enumerate(st.replicas):
+            _check_replica(plan, st, r, f"{f}.replicas[{j}]", seen_ranks, seen_slots)
+    _check_boundaries(plan)
+    world = len(seen_ranks)
+    missing = sorted(set(range(world)) - set(seen_ranks))
+    if missing:
+        raise ValueError(f"stages: ranks must be 0..{world - 1} without gaps, missing rank {missing[0]}")
+
+
+def _check_layer_cover(plan: Plan) -> None:
+    """Stages listed in order, each holding layers, covering the planner's layer list without gap or overlap."""
+    n_layers = plan.model.num_planner_layers
+    expected_first = 0
     for i, st in enumerate(plan.stages):
         f = f"stages[{i}]"
         if st.index != i:
@@ -527,49 +548,41 @@ def validate_plan(plan: Plan) -> None:
             raise ValueError(f"{f}.layers: model {plan.model.name!r} has {n_layers} planner layers "
                              f"(0..{n_layers - 1}), got [{first}, {last})")
         expected_first = last
-        if st.device_type not in plan.cluster.type_names:
-            raise ValueError(f"{f}.device_type: cluster {plan.cluster.name!r} has no {st.device_type!r} devices "
-                             f"(it has {', '.join(plan.cluster.type_names)})")
-        total = sum(r.samples for r in st.replicas)
-        if total != plan.micro_batch_size:
-            raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
-                             f"got {total}")
-        for j, r in enumerate(st.replicas):
-            rf = f"{f}.replicas[{j}]"
-            node = plan.cluster.node(r.host)
-            if node is None:
-                raise ValueError(f"{rf}.host: cluster {plan.cluster.name!r} has no host {r.host!r}")
-            if node.device_type != st.device_type:
-                raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the stage runs on "
-                                 f"{st.device_type}")
-            if r.slot + st.tensor_parallel > node.count:
-                raise ValueError(f"{rf}.slot: host {r.host!r} has slots 0..{node.count - 1}, got {r.slot}"
-                                 + (f" (+{st.tensor_parallel - 1} for tensor parallel)" if st.tensor_parallel > 1
-                                    else ""))
-            for t in range(st.tensor_parallel):
-                key = (r.host, r.slot + t)
-                if key in seen_slots:
-                    raise ValueError(f"{rf}.slot: {r.host}:{r.slot + t} is already used by {seen_slots[key]}")
-                seen_slots[key] = rf
-                rank = r.rank + t
-                if rank in seen_ranks:
-                    raise ValueError(f"{rf}.rank: rank {rank} is already used by {seen_ranks[rank]}")
-                seen_ranks[rank] = rf
     if expected_first != n_layers:
         raise ValueError(f"stages[{len(plan.stages) - 1}].layers: stages must cover all {n_layers} planner layers, "
                          f"last stage ends at {expected_first}")
-    seen_b = set()
+
+
+def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict, seen_slots: dict) -> None:
+    """The replica's host exists and holds the stage's type; its slots exist; slots and ranks used once."""
+    node = plan.cluster.node(r.host)
+    if node is None:
+        raise ValueError(f"{rf}.host: cluster {plan.cluster.name!r} has no host {r.host!r}")
+    if node.device_type != st.device_type:
+        raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the stage runs on {st.device_type}")
+    if r.slot + st.tensor_parallel > node.count:
+        raise ValueError(f"{rf}.slot: host {r.host!r} has slots 0..{node.count - 1}, got {r.slot}"
+                         + (f" (+{st.tensor_parallel - 1} for tensor parallel)" if st.tensor_parallel > 1 else ""))
+    for t in range(st.tensor_parallel):
+        key = (r.host, r.slot + t)
+        if key in seen_slots:
+            raise ValueError(f"{rf}.slot: {r.host}:{r.slot + t} is already used by {seen_slots[key]}")
+        seen_slots[key] = rf
+        rank = r.rank + t
+        if rank in seen_ranks:
+            raise ValueError(f"{rf}.rank: rank {rank} is already used by {seen_ranks[rank]}")
+        seen_ranks[rank] = rf
+
+
+def _check_boundaries(plan: Plan) -> None:
+    seen = set()
     for k, bd in enumerate(plan.boundaries):
         if bd.after_stage >= len(plan.stages) - 1:
             raise ValueError(f"boundaries[{k}].after_stage: the last boundary is after stage {len(plan.stages) - 2}, "
                              f"got {bd.after_stage}")
-        if bd.after_stage in seen_b:
+        if bd.after_stage in seen:
             raise ValueError(f"boundaries[{k}].after_stage: boundary after stage {bd.after_stage} is listed twice")
-        seen_b.add(bd.after_stage)
-    world = len(seen_ranks)
-    missing = sorted(set(range(world)) - set(seen_ranks))
-    if missing:
-        raise ValueError(f"stages: ranks must be 0..{world - 1} without gaps, missing rank {missing[0]}")
+        seen.add(bd.after_stage)
 
 
 def load_plan(path: str) -> Plan:

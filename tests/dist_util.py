@@ -41,3 +41,21 @@ def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | No
         raise AssertionError(f"ranks still running after {timeout} s (hang?):\n"
                              + "\n".join(f"--- rank {r}\n{o[1][-2000:]}" for r, o in enumerate(outs)))
     return results
+
+
+def wait_for_line(stream, pattern: str, timeout: float) -> str:
+    """Block until a line of ``stream`` (a text pipe) matches ``pattern``: an event, not a sleep-and-poll.
+    Fails on end of stream or after ``timeout`` seconds."""
+    import re
+    import select
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([stream], [], [], max(0.0, left))
+        if not ready:
+            raise AssertionError(f"no line matching {pattern!r} within {timeout} s")
+        line = stream.readline()
+        if not line:
+            raise AssertionError(f"stream ended before a line matching {pattern!r}")
+        if re.search(pattern, line):
+            return line

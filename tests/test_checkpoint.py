@@ -139,9 +139,8 @@ def test_elastic_story_kill_replan_resume(tmp_path):
     tag = f"elastic-{os.getpid()}"
     proc = _launch(["--hetero-plan", plans[5], "--local", script, "--steps", "1000", "--save-dir", ckpt,
                     "--save-every", "2", "--log-json", tag])
-    deadline = time.time() + 150
-    while not os.path.exists(os.path.join(ckpt, "latest")) and time.time() < deadline:
-        time.sleep(0.5)
+    from dist_util import wait_for_line
+    wait_for_line(proc.stdout, r"^saved global_step", timeout=150)
     assert os.path.exists(os.path.join(ckpt, "latest")), "no checkpoint written"
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     victims = [int(l.split()[0]) for l in ps.splitlines() if tag in l and "--local_rank=1" in l]
@@ -174,19 +173,16 @@ def test_elastic_story_kill_replan_resume(tmp_path):
 def test_sigkilled_rank_ends_every_other_rank_with_its_name(tmp_path):
     import signal
     import time
-    from dist_util import free_port, rank_env
+    from dist_util import free_port, rank_env, wait_for_line
     plan = stack_plan(*PLAN_A)
     path = _write(tmp_path, "a", plan)
     port = free_port()
-    beat = tmp_path / "beat"
     procs = [subprocess.Popen([sys.executable, os.path.join("tests", "workers", "train_stack.py"), path,
                                str(tmp_path / "k{rank}.pt"), "100000", "0"],
-                              env=rank_env(r, 5, port, {"HEARTBEAT": str(beat)}), cwd=ROOT,
+                              env=rank_env(r, 5, port, {"HEARTBEAT": "1"}), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(5)]
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline and not (beat.exists() and beat.read_text().strip() not in ("", "0", "1")):
-            time.sleep(0.2)  # until training is well under way
+        wait_for_line(procs[0].stdout, r"^step [2-9]", timeout=90)  # training well under way
         assert all(p.poll() is None for p in procs)
         procs[3].send_signal(signal.SIGKILL)
         t0 = time.time()
