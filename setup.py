@@ -14,7 +14,7 @@ RUNTIME = [
     "deepspeed>=0.19.0,<0.20",       # the plugin overrides engine internals; tested on 0.19.x
     "triton>=3.0; platform_system == 'Linux'",
 ]
-TEST = ["pytest>=8", "hypothesis>=6", "setuptools>=64", "matplotlib>=3.7", "megatron-core>=0.16,<0.17"]
+TEST = ["pytest>=8", "hypothesis>=6", "setuptools>=70.1", "matplotlib>=3.7", "megatron-core>=0.16,<0.17"]
 
 setup(
     name="hethub",
