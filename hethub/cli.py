@@ -96,10 +96,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .partitioner.costmodel import CostModel
     from .partitioner.errors import InfeasibleError
     from .partitioner.planner import PlannerOptions
-    from .partitioner.records import load_cluster, load_model, load_profiles
+    from .partitioner.records import ModelConfig, load_cluster, load_model, load_profiles, parse_record
     from .show import print_plan
 
     cluster, model = load_cluster(args.cluster), load_model(args.model)
+    if args.seq_length:
+        model = parse_record(ModelConfig, {**model.model_dump(), "seq_length": args.seq_length}, "--seq-length")
     profile_files = ([os.path.join(args.profiles, f) for f in os.listdir(args.profiles)]
                      if args.profiles and os.path.isdir(args.profiles) else [])
     check_output_path(args.output, "--output", [args.cluster, args.model, *profile_files])
@@ -236,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="plan stages, widths and sample splits for a cluster and model")
     sp.add_argument("--cluster", required=True, help="cluster YAML/JSON")
-    sp.add_argument("--model", required=True, help="model YAML/JSON or a built-in name (gpt-1.3b, llama-7b, ...)")
+    sp.add_argument("--model", required=True, help="model YAML/JSON, a built-in name (gpt-1.3b, llama-7b, ...) or "
+                                                    "hf:path/config.json (GPT-2, Llama, Mistral, Qwen2)")
+    sp.add_argument("--seq-length", type=_int_in(1, 10_000_000), default=None,
+                    help="train at this sequence length (default: the model's; a Hugging Face config's maximum)")
     sp.add_argument("--global-batch", type=_int_in(1, MAX_BATCH), required=True, help="samples per iteration")
     sp.add_argument("-o", "--output", default="plan.json")
     sp.add_argument("--profiles", help="directory of measured profile JSON files")
