@@ -222,6 +222,27 @@ def _register_clean_shutdown() -> None:
     atexit.register(at_exit)
 
 
+def _emulated(layers: Sequence[Any], grid, hetero: dict) -> Sequence[Any]:
+    """This stage's layers wrapped in the emulated slowdown of its device type, where one is set."""
+    slowdown = slowdown_for(grid.stage.device_type, hetero.get("emulate_slowdown"))
+    if slowdown == 1.0:
+        return layers
+    from .emulation import SlowDown
+    first, last = grid.stage.layers
+    layers = list(layers)
+    layers[first:last] = [SlowDown(layer, slowdown) for layer in layers[first:last]]
+    return layers
+
+
+def _set_batch_keys(cfg: dict, plan: Plan, grid) -> None:
+    """DeepSpeed's own batch bookkeeping, per rank: this replica's rows x micro-batches x stage width."""
+    samples = grid.sample_stop - grid.sample_start
+    cfg["train_micro_batch_size_per_gpu"] = samples
+    cfg["gradient_accumulation_steps"] = plan.num_micro_batches
+    cfg["train_batch_size"] = samples * plan.num_micro_batches * grid.data_parallel_size
+    cfg.setdefault("steps_per_print", 10 ** 9)
+
+
 def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config: Union[dict, str, None] = None,
                plan: Union[Plan, str, None] = None, optimizer: Any = None, model_parameters: Any = None,
                lr_scheduler: Any = None, args: Any = None):
@@ -259,19 +280,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     _register_clean_shutdown()
     grid = HeteroGrid(the_plan, rank)
-    slowdown = slowdown_for(grid.stage.device_type, hetero.get("emulate_slowdown"))
-    if slowdown != 1.0:
-        from .emulation import SlowDown
-        first, last = grid.stage.layers
-        layers = list(layers)
-        layers[first:last] = [SlowDown(l, slowdown) for l in layers[first:last]]
-    module = HeteroPipelineModule(layers, loss_fn, grid)
-    samples = grid.sample_stop - grid.sample_start
-    # DeepSpeed's own batch bookkeeping, per rank: this replica's rows x micro-batches x stage width.
-    cfg["train_micro_batch_size_per_gpu"] = samples
-    cfg["gradient_accumulation_steps"] = the_plan.num_micro_batches
-    cfg["train_batch_size"] = samples * the_plan.num_micro_batches * grid.data_parallel_size
-    cfg.setdefault("steps_per_print", 10 ** 9)
+    module = HeteroPipelineModule(_emulated(layers, grid, hetero), loss_fn, grid)
+    _set_batch_keys(cfg, the_plan, grid)
     if callable(optimizer) and not hasattr(optimizer, "step"):
         optimizer = optimizer(module.parameters())
     if model_parameters is None and optimizer is None:
