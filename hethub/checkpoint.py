@@ -73,6 +73,35 @@ def complete_checkpoints(save_dir: str) -> list[str]:
     return [t for _, t in sorted(tags)]
 
 
+def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
+    """layer index -> parameter name -> the optimizer's state (CPU) for this rank's optimizer parameters."""
+    names = _param_names(engine)
+    opt = engine.optimizer
+    out: dict[int, dict[str, Any]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) in names and p in opt.state:
+                idx, name = names[id(p)]
+                out.setdefault(idx, {})[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                                 for k, v in opt.state[p].items()}
+    return out
+
+
+def _gather_shards(engine, mine: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Collective over the stage's replicas: replica 0 receives and merges every replica's share (between
+    hethub's own processes; nothing read from a file is unpickled)."""
+    root = engine.grid.stage_ranks[engine.stage_id][0]
+    parts = [None] * engine.grid.data_parallel_size if engine.global_rank == root else None
+    dist.gather_object(mine, parts, dst=root, group=engine.grid.get_data_parallel_group())
+    if parts is None:
+        return mine
+    merged: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        for idx, states in part.items():
+            merged.setdefault(idx, {}).update(states)
+    return merged
+
+
 def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
     """Collective: every rank calls it. Returns the tag."""
     tag = tag or f"global_step{engine.global_steps}"
@@ -85,16 +114,10 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     dist.barrier()
+    per_layer_state = _optimizer_state_by_layer(engine)
+    if engine.zero1_owners is not None:  # ZeRO-1: every owner's share, gathered into full per-layer state
+        per_layer_state = _gather_shards(engine, per_layer_state)
     if engine.grid.replica_id == 0:
-        names = _param_names(engine)
-        opt = engine.optimizer
-        per_layer_state: dict[int, dict[str, Any]] = {}
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) in names and p in opt.state:
-                    idx, name = names[id(p)]
-                    per_layer_state.setdefault(idx, {})[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                                                 for k, v in opt.state[p].items()}
         for idx, layer in _local_layers(engine):
             torch.save({k: v.detach().cpu() for k, v in layer.state_dict().items()}, _layer_file(tmp, idx, "model"))
             torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))

@@ -160,6 +160,8 @@ class HeteroPipelineEngine(PipelineEngine):
         self._meta_sent = False
         self._global_batch = plan.global_batch_size
         self.autocast_dtype = None  # torch.bfloat16 under "bf16": {"enabled": true} (set by hethub.initialize)
+        # ZeRO-1 (hethub.zero): owner replica of each trainable parameter, in module order; None without it
+        self.zero1_owners: Optional[list[int]] = None
         # This rank's training actions: the plan's 1F1B or a hand-edited schedule (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[self.global_rank]
         self.executed: list[str] = []  # the actions of the last train_batch/eval_batch, as text, in order
@@ -484,7 +486,23 @@ class HeteroPipelineEngine(PipelineEngine):
         self._force_grad_boundary = True
         self._take_model_step(lr_kwargs)
         self._force_grad_boundary = False
+        if self.zero1_owners is not None:
+            self._broadcast_owned_parameters()
         self.global_samples = samples + self._global_batch  # DeepSpeed counts this rank's share only
+
+    def _broadcast_owned_parameters(self) -> None:
+        """ZeRO-1: each replica stepped the parameters it owns; every owner now sends them to the others."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        group, ranks = self.grid.get_data_parallel_group(), self.grid.stage_ranks[self.stage_id]
+        self._peers_in_flight = tuple(ranks)
+        for j in range(self.grid.data_parallel_size):
+            mine = [p.data for p, o in zip(params, self.zero1_owners) if o == j]
+            if not mine:
+                continue
+            flat = _flatten_dense_tensors(mine)
+            self._guarded(lambda: dist.broadcast(flat, src=ranks[j], group=group), "the ZeRO-1 parameter broadcast")
+            for t, synced in zip(mine, _unflatten_dense_tensors(flat, mine)):
+                t.copy_(synced)
 
     def is_gradient_accumulation_boundary(self):
         return self._force_grad_boundary

@@ -95,7 +95,8 @@ def _type_matches(plan_type: str, detected: str) -> bool:
     return plan_type.upper() == d or all(tok in d for tok in plan_type.upper().split("-"))
 
 
-def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any], config: dict) -> None:
+def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any], config: dict,
+                        optimizer: Any = None) -> None:
     """Everything about plan vs launch vs model that must hold before any collective."""
     if world != plan.world_size:
         raise InputError("plan", f"plan needs world size {plan.world_size} "
@@ -124,9 +125,17 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
         if key in config and config[key] != want:
             raise InputError(f"config.{key}", f"must agree with the plan ({want} on rank {rank}), got {config[key]}")
     zero = (config.get("zero_optimization") or {}).get("stage", 0)
-    if zero:
-        raise InputError("config.zero_optimization.stage", f"only ZeRO stage 0 is supported with hethub plans, "
-                                                           f"got {zero}")
+    if zero not in (0, 1):
+        raise InputError("config.zero_optimization.stage", f"hethub runs ZeRO stage 0 or 1 (stage 1 shards optimizer "
+                                                           f"state over each stage's replicas); stages 2 and 3 are "
+                                                           f"not supported, got {zero!r}")
+    if plan.zero1 and zero != 1:
+        raise InputError("config.zero_optimization.stage", "the plan was made with --zero1 (its memory assumes "
+                                                           "optimizer state sharded over each stage's replicas): set "
+                                                           "\"zero_optimization\": {\"stage\": 1}")
+    if zero == 1 and optimizer is not None and hasattr(optimizer, "step"):
+        raise InputError("optimizer", "with ZeRO-1 pass a callable params -> Optimizer (hethub gives it the parameters "
+                                      "this replica owns), not an optimizer already built")
     if (config.get("fp16") or {}).get("enabled"):
         raise InputError("config.fp16.enabled", "fp16 (loss-scaled) training is not supported yet; use bf16 or fp32")
 
@@ -257,7 +266,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         cfg = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
         the_plan = resolve_plan(plan, cfg, args)
         rank, world = launched_world()
-        check_against_world(the_plan, rank, world, layers, cfg)
+        check_against_world(the_plan, rank, world, layers, cfg, optimizer)
         schedule_file = (cfg.get("hetero") or {}).get("schedule")
         schedule = load_checked_schedule(the_plan, schedule_file, rank) if schedule_file else None
         from . import ds_seams
@@ -271,26 +280,33 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
 
     from .engine import HeteroPipelineEngine, HeteroPipelineModule
     from .topology import HeteroGrid
+    from .zero import shard_owners
 
     hetero = cfg.pop("hetero", None) or {}
     # bf16: autocast compute with fp32 weights, gradients and optimizer state (hethub runs it, not DeepSpeed's
     # BF16_Optimizer, whose gradient bookkeeping assumes equal widths).
     bf16 = bool((cfg.pop("bf16", None) or {}).get("enabled"))
+    # ZeRO-1: hethub shards the optimizer itself (hethub.zero); DeepSpeed's engine sees plain data parallelism.
+    zero1 = (cfg.pop("zero_optimization", None) or {}).get("stage", 0) == 1
     _fix_local_rank(the_plan, rank)
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     _register_clean_shutdown()
     grid = HeteroGrid(the_plan, rank)
     module = HeteroPipelineModule(_emulated(layers, grid, hetero), loss_fn, grid)
     _set_batch_keys(cfg, the_plan, grid)
+    params = [p for p in module.parameters() if p.requires_grad]
+    owners = shard_owners(params, grid.data_parallel_size) if zero1 and grid.data_parallel_size > 1 else None
+    owned = params if owners is None else [p for p, o in zip(params, owners) if o == grid.replica_id]
     if callable(optimizer) and not hasattr(optimizer, "step"):
-        optimizer = optimizer(module.parameters())
+        optimizer = optimizer(owned)
     if model_parameters is None and optimizer is None:
-        model_parameters = [p for p in module.parameters() if p.requires_grad]
+        model_parameters = owned
     config_class = DeepSpeedConfig(cfg, grid)
     engine = HeteroPipelineEngine(plan=the_plan, grid=grid, module=module, config=cfg, config_class=config_class,
                                   optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                                   schedule=schedule)
     engine.autocast_dtype = torch.bfloat16 if bf16 else None
+    engine.zero1_owners = owners
     resume = getattr(args, "hetero_resume", None) or hetero.get("resume")
     if resume:
         engine.load_checkpoint(resume)

@@ -33,7 +33,7 @@ def _solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None
                                 solver=solver))
     t0 = time.perf_counter()
     plan = choose_by_simulation(plans, cm)
-    return plan.model_copy(update={"solver": plan.solver.model_copy(
+    return plan.model_copy(update={"zero1": cm.zero1, "solver": plan.solver.model_copy(
         update={"seconds": stats["seconds"] + time.perf_counter() - t0})})
 
 

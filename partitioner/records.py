@@ -465,6 +465,8 @@ class Plan(Record):
     num_micro_batches: int = Field(gt=0, le=MAX_MICRO_BATCHES)
     stages: list[Stage] = Field(min_length=1, max_length=MAX_DEVICES)
     boundaries: list[Boundary] = Field(default_factory=list)
+    # The plan's memory assumes ZeRO-1 (optimizer state sharded over each stage's replicas): it must run with it.
+    zero1: bool = False
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
 

@@ -1,6 +1,6 @@
 """Worker for checkpoint tests: train steps [first, last) under a plan, optionally loading/saving a checkpoint.
 
-usage: resume.py PLAN OUT FIRST LAST OPT CLIP [--load DIR] [--save DIR]   (PLAN "single": one process)
+usage: resume.py PLAN OUT FIRST LAST OPT CLIP [--load DIR] [--save DIR] [--zero1]   (PLAN "single": one process)
 OPT: sgd (with momentum) | adam. Data of step k is the same whatever the plan (seeded by k).
 """
 import os
@@ -28,7 +28,7 @@ def main():
     save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else None
     mb, M, n_layers = 6, 2, 7
     layers = make_layers(n_layers)
-    losses = []
+    losses, opt_bytes = [], 0
     if plan_path == "single":
         model = nn.Sequential(*layers)
         opt = opt_factory(kind)(model.parameters())
@@ -38,6 +38,8 @@ def main():
     else:
         import hethub
         cfg = {"gradient_clipping": clip} if clip > 0 else {}
+        if "--zero1" in sys.argv:
+            cfg["zero_optimization"] = {"stage": 1}
         engine, *_ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=cfg, plan=plan_path,
                                        optimizer=opt_factory(kind))
         if load:
@@ -49,7 +51,9 @@ def main():
             engine.save_checkpoint(save)
         a, b = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(a, b) for k, v in layers[i].state_dict().items()}
-    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params},
+        from hethub.zero import optimizer_state_bytes
+        opt_bytes = optimizer_state_bytes(engine.optimizer)
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params, "opt_bytes": opt_bytes},
                out.replace("{rank}", os.environ.get("RANK", "0")))
 
 

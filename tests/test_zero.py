@@ -1,0 +1,89 @@
+"""Tier 2: ZeRO-1 inside each stage (hethub.zero) trains exactly like one process, shards the optimizer
+state over a stage's replicas, and its checkpoints resume without ZeRO under another plan."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from dist_util import spawn
+from test_runtime import CASES, _write, stack_plan
+
+pytestmark = pytest.mark.dist
+WORKER = os.path.join("tests", "workers", "resume.py")
+K = 3
+PLANS = {"2to3": ([3], [[3, 3], [2, 2, 2]], 6, 2), "2to1to3": ([2, 5], [[3, 3], [6], [2, 2, 2]], 6, 2)}
+# float32 with Adam: the stage's replicas sum gradients in another order than one process (~1e-7 relative),
+# and Adam's division by sqrt(v) moves a weight by up to ~1e-3 of its lr-sized step (lr 0.01): 1e-5.
+TOL = 1e-5
+
+
+def _run(tmp_path, plan, name, first, last, *extra):
+    path = str(tmp_path / f"{name}.json")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    out = str(tmp_path / f"{name}{{rank}}.pt")
+    results = spawn(plan.world_size, [WORKER, path, out, str(first), str(last), "adam", "0.05", *extra], timeout=120)
+    for rank, (rc, _o, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
+    return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
+
+
+def _reference(tmp_path, last):
+    out = str(tmp_path / "ref.pt")
+    r = subprocess.run([sys.executable, WORKER, "single", out, "0", str(last), "adam", "0.05"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return torch.load(out, weights_only=True)
+
+
+def _compare(got, ref, losses):
+    seen = set()
+    for g in got:
+        torch.testing.assert_close(g["losses"], losses, rtol=TOL, atol=0)
+        for k, v in g["params"].items():
+            torch.testing.assert_close(v, ref["params"][k], rtol=TOL, atol=TOL)
+            seen.add(k)
+    assert seen == set(ref["params"])
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_zero1_trains_like_one_process_and_shards_optimizer_state(tmp_path, name):
+    plan = stack_plan(*PLANS[name])
+    got = _run(tmp_path, plan, "z", 0, K, "--zero1")
+    ref = _reference(tmp_path, K)
+    _compare(got, ref, ref["losses"])
+    for st in plan.stages:
+        # Adam keeps two fp32 moments and a step per parameter; ZeRO-1 splits them over the replicas.
+        params = [p for i in range(*st.layers) for p in ref["params"] if p.startswith(f"{i}.")]
+        sizes = [ref["params"][p].numel() for p in params]
+        unsharded = sum(2 * 4 * n + 4 for n in sizes)
+        share = [got[r.rank]["opt_bytes"] for r in st.replicas]
+        assert sum(share) == unsharded, (st.index, share, unsharded)
+        if st.width > 1:  # greedy by size: no replica holds more than its share plus the largest parameter
+            assert max(share) <= unsharded / st.width + 2 * 4 * max(sizes) + 4 * len(sizes), share
+
+
+def test_zero1_checkpoint_resumes_without_zero_under_another_plan(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _run(tmp_path, stack_plan(*PLANS["2to3"]), "a", 0, K, "--zero1", "--save", ckpt)
+    got = _run(tmp_path, stack_plan([2, 5], [[6], [4, 2], [6]], 6, 2), "b", K, 2 * K, "--load", ckpt)
+    ref = _reference(tmp_path, 2 * K)
+    _compare(got, ref, ref["losses"][K:])
+
+
+@pytest.mark.parametrize("zero,plan_zero1,fragment", [
+    (2, False, "error: config.zero_optimization.stage: hethub runs ZeRO stage 0 or 1"),
+    (0, True, "error: config.zero_optimization.stage: the plan was made with --zero1"),
+])
+def test_unsupported_zero_is_refused_on_every_rank(tmp_path, zero, plan_zero1, fragment):
+    plan = stack_plan(*CASES["1to2"]).model_copy(update={"zero1": plan_zero1})
+    path = _write(tmp_path, plan)
+    code = ("import sys, torch; sys.path.insert(0, 'tests/workers'); import train_stack as t, hethub\n"
+            f"cfg = {{'zero_optimization': {{'stage': {zero}}}}}\n"
+            f"hethub.initialize(layers=t.make_layers(7), loss_fn=t.loss_fn, config=cfg, plan={path!r},\n"
+            "                  optimizer=lambda ps: torch.optim.Adam(ps))\n")
+    for rc, _out, err in spawn(3, ["-c", code], timeout=60):
+        assert rc == 2 and err.strip().splitlines()[-1].startswith(fragment), err[-1500:]
