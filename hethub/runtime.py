@@ -107,10 +107,17 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
                                                                         f"the runtime yet, got {s.tensor_parallel}")
     stage_id, rep = plan.locate(rank)
     stage = plan.stages[stage_id]
+    mine = stage.type_of(stage.replicas[rep])
     detected = detected_device_type()
-    if detected is not None and not _type_matches(stage.device_type, detected):
+    if detected is not None and not _type_matches(mine, detected):
         raise InputError(f"plan.stages[{stage_id}].device_type", f"rank {rank} runs on {detected!r}, but the plan "
-                                                                 f"puts a {stage.device_type} there")
+                                                                 f"puts a {mine} there")
+    for s in plan.stages:
+        vendors = {plan.cluster.device_type(t).vendor for t in s.types}
+        if len(vendors) > 1:
+            raise InputError(f"plan.stages[{s.index}].replicas", f"a stage whose replicas span vendors "
+                                                                 f"({', '.join(sorted(vendors))}) needs a gradient "
+                                                                 f"all-reduce through the host bridge, not built yet")
     n = plan.model.num_planner_layers
     if len(layers) != n:
         raise InputError("layers", f"the plan's model {plan.model.name!r} has {n} planner layers "
@@ -233,7 +240,7 @@ def _register_clean_shutdown() -> None:
 
 def _emulated(layers: Sequence[Any], grid, hetero: dict) -> Sequence[Any]:
     """This stage's layers wrapped in the emulated slowdown of its device type, where one is set."""
-    slowdown = slowdown_for(grid.stage.device_type, hetero.get("emulate_slowdown"))
+    slowdown = slowdown_for(grid.device_type, hetero.get("emulate_slowdown"))
     if slowdown == 1.0:
         return layers
     from .emulation import SlowDown

@@ -26,7 +26,7 @@ def plan_table(plan: Plan) -> Table:
         t.add_column("memory GiB", justify="right")
     for st in plan.stages:
         row = [str(st.index), f"[{st.layers[0]}, {st.layers[1]})",
-               st.device_type + (f" x tp{st.tensor_parallel}" if st.tensor_parallel > 1 else ""),
+               "+".join(st.types) + (f" x tp{st.tensor_parallel}" if st.tensor_parallel > 1 else ""),
                str(st.width), "+".join(str(r.samples) for r in st.replicas),
                ",".join(str(r.rank) for r in st.replicas), _hosts(st), "yes" if st.recompute else "no"]
         if pred and pred.stage_s:

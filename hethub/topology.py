@@ -26,6 +26,7 @@ class HeteroGrid:
         self.world_size = plan.world_size
         self.stage_id, self.replica_id = plan.locate(rank)
         self.stage = plan.stages[self.stage_id]
+        self.device_type = self.stage.type_of(self.stage.replicas[self.replica_id])  # this rank's accelerator
         self.stage_ranks = [[r.rank for r in s.replicas] for s in plan.stages]
         self.pipe_parallel_size = plan.num_stages
         self.data_parallel_size = self.stage.width

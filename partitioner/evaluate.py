@@ -52,7 +52,9 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
     for s, st in enumerate(plan.stages):
         first, last = st.layers
         samples = max(r.samples for r in st.replicas)
-        fwd, bwd = cm.stage_compute_s(st.device_type, first, last, samples, st.recompute)
+        # the slowest replica paces the stage: its share on its own type (mixed-type stages differ per replica)
+        fwd, bwd = max((cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute) for r in st.replicas),
+                       key=sum)
         comm = 0.0
         if s + 1 < S:
             nxt = plan.stages[s + 1]
@@ -64,14 +66,14 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
             row_bytes = float(cm.layers.out_bytes[last - 1]) * WIRE_FACTOR[bd.dtype if bd else None]
             for i, j, lo, hi in boundary_transfers(plan, s):
                 same = st.replicas[i].host == nxt.replicas[j].host
-                t = cm.p2p_s((hi - lo) * row_bytes, st.device_type, nxt.device_type, same)
+                t = cm.p2p_s((hi - lo) * row_bytes, st.type_of(st.replicas[i]), nxt.type_of(nxt.replicas[j]), same)
                 per_sender[i] = per_sender.get(i, 0.0) + t
                 if not same:
                     per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         one_node = len({r.host for r in st.replicas}) == 1
-        ar = cm.allreduce_s(cm.grad_bytes(first, last), st.device_type, st.width, one_node)
-        opt = cm.optimizer_s(st.device_type, first, last, st.width)
+        ar = max(cm.allreduce_s(cm.grad_bytes(first, last), t, st.width, one_node) for t in st.types)
+        opt = max(cm.optimizer_s(t, first, last, st.width) for t in st.types)
         mem = cm.stage_memory_bytes(first, last, samples, min(S - s, M), st.recompute, st.width)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem))
     return out
@@ -88,8 +90,10 @@ def closed_form_s(plan: Plan, cm: CostModel) -> float:
 
 
 def fits_memory(plan: Plan, cm: CostModel) -> bool:
-    return all(c.memory_bytes <= cm.memory_limit_bytes(st.device_type) for c, st in zip(stage_costs(plan, cm),
-                                                                                       plan.stages))
+    """Every replica's peak (its share, 1F1B in-flight count) within its own type's memory."""
+    S, M = plan.num_stages, plan.num_micro_batches
+    return all(cm.stage_memory_bytes(*st.layers, r.samples, min(S - s, M), st.recompute, st.width)
+               <= cm.memory_limit_bytes(st.type_of(r)) for s, st in enumerate(plan.stages) for r in st.replicas)
 
 
 def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, within: float = 1.3) -> Plan:
@@ -145,5 +149,4 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
                      stage_s=[c.per_micro_batch_s for c in costs],
                      memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
                      allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
-                     fits_memory=all(c.memory_bytes <= cm.memory_limit_bytes(st.device_type)
-                                     for c, st in zip(costs, plan.stages)), closed_form_s=closed)
+                     fits_memory=fits_memory(plan, cm), closed_form_s=closed)

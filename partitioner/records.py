@@ -401,6 +401,8 @@ class Replica(Record):
     host: str = Name
     slot: int = Field(ge=0, lt=MAX_DEVICES)
     samples: int = Field(gt=0, le=MAX_BATCH)  # of each micro-batch
+    # This replica's accelerator type when it differs from its stage's (a mixed-type stage); None: the stage's.
+    device_type: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
 
 
 class Stage(Record):
@@ -414,6 +416,15 @@ class Stage(Record):
     @property
     def width(self) -> int:
         return len(self.replicas)
+
+    def type_of(self, replica: "Replica") -> str:
+        """The accelerator type a replica runs on: its own, else the stage's."""
+        return replica.device_type or self.device_type
+
+    @property
+    def types(self) -> list[str]:
+        """The stage's distinct device types, the stage's own first."""
+        return list(dict.fromkeys([self.device_type] + [self.type_of(r) for r in self.replicas]))
 
     def sample_ranges(self) -> list[tuple[int, int]]:
         """Each replica's contiguous [start, stop) rows of every micro-batch, in replica order."""
@@ -519,9 +530,11 @@ def validate_plan(plan: Plan) -> None:
     seen_slots: dict[tuple[str, int], str] = {}
     for i, st in enumerate(plan.stages):
         f = f"stages[{i}]"
-        if st.device_type not in plan.cluster.type_names:
-            raise ValueError(f"{f}.device_type: cluster {plan.cluster.name!r} has no {st.device_type!r} devices "
-                             f"(it has {', '.join(plan.cluster.type_names)})")
+        for j, r in enumerate(st.replicas):
+            t, where = st.type_of(r), (f"{f}.replicas[{j}].device_type" if r.device_type else f"{f}.device_type")
+            if t not in plan.cluster.type_names:
+                raise ValueError(f"{where}: cluster {plan.cluster.name!r} has no {t!r} devices "
+                                 f"(it has {', '.join(plan.cluster.type_names)})")
         total = sum(r.samples for r in st.replicas)
         if total != plan.micro_batch_size:
             raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
@@ -564,8 +577,8 @@ def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict,
     node = plan.cluster.node(r.host)
     if node is None:
         raise ValueError(f"{rf}.host: cluster {plan.cluster.name!r} has no host {r.host!r}")
-    if node.device_type != st.device_type:
-        raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the stage runs on {st.device_type}")
+    if node.device_type != st.type_of(r):
+        raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the replica runs on {st.type_of(r)}")
     if r.slot + st.tensor_parallel > node.count:
         raise ValueError(f"{rf}.slot: host {r.host!r} has slots 0..{node.count - 1}, got {r.slot}"
                          + (f" (+{st.tensor_parallel - 1} for tensor parallel)" if st.tensor_parallel > 1 else ""))

@@ -53,7 +53,7 @@ class SimResult:
         for st in plan.stages:
             for rep in st.replicas:
                 evs.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rep.rank,
-                            "args": {"name": f"rank {rep.rank} stage {st.index} {st.device_type} {rep.host}"}})
+                            "args": {"name": f"rank {rep.rank} stage {st.index} {st.type_of(rep)} {rep.host}"}})
         for e in self.events:
             evs.append({"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
                         "ts": e.start_s * 1e6, "dur": max(0.0, (e.end_s - e.start_s) * 1e6),
@@ -191,8 +191,9 @@ class _Replay:
         if rank not in self.durations:
             st, rep = self.where[rank]
             first, last = st.layers
-            fwd, bwd = self.cm.stage_compute_s(st.device_type, first, last, rep.samples, st.recompute)
-            self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(st.device_type, first, last,
+            t = st.type_of(rep)
+            fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute)
+            self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(t, first, last,
                                                                                    st.width)}
         return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
 
@@ -205,7 +206,7 @@ class _Replay:
             layer = (sst.layers[1] if kind == "A" else dst_st.layers[1]) - 1
             nbytes = rows * float(self.cm.layers.out_bytes[layer]) * WIRE_FACTOR[bd.dtype if bd else None]
             same = srep.host == drep.host
-            self.transfer_cache[k] = (self.cm.p2p_s(nbytes, sst.device_type, dst_st.device_type, same), same)
+            self.transfer_cache[k] = (self.cm.p2p_s(nbytes, sst.type_of(srep), dst_st.type_of(drep), same), same)
         return self.transfer_cache[k]
 
     def start_transfer(self, key: tuple, stop: int) -> None:
@@ -253,8 +254,8 @@ class _Replay:
         if not all(q in self.ar_waiting for q in group):
             return False
         start = max(self.ar_waiting.pop(q) for q in group)
-        end = start + self.cm.allreduce_s(self.cm.grad_bytes(*st.layers), st.device_type, st.width,
-                                          len({rep.host for rep in st.replicas}) == 1)
+        one_node = len({rep.host for rep in st.replicas}) == 1
+        end = start + max(self.cm.allreduce_s(self.cm.grad_bytes(*st.layers), t, st.width, one_node) for t in st.types)
         for q in group:
             self.events.append(Event(q, "AR", "allreduce", None, start, end))
             self.clock[q] = end
@@ -348,8 +349,8 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="lightgray" if e.kind == "allreduce" else "black")
     labels = []
     for r in range(n - 1, -1, -1):
-        s, _ = plan.locate(r)
-        labels.append(f"r{r} s{s} {plan.stages[s].device_type}")
+        s, j = plan.locate(r)
+        labels.append(f"r{r} s{s} {plan.stages[s].type_of(plan.stages[s].replicas[j])}")
     ax.set_yticks(range(n))
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("ms")

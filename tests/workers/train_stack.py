@@ -100,7 +100,8 @@ def main():
         import time
         time.sleep(float(os.environ["END_SLEEP_RANK0"]))  # rank 0 does extra work after training
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
-                "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace}, out_path)
+                "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
+                "device_type": "" if single else engine.grid.device_type}, out_path)
 
 
 if __name__ == "__main__":
