@@ -49,12 +49,7 @@ def _compare(got, ref, losses):
     assert seen == set(ref["params"])
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
-def test_zero1_trains_like_one_process_and_shards_optimizer_state(tmp_path, name):
-    plan = stack_plan(*PLANS[name])
-    got = _run(tmp_path, plan, "z", 0, K, "--zero1")
-    ref = _reference(tmp_path, K)
-    _compare(got, ref, ref["losses"])
+def _check_shards(plan, got, ref):
     for st in plan.stages:
         # Adam keeps two fp32 moments and a step per parameter; ZeRO-1 splits them over the replicas.
         params = [p for i in range(*st.layers) for p in ref["params"] if p.startswith(f"{i}.")]
@@ -66,11 +61,24 @@ def test_zero1_trains_like_one_process_and_shards_optimizer_state(tmp_path, name
             assert max(share) <= unsharded / st.width + 2 * 4 * max(sizes) + 4 * len(sizes), share
 
 
+def test_zero1_trains_like_one_process_and_shards_optimizer_state(tmp_path):
+    plan = stack_plan(*PLANS["2to1to3"])
+    got = _run(tmp_path, plan, "z", 0, K, "--zero1")
+    ref = _reference(tmp_path, K)
+    _compare(got, ref, ref["losses"])
+    _check_shards(plan, got, ref)
+
+
 def test_zero1_checkpoint_resumes_without_zero_under_another_plan(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    _run(tmp_path, stack_plan(*PLANS["2to3"]), "a", 0, K, "--zero1", "--save", ckpt)
+    """2 -> 3 with ZeRO-1 for K steps (checked against one process, shards too), saved; 1 -> 2 -> 1 without
+    ZeRO resumes from it for K more steps, as if never interrupted."""
+    ckpt, plan_a = str(tmp_path / "ckpt"), stack_plan(*PLANS["2to3"])
+    first = _run(tmp_path, plan_a, "a", 0, K, "--zero1", "--save", ckpt)
     got = _run(tmp_path, stack_plan([2, 5], [[6], [4, 2], [6]], 6, 2), "b", K, 2 * K, "--load", ckpt)
     ref = _reference(tmp_path, 2 * K)
+    for g in first:
+        torch.testing.assert_close(g["losses"], ref["losses"][:K], rtol=TOL, atol=0)
+    _check_shards(plan_a, first, ref)
     _compare(got, ref, ref["losses"][K:])
 
 
