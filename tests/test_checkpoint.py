@@ -31,7 +31,7 @@ def _ok(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
 
 
-@pytest.mark.parametrize("opt,clip", [("sgd", 0.05), ("adam", 0.0), ("adam", 0.05)])
+@pytest.mark.parametrize("opt,clip", [("sgd", 0.05), ("adam", 0.05)])
 def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path, opt, clip):
     a, b = stack_plan(*PLAN_A), stack_plan(*PLAN_B)
     pa, pb = _write(tmp_path, "a", a), _write(tmp_path, "b", b)
