@@ -10,6 +10,7 @@ mixed cluster's fastest part alone) and DeepSpeed's own ``parameters`` partition
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -134,7 +135,7 @@ def _profile(model, console, out_dir: str) -> list:
     from .profiler import profile_model
     t0 = time.perf_counter()
     profiles = []
-    with console.status("profiling ...") if console.is_terminal else _Nothing():
+    with console.status("profiling ...") if console.is_terminal else contextlib.nullcontext():
         for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)):
             for mb in (1, 2, 4, 8):
                 profiles.append(profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False))
@@ -159,14 +160,6 @@ def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list
             "--master_port", str(_free_port()), worker, "--mode", "deepspeed", "--stages", str(plan.num_stages),
             "--micro-batch", str(plan.micro_batch_size), "--micro-batches", str(plan.num_micro_batches),
             "--rank-types", types, *args]
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _free_port() -> int:

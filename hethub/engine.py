@@ -391,11 +391,10 @@ class HeteroPipelineEngine(PipelineEngine):
         group, host = self._transport(boundary)
         wire = boundary.dtype if boundary is not None else None
         where = "cpu" if host else self.device
-        works, pieces, layouts = [], [], []
+        works, pieces = [], []
         for dtype, shape in specs:
             wdt = wire_dtype_for(dtype, wire) if dtype.is_floating_point else None
             bdt, row_shape = wire_layout(dtype, shape, wdt)
-            layouts.append(bdt)
             for (a, b), t in zip(ranges, transfers):
                 buf = torch.empty((b - a, *row_shape), dtype=bdt, device=where)
                 works.append(self._guarded(lambda: dist.irecv(buf, t.peer, group=group), self._what))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 from .costmodel import CostModel
 from .errors import InfeasibleError

@@ -102,9 +102,8 @@ def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, wi
     returned plan carries its ``predicted``."""
     if not plans:
         raise ValueError("choose_by_simulation: no plans")
-    ranked = sorted(plans, key=lambda p: closed_form_s(p, cm))
-    best_closed = closed_form_s(ranked[0], cm)
-    pool = [p for p in ranked[:keep] if closed_form_s(p, cm) <= within * best_closed]
+    closed = sorted(((closed_form_s(p, cm), k, p) for k, p in enumerate(plans)), key=lambda x: x[:2])
+    pool = [p for c, _, p in closed[:keep] if c <= within * closed[0][0]]
     scored = [(p, predict(p, cm)) for p in pool]
     plan, pred = min(scored, key=lambda x: x[1].iteration_s)
     return plan.model_copy(update={"predicted": pred})

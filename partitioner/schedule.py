@@ -35,6 +35,7 @@ from typing import Optional
 from .errors import InputError
 from .records import Plan
 
+
 @dataclass(frozen=True)
 class Transfer:
     peer: int
