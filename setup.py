@@ -14,7 +14,8 @@ RUNTIME = [
     "deepspeed>=0.19.0,<0.20",       # the plugin overrides engine internals; tested on 0.19.x
     "triton>=3.0; platform_system == 'Linux'",
 ]
-TEST = ["pytest>=8", "hypothesis>=6", "setuptools>=70.1", "matplotlib>=3.7", "megatron-core>=0.16,<0.17"]
+HF = ["transformers>=5.24,<6"]  # hethub.hf: the v5 masking/cache API the block wrappers call
+TEST = ["pytest>=8", "hypothesis>=6", "setuptools>=70.1", "matplotlib>=3.7", "megatron-core>=0.16,<0.17", *HF]
 
 setup(
     name="hethub",
@@ -27,6 +28,6 @@ setup(
     package_dir={"hethub": "hethub", "hethub.partitioner": "partitioner", "hethub.kernels": "kernels"},
     package_data={"hethub": ["py.typed"]},
     install_requires=CORE,
-    extras_require={"runtime": RUNTIME, "test": TEST, "plot": ["matplotlib>=3.7"]},
+    extras_require={"runtime": RUNTIME, "test": TEST, "hf": HF, "plot": ["matplotlib>=3.7"]},
     entry_points={"console_scripts": ["hethub=hethub.cli:main"]},
 )

@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", required=True)
     p.add_argument("--timeline", default=None, help="write each rank's per-action times (hethub mode) to FILE.RANK")
+    p.add_argument("--zero1", action="store_true", help="hethub mode: ZeRO-1 within each stage")
+    p.add_argument("--state-out", default=None, help="hethub mode: write each rank's optimizer-state bytes to FILE.RANK")
     p.add_argument("--local_rank", type=int, default=-1)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -71,8 +73,11 @@ def main() -> None:
     optimizer = lambda ps: torch.optim.Adam(ps, lr=a.lr)  # noqa: E731
     dp = 1
     if a.mode == "hethub":
+        config = {"hetero": {"emulate_slowdown": factors}}
+        if a.zero1:
+            config["zero_optimization"] = {"stage": 1}
         engine, *_ = hethub.initialize(layers=layers, loss_fn=lm_loss, plan=a.hetero_plan, optimizer=optimizer,
-                                       config={"hetero": {"emulate_slowdown": factors}})
+                                       config=config)
         mb, M = engine.plan.micro_batch_size, engine.plan.num_micro_batches
     else:
         engine, dp = _vanilla_deepspeed(a, layers, factors, optimizer)
@@ -92,6 +97,10 @@ def main() -> None:
         t0 = engine.executed_s[0][0]
         with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
             json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
+    if a.state_out and a.mode == "hethub":
+        from hethub.zero import optimizer_state_bytes
+        with open(f"{a.state_out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"opt_bytes": optimizer_state_bytes(engine.optimizer)}, f)
     if rank == 0:
         times = [e["seconds"] for e in log]
         with open(a.out, "w", encoding="utf-8") as f:

@@ -4,7 +4,8 @@ Layout of ``<dir>/<tag>/`` (DeepSpeed's layer-file naming where it helps interop
 
     layer_03-model_states.pt   the layer's state_dict (DeepSpeed's pipeline files carry the same name stem)
     layer_03-optim_states.pt   per parameter name: the optimizer's state (momentum, Adam moments, step)
-    meta.json                  model shape, step, samples consumed, optimizer hyper-parameters, plan summary
+    meta.json                  model shape, step, samples consumed, optimizer hyper-parameters, plan summary,
+                               tied weights (each stored once, with its first layer; ``hethub.ties``)
 
 Saving is atomic: every writer (replica 0 of each stage: replicas hold identical weights and optimizer
 state under ZeRO-0) writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 flushes, renames it to
@@ -46,8 +47,18 @@ def _local_layers(engine) -> list[tuple[int, torch.nn.Module]]:
 
 
 def _param_names(engine) -> dict[int, tuple[int, str]]:
-    """id(parameter) -> (layer index, parameter name inside the layer)."""
-    return {id(p): (idx, name) for idx, layer in _local_layers(engine) for name, p in layer.named_parameters()}
+    """id(parameter) -> (layer index, parameter name inside the layer); a tied weight held by several local
+    layers maps to the first of them."""
+    out: dict[int, tuple[int, str]] = {}
+    for idx, layer in _local_layers(engine):
+        for name, p in layer.named_parameters():
+            out.setdefault(id(p), (idx, name))
+    return out
+
+
+def _tie_owners(engine) -> dict[tuple[int, str], tuple[int, str]]:
+    """(layer, name) of every tied place but the first -> the first (where the weight is stored)."""
+    return {place: tie.owner for tie in getattr(engine, "ties", ()) for place in tie.places[1:]}
 
 
 def _fsync_dir(path: str) -> None:
@@ -74,32 +85,46 @@ def complete_checkpoints(save_dir: str) -> list[str]:
 
 
 def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
-    """layer index -> parameter name -> the optimizer's state (CPU) for this rank's optimizer parameters."""
+    """layer index -> parameter name -> the optimizer's full state (CPU) of each of this stage's parameters.
+    Collective over the stage's replicas under ZeRO-1 (every replica's elements are gathered)."""
     names = _param_names(engine)
     opt = engine.optimizer
     out: dict[int, dict[str, Any]] = {}
+
+    owners = _tie_owners(engine)
+
+    def put(p, st):
+        idx, name = names[id(p)]
+        if (idx, name) in owners:
+            return  # a tied weight's state is stored with its first layer, by the stage holding that
+        out.setdefault(idx, {})[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+
+    if engine.zero1 is not None:
+        for shard in engine.zero1.shards:
+            for p, st in zip(shard.params, _gathered_state(engine, shard)):
+                put(p, st)
+        return out
     for group in opt.param_groups:
         for p in group["params"]:
             if id(p) in names and p in opt.state:
-                idx, name = names[id(p)]
-                out.setdefault(idx, {})[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                                                 for k, v in opt.state[p].items()}
+                put(p, opt.state[p])
     return out
 
 
-def _gather_shards(engine, mine: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Collective over the stage's replicas: replica 0 receives and merges every replica's share (between
-    hethub's own processes; nothing read from a file is unpickled)."""
-    root = engine.grid.stage_ranks[engine.stage_id][0]
-    parts = [None] * engine.grid.data_parallel_size if engine.global_rank == root else None
-    dist.gather_object(mine, parts, dst=root, group=engine.grid.get_data_parallel_group())
-    if parts is None:
-        return mine
-    merged: dict[int, dict[str, Any]] = {}
-    for part in parts:
-        for idx, states in part.items():
-            merged.setdefault(idx, {}).update(states)
-    return merged
+def _gathered_state(engine, shard) -> list[dict]:
+    """ZeRO-1: the full per-parameter state of one flat shard, every replica's elements all-gathered (tensors
+    only, in hethub's own collectives: nothing is pickled). Per-element state (shaped like the shard) is
+    gathered; 0-d state such as Adam's step is the same on every replica and copied to each parameter."""
+    st = engine.optimizer.state.get(shard.shard, {})
+    # Every replica steps its shard at the same steps, so all hold the same keys (an empty shard too).
+    keys = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0)
+    gathered = {}
+    for k in keys:
+        padded = torch.zeros(shard.chunk, dtype=st[k].dtype, device=st[k].device)
+        padded[:st[k].numel()].copy_(st[k].reshape(-1))
+        gathered[k] = engine.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total].cpu()
+    scalars = {k: v for k, v in st.items() if k not in gathered}
+    return shard.split_state(gathered, scalars) if st else []
 
 
 def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
@@ -115,11 +140,11 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
         os.makedirs(tmp)
     dist.barrier()
     per_layer_state = _optimizer_state_by_layer(engine)
-    if engine.zero1_owners is not None:  # ZeRO-1: every owner's share, gathered into full per-layer state
-        per_layer_state = _gather_shards(engine, per_layer_state)
     if engine.grid.replica_id == 0:
+        owners = _tie_owners(engine)
         for idx, layer in _local_layers(engine):
-            torch.save({k: v.detach().cpu() for k, v in layer.state_dict().items()}, _layer_file(tmp, idx, "model"))
+            torch.save({k: v.detach().cpu() for k, v in layer.state_dict().items() if (idx, k) not in owners},
+                       _layer_file(tmp, idx, "model"))
             torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
     dist.barrier()
     if rank == 0:
@@ -130,6 +155,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
                 "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
                 "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
                 "client_state": _jsonable(client_state or {}),
+                "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
                 "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
                          "world_size": plan.world_size}}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -201,6 +227,29 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
     return result
 
 
+def _load_optimizer_state(engine, names: dict, by_layer: dict) -> None:
+    """Per-parameter state from the files into the optimizer: as is, or joined into this replica's flat
+    ZeRO-1 shards (a group whose parameters have no state yet, e.g. saved before any step, is left empty)."""
+    opt = engine.optimizer
+
+    def saved(p):
+        idx, name = names[id(p)]
+        return by_layer.get(idx, {}).get(name)
+
+    if engine.zero1 is not None:
+        for shard in engine.zero1.shards:
+            states = [saved(p) for p in shard.params]
+            if states and all(st is not None for st in states):
+                opt.state[shard.shard] = shard.join_state(states)
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = saved(p) if id(p) in names else None
+            if st is not None:
+                opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                                for k, v in st.items()}
+
+
 def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool) -> tuple[str, dict]:
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if engine.global_rank == 0 else (lambda m: None)
     tag = resolve_tag(load_dir, tag, say)
@@ -208,10 +257,16 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
     with open(os.path.join(d, "meta.json")) as f:
         meta = json.load(f)
     names = _param_names(engine)
+    owners = _tie_owners(engine)
     states: dict[int, dict] = {}
     for idx, layer in _local_layers(engine):
         state = _load(_layer_file(d, idx, "model"))
         for k, v in layer.state_dict().items():
+            if k not in state and (idx, k) in owners:  # a tied weight: stored once, with its first layer
+                o_idx, o_name = owners[(idx, k)]
+                owner_state = _load(_layer_file(d, o_idx, "model"))
+                if o_name in owner_state:
+                    state[k] = owner_state[o_name]
             if k not in state:
                 raise InputError("checkpoint", f"layer {idx} ({type(layer).__name__}): {k} missing in "
                                                f"{_layer_file(d, idx, 'model')}")
@@ -225,20 +280,16 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
         if saved.get(key) != mine.get(key):
             raise InputError("checkpoint", f"{d} holds model {saved.get('name')!r} with {key}={saved.get(key)}, "
                                            f"the plan's model {mine.get('name')!r} has {key}={mine.get(key)}")
-    by_layer = {idx: _load(_layer_file(d, idx, "optim")) for idx in states} if load_optimizer_states else {}
+    wanted = set(states) | {owners[(i, n)][0] for i, n in names.values() if (i, n) in owners}
+    by_layer = {idx: _load(_layer_file(d, idx, "optim")) for idx in wanted} if load_optimizer_states else {}
+    for place, (o_idx, o_name) in owners.items():  # a tied weight's state, from its first layer
+        st = by_layer.get(o_idx, {}).get(o_name)
+        if st is not None and place[0] in by_layer:
+            by_layer[place[0]].setdefault(place[1], st)
     for idx, layer in _local_layers(engine):
         layer.load_state_dict(states[idx])
     if load_optimizer_states:
-        opt = engine.optimizer
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) not in names:
-                    continue
-                idx, name = names[id(p)]
-                st = by_layer.get(idx, {}).get(name)
-                if st is not None:
-                    opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
-                                    for k, v in st.items()}
+        _load_optimizer_state(engine, names, by_layer)
         if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
             engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     engine.global_steps = meta["global_steps"]

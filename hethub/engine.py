@@ -38,7 +38,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import ds_seams
-from .kernels import pack, unpack, wire_dtype_for, wire_layout
+from .kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
 from .partitioner.schedule import Action, build_schedule
 from .topology import HeteroGrid
 
@@ -160,8 +160,9 @@ class HeteroPipelineEngine(PipelineEngine):
         self._meta_sent = False
         self._global_batch = plan.global_batch_size
         self.autocast_dtype = None  # torch.bfloat16 under "bf16": {"enabled": true} (set by hethub.initialize)
-        # ZeRO-1 (hethub.zero): owner replica of each trainable parameter, in module order; None without it
-        self.zero1_owners: Optional[list[int]] = None
+        # ZeRO-1 (hethub.zero): this replica's flat shards of the optimizer's groups; None without it
+        self.zero1 = None
+        self.ties: tuple = ()  # every tied weight of the layer list (hethub.ties), set by hethub.initialize
         # This rank's training actions: the plan's 1F1B or a hand-edited schedule (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[self.global_rank]
         self.executed: list[str] = []  # the actions of the last train_batch/eval_batch, as text, in order
@@ -370,9 +371,9 @@ class HeteroPipelineEngine(PipelineEngine):
         wire = boundary.dtype if boundary is not None else None
         for x in tensors:
             x = x.detach()
-            if x.is_floating_point():
+            if x.dtype in WIRE_DTYPES:
                 buf = pack(x, ranges, wire_dtype_for(x.dtype, wire))
-            else:  # integer side inputs (masks, ids) travel as they are
+            else:  # integer side inputs (masks, ids) and float64 travel as they are
                 buf = torch.cat([x[a:b] for a, b in ranges]) if ranges else x[:0]
             if host and buf.device.type != "cpu":
                 buf = buf.to("cpu", non_blocking=False)
@@ -393,7 +394,7 @@ class HeteroPipelineEngine(PipelineEngine):
         where = "cpu" if host else self.device
         works, pieces = [], []
         for dtype, shape in specs:
-            wdt = wire_dtype_for(dtype, wire) if dtype.is_floating_point else None
+            wdt = wire_dtype_for(dtype, wire) if dtype in WIRE_DTYPES else None
             bdt, row_shape = wire_layout(dtype, shape, wdt)
             for (a, b), t in zip(ranges, transfers):
                 buf = torch.empty((b - a, *row_shape), dtype=bdt, device=where)
@@ -414,7 +415,7 @@ class HeteroPipelineEngine(PipelineEngine):
             k += len(ranges)
             buf = (torch.cat(mine) if len(mine) > 1 else mine[0]).to(self.device)
             full = torch.empty((n, *shape), dtype=dtype, device=self.device)
-            if dtype.is_floating_point:
+            if dtype in WIRE_DTYPES:
                 unpack(buf, full, ranges)
             else:
                 off = 0
@@ -452,32 +453,74 @@ class HeteroPipelineEngine(PipelineEngine):
                          self.grid.next_boundary)
 
     # ------------------------------------------------------------------ gradients and step
+    def _stage_collective(self, fn, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """Run a collective over the stage's replicas; a stage spanning vendors goes through the host bridge
+        (its gloo group, on host buffers), like a cross-vendor boundary."""
+        self._peers_in_flight = tuple(self.grid.stage_ranks[self.stage_id])
+        group = self.grid.stage_bridge_group
+        if group is None:
+            return self._guarded(lambda: fn(tensor, self.grid.get_data_parallel_group()), what)
+        host = tensor.to("cpu")
+        out = self._guarded(lambda: fn(host, group), what + " (host bridge)")
+        return out.to(tensor.device)
+
     def _exec_reduce_grads(self):
         """SUM within the stage's replicas: each replica's loss already carries samples / global batch."""
-        if not self.is_data_parallel:
-            return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        self._peers_in_flight = tuple(self.grid.stage_ranks[self.stage_id])
-        self._guarded(lambda: dist.all_reduce(flat, group=self.grid.get_data_parallel_group()), "AR")
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        if grads and self.is_data_parallel:
+            flat = _flatten_dense_tensors(grads)
+
+            def all_reduce(t, group):
+                dist.all_reduce(t, group=group)
+                return t
+            flat = self._stage_collective(all_reduce, flat, "AR")
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        self._reduce_tied_grads()
+        if self.zero1 is not None:
+            self.zero1.load_grads()
+
+    def _tied_parameter(self, tie):
+        """This stage's Parameter of a tie (any of its local places: they are one object)."""
+        from .checkpoint import _local_layers
+        local = dict(_local_layers(self))
+        idx, name = next((i, n) for i, n in tie.places if i in local)
+        return dict(local[idx].named_parameters())[name]
+
+    def _reduce_tied_grads(self) -> None:
+        """A weight tied across stages: replica 0 of each holding stage gives its stage's (already reduced)
+        gradient, the others zeros; the sum over every holder is the single-process gradient (hethub.ties)."""
+        for tie, group in self.grid.tie_groups:
+            p = self._tied_parameter(tie)
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            mine = g.detach().clone() if self.grid.replica_id == 0 else torch.zeros_like(g)
+            self._peers_in_flight = tuple(dist.get_process_group_ranks(group))
+            self._guarded(lambda: dist.all_reduce(mine, group=group), "the tied-weight all-reduce")
+            p.grad = mine
+
+    def _norm_parameters(self) -> list:
+        """Gradients this stage counts in the global norm: a tied weight only on its owner's stage."""
+        skip = set()
+        a, b = self.grid.stage.layers
+        for tie, _group in self.grid.tie_groups:
+            if not a <= tie.owner[0] < b:
+                skip.add(id(self._tied_parameter(tie)))
+        return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
     def clip_fp32_gradients(self):
         """Clip by the global norm: each stage's squared norm once (replica 0 contributes), summed over stages."""
         max_norm = self.gradient_clipping()
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        counted = self._norm_parameters()
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.grid.replica_id == 0 and grads:
-            sq += sum(g.detach().double().pow(2).sum() for g in grads)
+        if self.grid.replica_id == 0 and counted:
+            sq += sum(g.detach().double().pow(2).sum() for g in counted)
         self._guarded(lambda: dist.all_reduce(sq), "the gradient norm's all-reduce")
         total = float(sq.sqrt())
         self._global_grad_norm = total
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in grads:
+            for g in grads + (self.zero1.shard_grads() if self.zero1 is not None else []):
                 g.mul_(coef)
 
     def _exec_optimizer_step(self, lr_kwargs=None):
@@ -485,23 +528,17 @@ class HeteroPipelineEngine(PipelineEngine):
         self._force_grad_boundary = True
         self._take_model_step(lr_kwargs)
         self._force_grad_boundary = False
-        if self.zero1_owners is not None:
-            self._broadcast_owned_parameters()
+        if self.zero1 is not None:
+            self.zero1.gather_parameters(self.all_gather_stage)
         self.global_samples = samples + self._global_batch  # DeepSpeed counts this rank's share only
 
-    def _broadcast_owned_parameters(self) -> None:
-        """ZeRO-1: each replica stepped the parameters it owns; every owner now sends them to the others."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        group, ranks = self.grid.get_data_parallel_group(), self.grid.stage_ranks[self.stage_id]
-        self._peers_in_flight = tuple(ranks)
-        for j in range(self.grid.data_parallel_size):
-            mine = [p.data for p, o in zip(params, self.zero1_owners) if o == j]
-            if not mine:
-                continue
-            flat = _flatten_dense_tensors(mine)
-            self._guarded(lambda: dist.broadcast(flat, src=ranks[j], group=group), "the ZeRO-1 parameter broadcast")
-            for t, synced in zip(mine, _unflatten_dense_tensors(flat, mine)):
-                t.copy_(synced)
+    def all_gather_stage(self, t: torch.Tensor, what: str = "the ZeRO-1 all-gather") -> torch.Tensor:
+        """Concatenation of ``t`` (one size everywhere) over the stage's replicas, in replica order."""
+        def gather(x, group):
+            parts = [torch.empty_like(x) for _ in range(self.grid.data_parallel_size)]
+            dist.all_gather(parts, x, group=group)
+            return torch.cat(parts)
+        return self._stage_collective(gather, t, what)
 
     def is_gradient_accumulation_boundary(self):
         return self._force_grad_boundary

@@ -84,9 +84,10 @@ class Head(nn.Module):
 
 def build_layers(m: ModelConfig) -> list[nn.Module]:
     """The model as the planner's layer list: [Embedding, Block x num_layers, Head]."""
-    if m.tie_embeddings:
-        raise ValueError("model.tie_embeddings: tied embedding/head weights are not supported yet; set it to false")
-    return [Embedding(m), *[Block(m) for _ in range(m.num_layers)], Head(m)]
+    layers = [Embedding(m), *[Block(m) for _ in range(m.num_layers)], Head(m)]
+    if m.tie_embeddings:  # the head's weight is the token embedding's (one Parameter: hethub.ties keeps it)
+        layers[-1].out.weight = layers[0].tok.weight
+    return layers
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

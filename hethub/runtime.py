@@ -19,6 +19,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 from .emulation import slowdown_for
 from .partitioner.errors import InputError
 from .partitioner.records import Plan, load_plan
+from .ties import find_ties, resolve_tied_specs
 
 DEFAULT_TIMEOUT_S = 300
 
@@ -112,19 +113,10 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
     if detected is not None and not _type_matches(mine, detected):
         raise InputError(f"plan.stages[{stage_id}].device_type", f"rank {rank} runs on {detected!r}, but the plan "
                                                                  f"puts a {mine} there")
-    for s in plan.stages:
-        vendors = {plan.cluster.device_type(t).vendor for t in s.types}
-        if len(vendors) > 1:
-            raise InputError(f"plan.stages[{s.index}].replicas", f"a stage whose replicas span vendors "
-                                                                 f"({', '.join(sorted(vendors))}) needs a gradient "
-                                                                 f"all-reduce through the host bridge, not built yet")
     n = plan.model.num_planner_layers
     if len(layers) != n:
         raise InputError("layers", f"the plan's model {plan.model.name!r} has {n} planner layers "
                                    f"(embedding, {plan.model.num_layers} blocks, head), got a list of {len(layers)}")
-    for i, layer in enumerate(layers):
-        if type(layer).__name__ == "TiedLayerSpec":
-            raise InputError(f"layers[{i}]", "tied layers (TiedLayerSpec) are not supported yet; untie them")
     samples = stage.replicas[rep].samples
     expected = {"train_batch_size": plan.global_batch_size, "gradient_accumulation_steps": plan.num_micro_batches,
                 "train_micro_batch_size_per_gpu": samples}
@@ -140,9 +132,6 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
         raise InputError("config.zero_optimization.stage", "the plan was made with --zero1 (its memory assumes "
                                                            "optimizer state sharded over each stage's replicas): set "
                                                            "\"zero_optimization\": {\"stage\": 1}")
-    if zero == 1 and optimizer is not None and hasattr(optimizer, "step"):
-        raise InputError("optimizer", "with ZeRO-1 pass a callable params -> Optimizer (hethub gives it the parameters "
-                                      "this replica owns), not an optimizer already built")
     if (config.get("fp16") or {}).get("enabled"):
         raise InputError("config.fp16.enabled", "fp16 (loss-scaled) training is not supported yet; use bf16 or fp32")
 
@@ -267,12 +256,15 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     ``layers`` is the full model in pipeline order (layer i = planner layer i of the plan's model);
     ``loss_fn(outputs, labels)`` returns the mean loss over the samples it is given. ``optimizer``
     may be a callable ``params -> torch.optim.Optimizer`` (it then sees only this stage's
-    parameters) or left to the ds_config's "optimizer" section.
+    parameters), an optimizer already built, or left to the ds_config's "optimizer" section. With
+    ZeRO-1 hethub then replaces each of its parameter groups by this replica's flat shard (hethub.zero).
     """
     try:
         cfg = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
         the_plan = resolve_plan(plan, cfg, args)
         rank, world = launched_world()
+        layers = resolve_tied_specs(layers)  # TiedLayerSpec: one module per key, shared
+        ties = find_ties(layers)
         check_against_world(the_plan, rank, world, layers, cfg, optimizer)
         schedule_file = (cfg.get("hetero") or {}).get("schedule")
         schedule = load_checked_schedule(the_plan, schedule_file, rank) if schedule_file else None
@@ -287,7 +279,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
 
     from .engine import HeteroPipelineEngine, HeteroPipelineModule
     from .topology import HeteroGrid
-    from .zero import shard_owners
+    from .zero import Zero1
 
     hetero = cfg.pop("hetero", None) or {}
     # bf16: autocast compute with fp32 weights, gradients and optimizer state (hethub runs it, not DeepSpeed's
@@ -298,22 +290,25 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     _fix_local_rank(the_plan, rank)
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     _register_clean_shutdown()
-    grid = HeteroGrid(the_plan, rank)
+    grid = HeteroGrid(the_plan, rank, ties)
     module = HeteroPipelineModule(_emulated(layers, grid, hetero), loss_fn, grid)
     _set_batch_keys(cfg, the_plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]
-    owners = shard_owners(params, grid.data_parallel_size) if zero1 and grid.data_parallel_size > 1 else None
-    owned = params if owners is None else [p for p, o in zip(params, owners) if o == grid.replica_id]
     if callable(optimizer) and not hasattr(optimizer, "step"):
-        optimizer = optimizer(owned)
+        optimizer = optimizer(params)
     if model_parameters is None and optimizer is None:
-        model_parameters = owned
+        model_parameters = params
     config_class = DeepSpeedConfig(cfg, grid)
     engine = HeteroPipelineEngine(plan=the_plan, grid=grid, module=module, config=cfg, config_class=config_class,
                                   optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                                   schedule=schedule)
     engine.autocast_dtype = torch.bfloat16 if bf16 else None
-    engine.zero1_owners = owners
+    engine.ties = ties
+    if zero1 and grid.data_parallel_size > 1:
+        try:
+            engine.zero1 = Zero1(engine.optimizer, params, grid.replica_id, grid.data_parallel_size)
+        except ValueError as exc:
+            fail(str(exc))
     resume = getattr(args, "hetero_resume", None) or hetero.get("resume")
     if resume:
         engine.load_checkpoint(resume)

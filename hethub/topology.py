@@ -11,16 +11,19 @@ over the world), so no rank waits on a group another rank never built.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch.distributed as dist
 
 from .partitioner.records import Plan
 from .partitioner.schedule import overlaps
+from .ties import Tie, stages_of
 
 
 class HeteroGrid:
     """DeepSpeed ``mpu`` for a heterogeneous plan. Build after ``torch.distributed`` is initialised."""
 
-    def __init__(self, plan: Plan, rank: int):
+    def __init__(self, plan: Plan, rank: int, ties: Sequence[Tie] = ()):
         self.plan = plan
         self.global_rank = rank
         self.world_size = plan.world_size
@@ -48,6 +51,25 @@ class HeteroGrid:
         self.host_group = None
         if any(b.transport == "host" for b in plan.boundaries):
             self.host_group = dist.new_group(ranks=list(range(self.world_size)), backend="gloo")
+        # A stage whose replicas span vendors all-reduces gradients through the host bridge: a gloo group
+        # over its ranks (built by all ranks, same order, for every such stage).
+        self.stage_bridge_group = None
+        for s, ranks in zip(plan.stages, self.stage_ranks):
+            if len({plan.cluster.device_type(t).vendor for t in s.types}) > 1:
+                group = dist.new_group(ranks=ranks, backend="gloo")
+                if rank in ranks:
+                    self.stage_bridge_group = group
+        # Tied weights whose layers sit on different stages: one group over every replica of those stages.
+        layer_stage = [k for k, st in enumerate(plan.stages) for _ in range(*st.layers)]
+        self.tie_groups: list[tuple[Tie, object]] = []  # (tie, group) for the ties this rank holds
+        for tie in ties:
+            stages = stages_of(tie, layer_stage)
+            if len(stages) < 2:
+                continue  # one stage holds every place: autograd accumulates the one Parameter
+            ranks = sorted(r for k in stages for r in self.stage_ranks[k])
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                self.tie_groups.append((tie, group))
         self.next_boundary = plan.boundary(self.stage_id)
         self.prev_boundary = plan.boundary(self.stage_id - 1) if self.stage_id > 0 else None
         # Rows [start, stop) of every micro-batch this replica owns.

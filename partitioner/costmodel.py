@@ -19,15 +19,22 @@ All times in seconds, sizes in bytes, unless the name says otherwise.
 """
 from __future__ import annotations
 
+
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 from .errors import InputError
-from .records import Cluster, ModelConfig, Profile
+from .records import Cluster, ModelConfig, Plan, Profile
 
 BYTES_PER_ACT = 2  # 16-bit activations
+# Adam's optimizer state per parameter, by training dtype: with 16-bit weights an fp32 master copy and two
+# fp32 moments (Rajbhandari et al. 2020, "ZeRO", section 3.1); with 32/64-bit weights the two moments alone.
+# (hethub's own bf16 is autocast over fp32 weights: 8 + 8 bytes, the same 16 per parameter in all.)
+ADAM_STATE_BYTES = {"fp8": 12.0, "bf16": 12.0, "fp16": 12.0, "tf32": 8.0, "fp32": 8.0, "fp64": 16.0}
+# weights + gradients per parameter, by training dtype
+WEIGHT_GRAD_BYTES = {"fp8": 4.0, "bf16": 4.0, "fp16": 4.0, "tf32": 8.0, "fp32": 8.0, "fp64": 16.0}
 # bytes on the wire relative to 16-bit activations, by a boundary's wire dtype (fp8: codes + one fp32 scale
 # per hidden vector, ~1/2 for hidden sizes in the thousands)
 WIRE_FACTOR = {None: 1.0, "fp32": 2.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5}
@@ -108,7 +115,7 @@ def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
     act_rc[1:-1] = BYTES_PER_ACT * s * h
     # head: final norm + LM head (+ the loss's logits kept for backward)
     flops[-1] = 2.0 * s * h * v
-    params[-1] = (0 if m.tie_embeddings else v * h) + 2 * h
+    params[-1] = v * h + 2 * h  # tied or not, the head's stage holds the vocab x hidden weight (CostModel.range_params)
     act[-1] = BYTES_PER_ACT * s * h * 2 + 4.0 * s * v  # norm input, head input, fp32 logits for the loss
     act_rc[-1] = act[-1]
     out[-1] = 0.0
@@ -152,6 +159,8 @@ class CostModel:
 
     def __post_init__(self):
         self.layers = layer_costs(self.model, self.flash_attention)
+        self._params_cum = np.concatenate([[0.0], np.cumsum(self.layers.params)])
+        self._tied_params = float(self.model.vocab_size * self.model.hidden_size) if self.model.tie_embeddings else 0.0
         self.devices: dict[str, DeviceCosts] = {}
         by_type: dict[str, list[Profile]] = {}
         for i, p in enumerate(self.profiles):
@@ -239,13 +248,48 @@ class CostModel:
         return float(sum(c / self.sample_s(t) for t, c in counts.items()))
 
     # ---------------------------------------------------------------- memory
+    def range_params(self, first, last):
+        """Parameters a stage of layers [first, last) holds. A tied embedding/head weight (``tie_embeddings``)
+        is held by both its stages (memory on both, hethub.ties), and once when one stage has both ends.
+        ``first``/``last`` may be arrays (the planner prices every layer range at once)."""
+        cum = self._params_cum
+        out = cum[last] - cum[first]
+        if self.model.tie_embeddings:
+            both = (np.asarray(first) == 0) & (np.asarray(last) == self.model.num_planner_layers)
+            out = out - np.where(both, self._tied_params, 0.0)
+        return out
+
+    def tied_params(self, first, last):
+        """Parameters of a tied weight this stage shares with another stage (0 when it holds both ends or none):
+        their gradient is all-reduced over both stages' replicas every step. Arrays allowed."""
+        if not self.model.tie_embeddings:
+            return np.zeros_like(np.asarray(first, dtype=float)) if np.ndim(first) else 0.0
+        one_end = (np.asarray(first) == 0) != (np.asarray(last) == self.model.num_planner_layers)
+        out = np.where(one_end, self._tied_params, 0.0)
+        return out if np.ndim(first) else float(out)
+
     def stage_params(self, first: int, last: int) -> float:
-        return float(self.layers.params[first:last].sum())
+        return float(self.range_params(first, last))
+
+    def optimizer_state_bytes(self, first: int, last: int, width: int = 1) -> float:
+        """Adam's state for layers [first, last) on one replica. With ZeRO-1 a replica of a stage of width w
+        holds ceil(n / w) of the stage's n parameters' state (hethub.zero splits the flattened parameters
+        element by element), so this is the figure a rank measures, not an average."""
+        return float(self._optimizer_state_of(self.stage_params(first, last), width))
+
+    def _optimizer_state_of(self, params, width: int):
+        """``params`` a count or an array of counts (the planner prices many layer ranges at once)."""
+        owned = np.ceil(np.asarray(params, dtype=float) / width) if self.zero1 and width > 1 else params
+        return owned * ADAM_STATE_BYTES.get(self.dtype, ADAM_STATE_BYTES["bf16"])
+
+    def state_bytes_of(self, params, width: int = 1):
+        """Weights, gradients and optimizer state of ``params`` parameters on one replica of a stage of ``width``."""
+        weights_grads = WEIGHT_GRAD_BYTES.get(self.dtype, WEIGHT_GRAD_BYTES["bf16"])
+        return params * weights_grads + self._optimizer_state_of(params, width)
 
     def state_bytes(self, first: int, last: int, width: int = 1) -> float:
         """Weights, gradients and optimizer state of layers [first, last) on one replica."""
-        p = self.stage_params(first, last)
-        return p * (4.0 + 12.0 / width) if self.zero1 else p * 16.0
+        return float(self.state_bytes_of(self.stage_params(first, last), width))
 
     def stage_memory_bytes(self, first: int, last: int, samples: int, in_flight: int, recompute: bool,
                            width: int = 1) -> float:
@@ -285,20 +329,62 @@ class CostModel:
             t += 2 * nbytes / (PCIE_GBPS * 1e9)
         return t
 
-    def allreduce_s(self, nbytes: float, t: str, width: int, one_node: bool) -> float:
-        """Ring all-reduce: 2 (w-1)/w of the buffer over the slowest link, 2 (w-1) latency hops."""
-        if width <= 1 or nbytes <= 0:
-            return 0.0
-        gbps, lat = self._link_gbps(t, t, one_node)
-        return 2 * (width - 1) * lat + 2 * (width - 1) / width * nbytes * 8 / (gbps * 1e9)
+    def stage_sync_s(self, plan: Plan, s: int) -> float:
+        """Stage s of a placed plan after its last backward: its gradient all-reduce (and ZeRO-1 all-gather),
+        and the all-reduce of a tied weight it shares with another stage (over both stages' replicas)."""
+        st = plan.stages[s]
+        first, last = st.layers
+        one_node = len({r.host for r in st.replicas}) == 1
+        out = self.sync_s(self.range_params(first, last), st.types, st.width, one_node)
+        tied = self.tied_params(first, last)
+        if tied:
+            ends = [plan.stages[0], plan.stages[-1]]
+            out += self.tie_sync_s(tied, sorted({t for e in ends for t in e.types}), sum(e.width for e in ends))
+        return float(out)
 
-    def grad_bytes(self, first: int, last: int) -> float:
-        return self.stage_params(first, last) * BYTES_PER_ACT
+    def tie_sync_s(self, tied_params, types: Sequence[str], ranks: int):
+        """All-reduce of a tied weight's gradient over the ``ranks`` replicas of the two stages holding it
+        (16-bit gradients, ring, inter-node link of the slowest type). ``tied_params`` may be an array."""
+        if ranks <= 1:
+            return np.zeros_like(np.asarray(tied_params, dtype=float)) if np.ndim(tied_params) else 0.0
+        nbytes = np.asarray(tied_params, dtype=float) * BYTES_PER_ACT
+        out = max(2 * (ranks - 1) * lat + 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
+                  for gbps, lat in (self._link_gbps(t, t, False) for t in types))
+        out = np.where(nbytes > 0, out, 0.0)
+        return out if np.ndim(tied_params) else float(out)
+
+    def sync_s(self, params, types: Sequence[str], width: int, one_node: bool):
+        """A stage's synchronisation after its last backward: the gradient all-reduce (16-bit gradients), and
+        with ZeRO-1 the all-gather of the updated parameters (one more (w-1)/w of them, w-1 more hops).
+
+        Replicas of one vendor use the slowest of their types' links. A stage whose replicas span vendors
+        goes through the host bridge (as hethub's runtime runs it): every buffer is copied device->host and
+        back over PCIe, and the ring runs on the cross-vendor link. ``params`` may be an array.
+        """
+        if width <= 1:
+            return np.zeros_like(np.asarray(params, dtype=float)) if np.ndim(params) else 0.0
+        nbytes = np.asarray(params, dtype=float) * BYTES_PER_ACT
+        volume, hops, copies = 2 * (width - 1) / width * nbytes, 2 * (width - 1), 2 * nbytes
+        if self.zero1:
+            volume, hops, copies = volume + (width - 1) / width * nbytes, hops + width - 1, copies + 2 * nbytes
+        vendors = {self.cluster.device_type(t).vendor for t in types}
+        if len(vendors) > 1:
+            net = self.cluster.network
+            gbps, lat = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
+            out = hops * lat + volume * 8 / (gbps * 1e9) + copies / (PCIE_GBPS * 1e9)
+        else:
+            out = max(hops * lat + volume * 8 / (gbps * 1e9)
+                      for gbps, lat in (self._link_gbps(t, t, one_node) for t in types))
+        out = np.where(nbytes > 0, out, 0.0)
+        return out if np.ndim(params) else float(out)
 
     def optimizer_s(self, t: str, first: int, last: int, width: int = 1) -> float:
         """Optimizer step: memory-bound pass over this replica's state."""
-        dt = self.cluster.device_type(t)
-        return self.state_bytes(first, last, width) * OPTIMIZER_PASSES / (dt.memory_gbps * 1e9)
+        return float(self.optimizer_s_of(self.stage_params(first, last), t, width))
+
+    def optimizer_s_of(self, params, t: str, width: int = 1):
+        """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
+        return self.state_bytes_of(params, width) * OPTIMIZER_PASSES / (self.cluster.device_type(t).memory_gbps * 1e9)
 
 
 def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -71,8 +71,7 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                 if not same:
                     per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
-        one_node = len({r.host for r in st.replicas}) == 1
-        ar = max(cm.allreduce_s(cm.grad_bytes(first, last), t, st.width, one_node) for t in st.types)
+        ar = cm.stage_sync_s(plan, s)
         opt = max(cm.optimizer_s(t, first, last, st.width) for t in st.types)
         mem = cm.stage_memory_bytes(first, last, samples, min(S - s, M), st.recompute, st.width)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem))

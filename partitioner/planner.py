@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .costmodel import BYTES_PER_ACT, OPTIMIZER_PASSES, PCIE_GBPS, CostModel
+from .costmodel import PCIE_GBPS, CostModel
 from .errors import InfeasibleError, InputError
 from .placement import StageLayout, even_split
 from .records import MAX_MICRO_BATCHES, ModelConfig
@@ -136,7 +136,8 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     a, e = bounds[I], bounds[J]
     lay = cm.layers
     cum = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
-    params = (cum(lay.params)[e] - cum(lay.params)[a])
+    params = cm.range_params(a, e)
+    tied = cm.tied_params(a, e)  # a tied embedding/head weight shared with another stage
     act = {False: cum(lay.act_bytes)[e] - cum(lay.act_bytes)[a],
            True: cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]}
     act_max = _range_max(lay.act_bytes, bounds)[I, J]
@@ -170,11 +171,10 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
                                                      + 2 * s * out_bytes / (PCIE_GBPS * 1e9)), 0.0)
                 pen = np.maximum(cross - comm, 0.0)
                 one_node = w <= node_max[t]
-                ag, alat = cm._link_gbps(t, t, same_host=one_node)
-                ar = (2 * (w - 1) * alat + 2 * (w - 1) / w * params * BYTES_PER_ACT * 8 / (ag * 1e9)) if w > 1 \
-                    else np.zeros_like(params)
-                state = params * (4.0 + 12.0 / w) if cm.zero1 else params * 16.0
-                opt = state * OPTIMIZER_PASSES / (dt.memory_gbps * 1e9)
+                # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
+                ar = cm.sync_s(params, [t], w, one_node) + cm.tie_sync_s(tied, [t], 2 * w)
+                state = cm.state_bytes_of(params, w)
+                opt = cm.optimizer_s_of(params, t, w)
                 cap = limit - state - 2.0 * in_bytes * s - (act_max * s if rc else 0.0)
                 per_flight = np.maximum(act[rc] * s, 1.0)
                 k = np.floor(np.where(cap > 0, cap / per_flight, 0.0))
@@ -742,9 +742,11 @@ def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list
                                          f"largest device holds {largest_dev / 2**30:.1f} GiB after the reserve "
                                          f"(short by {(biggest - largest_dev) / 2**30:.1f} GiB); "
                                          f"tensor parallelism is not planned yet")
+    tie = (f"; its tied embedding/head weight is held by both end stages "
+           f"({cm.state_bytes(0, 1) / 2**30:.1f} GiB of state on the first)" if cm.tied_params(0, 1) else "")
     return InfeasibleError("memory", f"no stage layout of {cm.model.name!r} fits the devices' memory at any "
                                      f"micro-batch size in {bs} (1F1B keeps up to one micro-batch per later stage "
-                                     f"in flight); add devices or use a smaller global batch")
+                                     f"in flight{tie}); add devices or use a smaller global batch")
 
 
 def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[str]) -> list[StageLayout]:

@@ -254,8 +254,7 @@ class _Replay:
         if not all(q in self.ar_waiting for q in group):
             return False
         start = max(self.ar_waiting.pop(q) for q in group)
-        one_node = len({rep.host for rep in st.replicas}) == 1
-        end = start + max(self.cm.allreduce_s(self.cm.grad_bytes(*st.layers), t, st.width, one_node) for t in st.types)
+        end = start + self.cm.stage_sync_s(self.plan, st.index)
         for q in group:
             self.events.append(Event(q, "AR", "allreduce", None, start, end))
             self.clock[q] = end

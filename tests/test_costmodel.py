@@ -1,4 +1,5 @@
 """Tier 1: the analytic cost model; tier 2 (torch, seconds): the profiler and its merge."""
+import numpy as np
 import pytest
 
 from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model
@@ -61,8 +62,22 @@ def test_links():
     inter = cm.p2p_s(nb, "A100-80GB", "V100-32GB", same_host=False)
     cross = cm.p2p_s(nb, "A100-80GB", "MI250X", same_host=False)
     assert intra < inter < cross  # cross-vendor adds two host copies
-    assert cm.allreduce_s(nb, "A100-80GB", 1, True) == 0
-    assert cm.allreduce_s(nb, "A100-80GB", 4, True) < cm.allreduce_s(nb, "A100-80GB", 4, False)
+    p = nb / 2  # parameters whose 16-bit gradients are nb bytes
+    assert cm.sync_s(p, ["A100-80GB"], 1, True) == 0
+    assert cm.sync_s(p, ["A100-80GB"], 4, True) < cm.sync_s(p, ["A100-80GB"], 4, False)
+    # ring all-reduce over one node: 2 (w-1)/w of the buffer and 2 (w-1) hops on the NVLink-class link
+    gbps, lat = cm._link_gbps("A100-80GB", "A100-80GB", True)
+    assert cm.sync_s(p, ["A100-80GB"], 4, True) == pytest.approx(6 * lat + 1.5 * nb * 8 / (gbps * 1e9))
+    # a same-vendor mixed stage runs at its slowest type's link; one spanning vendors through the host bridge
+    same = cm.sync_s(p, ["A100-80GB", "V100-32GB"], 4, False)
+    assert same == max(cm.sync_s(p, [t], 4, False) for t in ("A100-80GB", "V100-32GB"))
+    assert cm.sync_s(p, ["A100-80GB", "MI250X"], 4, False) > same
+    # ZeRO-1 adds the all-gather of the updated parameters: half an all-reduce more volume
+    z = CostModel(MIXED, builtin_model("gpt-1.3b"), zero1=True)
+    assert z.sync_s(p, ["A100-80GB"], 4, True) == pytest.approx(9 * lat + 2.25 * nb * 8 / (gbps * 1e9))
+    # arrays in, arrays out (the planner prices every layer range at once), the same numbers
+    many = z.sync_s(np.array([p, 2 * p]), ["A100-80GB"], 4, True)
+    assert many[0] == pytest.approx(z.sync_s(p, ["A100-80GB"], 4, True))
 
 
 def _profile(model, device_type, layers, mbs=2, ms=1.0):

@@ -20,8 +20,16 @@ def test_gpt2_small_is_124m_with_tied_embeddings():
     m = model_config_from_hf(GPT2, "gpt2")
     assert (m.architecture, m.num_layers, m.ffn_hidden_size, m.seq_length, m.tie_embeddings) == \
         ("gpt", 12, 3072, 1024, True)
-    params = layer_costs(m).params.sum()
-    assert 123e6 < params < 126e6  # GPT-2 small: 124.4M (tied head counted once)
+    from hethub.partitioner.costmodel import CostModel
+    from test_costmodel import MIXED
+    cm = CostModel(MIXED, m)
+    n = m.num_planner_layers
+    assert 123e6 < cm.stage_params(0, n) < 126e6  # GPT-2 small: 124.4M (tied head counted once)
+    # split between stages, both ends hold the tied weight, and its gradient is all-reduced between them
+    vh = m.vocab_size * m.hidden_size
+    assert cm.stage_params(0, 1) + cm.stage_params(1, n) == pytest.approx(cm.stage_params(0, n) + vh)
+    assert cm.tied_params(0, 1) == cm.tied_params(n - 1, n) == vh and cm.tied_params(0, n) == 0
+    assert cm.tied_params(1, n - 1) == 0
 
 
 def test_llama3_8b_is_8b_with_gqa(tmp_path):

@@ -68,13 +68,23 @@ def test_a_mixed_stage_trains_like_one_process(tmp_path):
     assert types == ["FAST", "FAST", "SLOWER"]  # each rank knows its own type (emulation, device checks)
 
 
-def test_a_stage_spanning_vendors_is_refused_before_launch():
-    from hethub.runtime import check_against_world
-    two = Cluster.model_validate({"name": "two", "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 2},
-                                                           {"host": "m", "device_type": "MI250X", "count": 2}]})
-    base = build_plan(MODEL, two, [StageLayout((0, 7), "A100-80GB", (3, 3))], 6, 2)
+@pytest.mark.dist
+def test_a_stage_spanning_vendors_all_reduces_through_the_host_bridge(tmp_path):
+    """One replica of each vendor in stage 1 (uneven split), ZeRO-1 and clipping: the gradient all-reduce and
+    ZeRO-1's all-gather run on the stage's gloo group over host buffers, and training matches one process."""
+    from test_runtime import _run_and_compare
+    two = Cluster.model_validate({
+        "name": "two-vendors",
+        "device_types": {"NV": {"vendor": "nvidia", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20},
+                         "AM": {"vendor": "amd", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20}},
+        "nodes": [{"host": "nv", "device_type": "NV", "count": 3}, {"host": "am", "device_type": "AM", "count": 2}]})
+    base = build_plan(MODEL, two, [StageLayout((0, 3), "NV", (6,)), StageLayout((3, 7), "NV", (4, 2))], 6, 3)
     data = json.loads(base.to_json())
-    data["stages"][0]["replicas"][1].update({"host": "m", "slot": 0, "device_type": "MI250X"})
-    with pytest.raises(InputError, match=r"plan\.stages\[0\]\.replicas: a stage whose replicas span vendors "
-                                         r"\(amd, nvidia\) needs a gradient all-reduce through the host bridge"):
-        check_against_world(Plan.model_validate(data), 0, 2, [None] * 7, {})
+    data["stages"][1]["replicas"][1].update({"host": "am", "slot": 0, "device_type": "AM"})
+    plan = Plan.model_validate(data)
+    cm = CostModel(two, MODEL, dtype="fp32")
+    assert cm.sync_s(cm.stage_params(3, 7), plan.stages[1].types, 2, False) > cm.sync_s(
+        cm.stage_params(3, 7), ["NV"], 2, False)  # priced as the bridge
+    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, extra=["zero1"])
+    bridged = [torch.load(str(tmp_path / f"rank{r}.pt"), weights_only=True)["stage_bridge"] for r in range(3)]
+    assert bridged == [False, True, True]  # only stage 1 spans vendors

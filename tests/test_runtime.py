@@ -64,11 +64,11 @@ def _single(tmp_path, plan_path):
     return torch.load(out, weights_only=True)
 
 
-def _run_and_compare(tmp_path, plan, rtol, atol, sched=None):
+def _run_and_compare(tmp_path, plan, rtol, atol, sched=None, extra=()):
     plan_path = str(tmp_path / "plan.json")
     with open(plan_path, "w") as f:
         f.write(plan.to_json())
-    extra = [f"schedule={_write_schedule(tmp_path, sched)}"] if sched else []
+    extra = [*extra, f"schedule={_write_schedule(tmp_path, sched)}"] if sched else list(extra)
     results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
                                       *extra], timeout=90)
     for rank, (rc, _out, err) in enumerate(results):
@@ -204,14 +204,15 @@ def test_tensor_parallel_plan_refused(tmp_path):
 
 
 def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):
-    """"bf16": {"enabled": true}: autocast compute, fp32 weights/grads/optimizer, unequal widths, clipping.
-    The single-process reference runs the same autocast; only GEMM blocking over sliced rows differs."""
+    """"bf16": {"enabled": true}: autocast compute, fp32 weights/grads/optimizer, unequal widths, uneven split,
+    clipping and ZeRO-1. The single-process reference runs the same autocast; only GEMM blocking over sliced
+    rows differs."""
     plan = stack_plan(*CASES["uneven2to3"])
     plan_path = str(tmp_path / "plan.json")
     with open(plan_path, "w") as f:
         f.write(plan.to_json())
     results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
-                                      "bf16"], timeout=90)
+                                      "bf16", "zero1"], timeout=90)
     for rank, (rc, _out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
     out = str(tmp_path / "single.pt")

@@ -1,6 +1,6 @@
 """Worker for the equivalence tests: train a small layer stack under a plan, save losses and weights.
 
-usage: train_stack.py PLAN OUT STEPS CLIP [single]
+usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16] [zero1] [schedule=PATH]
 With "single", trains the same layers in one process (the reference) without hethub.
 """
 import contextlib
@@ -76,6 +76,8 @@ def main():
         config = {"gradient_clipping": clip} if clip > 0 else {}
         if bf16:
             config["bf16"] = {"enabled": True}
+        if "zero1" in sys.argv[5:]:  # optimizer state sharded over each stage's replicas (hethub.zero)
+            config["zero_optimization"] = {"stage": 1}
         for arg in sys.argv[5:]:
             if arg.startswith("schedule="):  # a hand-edited schedule file
                 config["hetero"] = {"schedule": arg.split("=", 1)[1]}
@@ -101,7 +103,8 @@ def main():
         time.sleep(float(os.environ["END_SLEEP_RANK0"]))  # rank 0 does extra work after training
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
-                "device_type": "" if single else engine.grid.device_type}, out_path)
+                "device_type": "" if single else engine.grid.device_type,
+                "stage_bridge": False if single else engine.grid.stage_bridge_group is not None}, out_path)
 
 
 if __name__ == "__main__":
