@@ -3,6 +3,7 @@ and under a plan it trains like the model in one process — GPT-2 with its tied
 stages, Llama with rotary embeddings and grouped-query attention — and a tied checkpoint resumes under a
 plan that places the tie's ends elsewhere."""
 import functools
+import json
 import os
 import sys
 
@@ -117,3 +118,58 @@ def test_an_unknown_model_class_is_named_with_the_supported_ones():
     with pytest.raises(ValueError, match=r"model: hethub.hf knows GPT2LMHeadModel, LlamaForCausalLM, "
                                          r"MistralForCausalLM, Qwen2ForCausalLM, got Linear"):
         pipeline_layers(torch.nn.Linear(2, 2))
+
+
+def _example(*args, timeout=120):
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _example_plan(tmp_path):
+    from conftest import run_cli
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("name: cpu3\ndevice_types:\n  CPU: {vendor: cpu, peak_tflops: {fp32: 1}, memory_gib: 8, "
+                       "memory_gbps: 20}\nnodes:\n  - {host: localhost, device_type: CPU, count: 3}\n")
+    r = run_cli("plan", "--cluster", str(cluster), "--model", "hf:examples/hf-gpt2-tiny", "--seq-length", "32",
+                "--global-batch", "8", "--no-compare", "-o", str(tmp_path / "plan.json"))
+    assert r.returncode == 0, r.stderr
+    return str(tmp_path / "plan.json")
+
+
+def test_example_refuses_a_model_class_hethub_does_not_know(tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({
+        "model_type": "bert", "architectures": ["BertLMHeadModel"], "vocab_size": 256, "hidden_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 128, "is_decoder": True}))
+    r = _example("examples/train_hf.py", "--hetero-plan", _example_plan(tmp_path), "--model", str(tmp_path / "bert"),
+                 "--text", "README.md")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == ("error: model: hethub.hf knows GPT2LMHeadModel, LlamaForCausalLM, "
+                                                 "MistralForCausalLM, Qwen2ForCausalLM, got BertLMHeadModel")
+
+
+@pytest.mark.dist
+def test_example_trains_gpt2_from_a_config_under_hethub_launch(tmp_path):
+    """The README's commands: plan from the config.json, launch the example on a text file (3 stages, the tie
+    across stages 0 and 2); the loss falls."""
+    r = _example("-m", "hethub.cli", "launch", "--hetero-plan", _example_plan(tmp_path), "--local",
+                 "examples/train_hf.py", "--model", "examples/hf-gpt2-tiny", "--text", "README.md", "--steps", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in r.stdout.splitlines() if line.startswith('{"step"')]
+    assert len(losses) == 4 and losses[-1] < losses[0], r.stdout[-2000:]
+
+
+def test_tied_layer_specs_share_one_module_and_are_found_as_ties():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    from hethub.ties import find_ties, resolve_tied_specs
+    emb = TiedLayerSpec("embed", torch.nn.Linear, 4, 4)
+    head = TiedLayerSpec("embed", torch.nn.Linear, 4, 4, forward_fn=lambda m, x: x @ m.weight)
+    layers = resolve_tied_specs([emb, LayerSpec(torch.nn.Linear, 4, 4), head])
+    assert isinstance(layers[1], LayerSpec)  # plain specs stay lazy
+    assert layers[2].module is layers[0]  # one module per key; its own forward_fn
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(layers[2](x), x @ layers[0].weight)
+    ties = find_ties(layers)
+    assert [t.places for t in ties] == [((0, "bias"), (2, "module.bias")), ((0, "weight"), (2, "module.weight"))]
+    assert ties[1].owner == (0, "weight")

@@ -1,0 +1,103 @@
+"""Train a small Hugging Face causal LM (random init from a local config.json) under a hethub plan, on a text file.
+
+    hethub plan --cluster examples/cluster.yaml --model hf:examples/hf-gpt2-tiny --seq-length 64 \
+        --global-batch 16 -o plan.json
+    hethub launch --hetero-plan plan.json examples/train_hf.py --model examples/hf-gpt2-tiny --text README.md
+
+The model comes from ``transformers`` (GPT-2, Llama, Mistral, Qwen2: ``AutoModelForCausalLM.from_config``,
+nothing downloaded) and is cut into hethub's layers by ``hethub.hf.pipeline_layers``; GPT-2's tied
+embedding/head stays tied across stages. Tokens: the file's bytes (modulo the vocabulary), since no
+tokenizer is assumed to be available locally. Step k reads the global batch of sequences that starts
+k batches into the file (wrapping around), the same under any plan.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import hethub
+from hethub.partitioner import InputError, load_plan
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def load_model(path: str):
+    """``AutoModelForCausalLM.from_config`` of a local config.json (or the folder holding one), random init."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        fail(f"--model: no config.json at {path[:100]!r}")
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, OSError, KeyError) as exc:
+        fail(f"--model: {str(exc).splitlines()[0][:200]}")
+
+
+def text_tokens(path: str, vocab: int) -> torch.Tensor:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        fail(f"--text: cannot read {path[:100]!r} ({exc.strerror})")
+    if not data:
+        fail(f"--text: {path[:100]!r} is empty")
+    return torch.tensor(list(data), dtype=torch.int64) % vocab
+
+
+def batch(tokens: torch.Tensor, step: int, rows: int, seq: int) -> torch.Tensor:
+    """The step's rows x seq token ids, read from the file at (step x rows x seq), wrapping around."""
+    start = step * rows * seq
+    idx = (start + torch.arange(rows * seq)) % tokens.numel()
+    return tokens[idx].view(rows, seq)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    hethub.add_config_arguments(parser)
+    parser.add_argument("--model", required=True, help="a config.json, or the folder holding one")
+    parser.add_argument("--text", required=True, help="training text (its bytes are the tokens)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.hetero_plan is None:
+        fail("--hetero-plan: required (make one with `hethub plan --model hf:CONFIG`)")
+    try:
+        plan = load_plan(args.hetero_plan)
+    except InputError as exc:
+        fail(str(exc))
+    from hethub.hf import causal_lm_loss, model_config, pipeline_layers
+    torch.manual_seed(0)  # every rank builds the same initial weights
+    model = load_model(args.model)
+    try:
+        layers = pipeline_layers(model)
+        mine = model_config(model, seq_length=plan.model.seq_length)
+    except ValueError as exc:
+        fail(str(exc))
+    for key in ("num_layers", "hidden_size", "vocab_size"):
+        if getattr(mine, key) != getattr(plan.model, key):
+            fail(f"--model: {key} is {getattr(mine, key)}, the plan's model has {getattr(plan.model, key)}")
+    tokens = text_tokens(args.text, mine.vocab_size)
+    engine, *_ = hethub.initialize(layers=layers, loss_fn=causal_lm_loss, plan=plan, args=args,
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    rank, mb, seq = int(os.environ.get("RANK", "0")), plan.micro_batch_size, plan.model.seq_length
+    for step in range(engine.global_steps, args.steps):
+        ids = batch(tokens, step, mb * plan.num_micro_batches, seq)
+        t0 = time.perf_counter()
+        loss = float(engine.train_batch(iter([(x, x) for x in ids.split(mb)])))
+        if rank == 0:
+            print(json.dumps({"step": step, "loss": round(loss, 4), "ms": round((time.perf_counter() - t0) * 1e3, 1)}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
