@@ -121,7 +121,8 @@ def main():
                 for t, k in (("FAST", FAST_SLOWDOWN), ("SLOW", FAST_SLOWDOWN * SLOWDOWN)) for mb in (1, 2, 4, 8)]
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
     G = 32
-    plan = make_plan(cluster, model, G, opts=PlannerOptions(time_limit_s=20, max_micro_batch_size=8), cost_model=cm,
+    plan = make_plan(cluster, model, G, opts=PlannerOptions(time_limit_s=20, max_micro_batch_size=8,
+                                                            max_tensor_parallel=1), cost_model=cm,
                      with_homogeneous_sum=False)
     # DeepSpeed's own partition: one stage per rank (equal widths over all ranks), its partition_balanced
     from deepspeed.runtime import utils as ds_utils

@@ -115,7 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cm = CostModel(cluster, model, profiles=profiles, memory_reserve_gib=args.memory_reserve_gib, zero1=args.zero1)
     opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
-                          max_units=args.max_units, equal_widths=args.equal_widths)
+                          max_units=args.max_units, equal_widths=args.equal_widths,
+                          max_tensor_parallel=args.max_tensor_parallel)
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
@@ -258,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--zero1", action="store_true", help="shard optimizer state over each stage's replicas")
     sp.add_argument("--max-units", type=_int_in(3, MAX_BLOCKS + 2), default=48,
                     help="group blocks into at most this many cut points (large models)")
+    sp.add_argument("--max-tensor-parallel", type=_int_in(1, 1024), default=8,
+                    help="largest tensor-parallel degree a stage may use (1, 2, 4, 8 within one node; 1: off)")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

@@ -94,7 +94,9 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
 
     profiles = _profile(model, console, out_dir)
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
-    opts = PlannerOptions(time_limit_s=10, max_micro_batch_size=8)
+    # No tensor parallelism: emulation idles each layer to k x its fastest time here, which a split layer's
+    # compute and all-reduces would not follow.
+    opts = PlannerOptions(time_limit_s=10, max_micro_batch_size=8, max_tensor_parallel=1)
     plan = make_plan(cluster, model, global_batch, opts=opts, cost_model=cm)
     fastest = make_baseline("fastest-only", cluster, model, global_batch, opts=opts, cost_model=cm)
     deepspeed = make_baseline("parameters", cluster, model, global_batch, opts=opts, cost_model=cm)

@@ -25,7 +25,8 @@ _PLACEMENT_FLAGS = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "-
 
 def host_layout(plan: Plan) -> list[tuple[str, list[int]]]:
     """[(host, slots)] in rank order; refuses plans whose ranks DeepSpeed's launcher cannot reproduce."""
-    by_rank = sorted(((r.rank, r.host, r.slot) for s in plan.stages for r in s.replicas))
+    by_rank = sorted((rank, r.host, slot) for s in plan.stages for r in s.replicas
+                     for rank, slot in zip(r.group_ranks(s.tensor_parallel), r.group_slots(s.tensor_parallel)))
     layout: list[tuple[str, list[int]]] = []
     for rank, host, slot in by_rank:
         if layout and layout[-1][0] == host:

@@ -150,9 +150,12 @@ def load_checked_schedule(plan: Plan, path: str, rank: int) -> list:
 def plan_local_index(plan: Plan, rank: int) -> int:
     """Index of this rank's slot among the plan's slots on its host (= its device among the visible ones)."""
     stage, rep = plan.locate(rank)
-    me = plan.stages[stage].replicas[rep]
-    slots = sorted(r.slot for s in plan.stages for r in s.replicas if r.host == me.host)
-    return slots.index(me.slot)
+    st = plan.stages[stage]
+    me = st.replicas[rep]
+    mine = dict(zip(me.group_ranks(st.tensor_parallel), me.group_slots(st.tensor_parallel)))[rank]
+    slots = sorted(slot for s in plan.stages for r in s.replicas if r.host == me.host
+                   for slot in r.group_slots(s.tensor_parallel))
+    return slots.index(mine)
 
 
 def _fix_local_rank(plan: Plan, rank: int) -> None:

@@ -10,15 +10,23 @@ from .partitioner.records import Plan
 def _hosts(stage) -> str:
     by_host: dict[str, list[int]] = {}
     for r in stage.replicas:
-        by_host.setdefault(r.host, []).append(r.slot)
+        by_host.setdefault(r.host, []).extend(r.group_slots(stage.tensor_parallel))
     return " ".join(f"{h}:{','.join(map(str, s))}" for h, s in by_host.items())
+
+
+def _ranks(stage) -> str:
+    """Replicas' ranks; a tensor-parallel group in brackets: [2,3] [4,5]."""
+    t = stage.tensor_parallel
+    if t == 1:
+        return ",".join(str(r.rank) for r in stage.replicas)
+    return " ".join("[" + ",".join(map(str, r.group_ranks(t))) + "]" for r in stage.replicas)
 
 
 def plan_table(plan: Plan) -> Table:
     pred = plan.predicted
     t = Table(title=f"{plan.model.name} on {plan.cluster.name}: {plan.num_stages} stages, "
                     f"{plan.world_size} ranks")
-    for col in ("stage", "layers", "device", "width", "samples/replica", "ranks", "hosts:slots", "recompute"):
+    for col in ("stage", "layers", "device", "width", "tp", "samples/replica", "ranks", "hosts:slots", "recompute"):
         t.add_column(col)
     if pred and pred.stage_s:
         t.add_column("stage ms", justify="right")
@@ -26,9 +34,8 @@ def plan_table(plan: Plan) -> Table:
         t.add_column("memory GiB", justify="right")
     for st in plan.stages:
         row = [str(st.index), f"[{st.layers[0]}, {st.layers[1]})",
-               "+".join(st.types) + (f" x tp{st.tensor_parallel}" if st.tensor_parallel > 1 else ""),
-               str(st.width), "+".join(str(r.samples) for r in st.replicas),
-               ",".join(str(r.rank) for r in st.replicas), _hosts(st), "yes" if st.recompute else "no"]
+               "+".join(st.types), str(st.width), str(st.tensor_parallel), "+".join(str(r.samples) for r in st.replicas),
+               _ranks(st), _hosts(st), "yes" if st.recompute else "no"]
         if pred and pred.stage_s:
             row.append(f"{pred.stage_s[st.index] * 1e3:.2f}" if st.index < len(pred.stage_s) else "")
         if pred and pred.memory_gib:

@@ -63,20 +63,37 @@ def block_params(m: ModelConfig) -> int:
     return (h * (h + 2 * kv) + (h + 2 * kv)) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h) + 4 * h
 
 
-def block_activation_bytes(m: ModelConfig, flash_attention: bool = True) -> float:
-    """Bytes one block keeps for backward per sample (16-bit activations), Korthikanti et al. 2022 generalised."""
+def block_activation_split(m: ModelConfig, flash_attention: bool = True) -> tuple[float, float]:
+    """(replicated, tensor-parallel-split) bytes one block keeps for backward per sample (16-bit activations),
+    Korthikanti et al. 2022 generalised: what lives per head or per FFN column is split t ways under tensor
+    parallelism, what lives on the full hidden size (norm inputs, the inputs of QKV and fc1, dropout masks) is not.
+    """
     s, h, ffn, a = m.seq_length, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
     kv = h * m.kv_heads // a
     dropout = m.architecture == "gpt"
-    # attention: LN input 2sh, QKV input 2sh, Q,K,V 2s(h+2kv), projection input 2sh, dropout mask sh
-    attn = 2 * s * h + 2 * s * h + 2 * s * (h + 2 * kv) + 2 * s * h + (s * h if dropout else 0)
+    # attention: LN input 2sh, QKV input 2sh, dropout mask sh | Q,K,V 2s(h+2kv), projection input 2sh
+    rep = 2 * s * h + 2 * s * h + (s * h if dropout else 0)
+    split = 2 * s * (h + 2 * kv) + 2 * s * h
     if not flash_attention:
-        attn += 5 * a * s * s  # softmax output 2as^2, dropout mask as^2, dropout output 2as^2
-    if m.architecture == "llama":  # RMSNorm input, gate/up outputs, act(gate)*up
-        mlp = 2 * s * h + 2 * s * h + 3 * 2 * s * ffn
-    else:  # LN input, fc1 input, GeLU input, fc2 input, dropout mask
-        mlp = 2 * s * h + 2 * s * h + 2 * s * ffn + 2 * s * ffn + s * h
-    return float(attn + mlp)
+        split += 5 * a * s * s  # softmax output 2as^2, dropout mask as^2, dropout output 2as^2
+    if m.architecture == "llama":  # RMSNorm input, gate/up input | gate/up outputs, act(gate)*up
+        rep += 2 * s * h + 2 * s * h
+        split += 3 * 2 * s * ffn
+    else:  # LN input, fc1 input, dropout mask | GeLU input, fc2 input
+        rep += 2 * s * h + 2 * s * h + s * h
+        split += 2 * s * ffn + 2 * s * ffn
+    return float(rep), float(split)
+
+
+def block_activation_bytes(m: ModelConfig, flash_attention: bool = True) -> float:
+    """Bytes one block keeps for backward per sample (16-bit activations), Korthikanti et al. 2022 generalised."""
+    return sum(block_activation_split(m, flash_attention))
+
+
+def block_replicated_params(m: ModelConfig) -> int:
+    """Parameters of a block that tensor parallelism does not split: norms and the row-parallel biases."""
+    h = m.hidden_size
+    return 2 * h if m.architecture == "llama" else 4 * h + 2 * h  # GPT: two LayerNorms, proj and fc2 biases
 
 
 @dataclass
@@ -90,6 +107,11 @@ class LayerCosts:
     out_bytes: np.ndarray  # activation leaving the layer (a stage boundary after it sends this)
     mem_bytes_fwd: np.ndarray  # bytes a memory-bound layer moves in forward (embedding lookups)
     mem_bytes_bwd: np.ndarray  # ... and in backward (the embedding's dense weight gradient)
+    # Tensor parallelism (Megatron-style, blocks only): the parts of params/act_bytes it splits t ways, and
+    # whether a layer is split at all (embedding and head run replicated on every rank of a group)
+    params_split: np.ndarray = None
+    act_split: np.ndarray = None
+    tp_split: np.ndarray = None
 
 
 def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
@@ -119,7 +141,11 @@ def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
     act[-1] = BYTES_PER_ACT * s * h * 2 + 4.0 * s * v  # norm input, head input, fp32 logits for the loss
     act_rc[-1] = act[-1]
     out[-1] = 0.0
-    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b)
+    split_p, split_a, tp = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
+    split_p[1:-1] = block_params(m) - block_replicated_params(m)
+    split_a[1:-1] = block_activation_split(m, flash_attention)[1]
+    tp[1:-1] = True
+    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b, split_p, split_a, tp)
 
 
 @dataclass
@@ -160,6 +186,8 @@ class CostModel:
     def __post_init__(self):
         self.layers = layer_costs(self.model, self.flash_attention)
         self._params_cum = np.concatenate([[0.0], np.cumsum(self.layers.params)])
+        self._split_cum = np.concatenate([[0.0], np.cumsum(self.layers.params_split)])
+        self._tp_times: dict[tuple[str, int], tuple] = {}
         self._tied_params = float(self.model.vocab_size * self.model.hidden_size) if self.model.tie_embeddings else 0.0
         self.devices: dict[str, DeviceCosts] = {}
         by_type: dict[str, list[Profile]] = {}
@@ -215,26 +243,56 @@ class CostModel:
                               f"(efficiency {efficiency:.3f})")
         return DeviceCosts(fwd, bwd, efficiency, measured, fwd_a, bwd_a)
 
-    def prefix(self, t: str, recompute: bool = False) -> np.ndarray:
+    def layer_times(self, t: str, tp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(forward per sample, backward per sample, forward per call, backward per call) seconds of every layer
+        on a device of type t, in a tensor-parallel group of ``tp`` devices of that type.
+
+        Megatron-style tensor parallelism (Shoeybi et al. 2019) splits each block: QKV and the first MLP
+        matrices column-parallel, the attention output projection and the last MLP matrix row-parallel, so a
+        block's compute is divided by tp and its output needs an all-reduce after attention and after the MLP
+        (two in forward, two in backward, each of s x h 16-bit activations per sample, ring, on the type's
+        intra-node link). The embedding, the norms and the head are replicated: every rank of the group runs
+        them whole. Measured (tp = 1) profiles get the same terms on top.
+        """
+        key = (t, tp)
+        cached = self._tp_times.get(key)
+        if cached is not None:
+            return cached
+        d = self.devices[t]
+        fwd, bwd, fwd_fixed, bwd_fixed = d.fwd_s.copy(), d.bwd_s.copy(), d.fwd_fixed_s.copy(), d.bwd_fixed_s.copy()
+        if tp > 1:
+            split = self.layers.tp_split
+            fwd[split] /= tp
+            bwd[split] /= tp
+            gbps, lat = self._link_gbps(t, t, same_host=True)
+            nbytes = BYTES_PER_ACT * self.model.seq_length * self.model.hidden_size  # per sample
+            per_sample = 2 * 2 * (tp - 1) / tp * nbytes * 8 / (gbps * 1e9)  # two all-reduces per pass
+            per_call = 2 * 2 * (tp - 1) * lat
+            for arr, add in ((fwd, per_sample), (bwd, per_sample), (fwd_fixed, per_call), (bwd_fixed, per_call)):
+                arr[split] += add
+        self._tp_times[key] = (fwd, bwd, fwd_fixed, bwd_fixed)
+        return self._tp_times[key]
+
+    def prefix(self, t: str, recompute: bool = False, tp: int = 1) -> np.ndarray:
         """Cumulative per-sample (fwd + bwd [+ recompute fwd]) seconds over layers: stage time = p[b] - p[a]."""
-        d = self.devices[t]
-        per_layer = d.fwd_s + d.bwd_s + (d.fwd_s if recompute else 0.0)
+        fwd, bwd, _, _ = self.layer_times(t, tp)
+        per_layer = fwd + bwd + (fwd if recompute else 0.0)
         return np.concatenate([[0.0], np.cumsum(per_layer)])
 
-    def prefix_fixed(self, t: str, recompute: bool = False) -> np.ndarray:
+    def prefix_fixed(self, t: str, recompute: bool = False, tp: int = 1) -> np.ndarray:
         """Cumulative per-call fixed seconds (same layout as ``prefix``)."""
-        d = self.devices[t]
-        per_layer = d.fwd_fixed_s + d.bwd_fixed_s + (d.fwd_fixed_s if recompute else 0.0)
+        _, _, fwd, bwd = self.layer_times(t, tp)
+        per_layer = fwd + bwd + (fwd if recompute else 0.0)
         return np.concatenate([[0.0], np.cumsum(per_layer)])
 
-    def stage_compute_s(self, t: str, first: int, last: int, samples: float, recompute: bool = False
+    def stage_compute_s(self, t: str, first: int, last: int, samples: float, recompute: bool = False, tp: int = 1
                         ) -> tuple[float, float]:
-        """(forward, backward) seconds of layers [first, last) for ``samples`` samples on one device of type t."""
-        d = self.devices[t]
+        """(forward, backward) seconds of layers [first, last) for ``samples`` samples on one device of type t
+        (in a tensor-parallel group of ``tp``)."""
+        fwd_s, bwd_s, fwd_c, bwd_c = self.layer_times(t, tp)
         sl = slice(first, last)
-        fwd = float(d.fwd_fixed_s[sl].sum()) + float(d.fwd_s[sl].sum()) * samples
-        bwd = (float(d.bwd_fixed_s[sl].sum()) + float(d.bwd_s[sl].sum()) * samples
-               + ((float(d.fwd_fixed_s[sl].sum()) + float(d.fwd_s[sl].sum()) * samples) if recompute else 0.0))
+        fwd = float(fwd_c[sl].sum()) + float(fwd_s[sl].sum()) * samples
+        bwd = float(bwd_c[sl].sum()) + float(bwd_s[sl].sum()) * samples + (fwd if recompute else 0.0)
         return fwd, bwd
 
     def sample_s(self, t: str) -> float:
@@ -248,12 +306,15 @@ class CostModel:
         return float(sum(c / self.sample_s(t) for t, c in counts.items()))
 
     # ---------------------------------------------------------------- memory
-    def range_params(self, first, last):
-        """Parameters a stage of layers [first, last) holds. A tied embedding/head weight (``tie_embeddings``)
-        is held by both its stages (memory on both, hethub.ties), and once when one stage has both ends.
+    def range_params(self, first, last, tp: int = 1):
+        """Parameters one rank of a stage of layers [first, last) holds (in a tensor-parallel group of ``tp``:
+        the blocks' split matrices divided tp ways). A tied embedding/head weight (``tie_embeddings``) is held
+        by both its stages (memory on both, hethub.ties), and once when one stage has both ends.
         ``first``/``last`` may be arrays (the planner prices every layer range at once)."""
         cum = self._params_cum
         out = cum[last] - cum[first]
+        if tp > 1:
+            out = out - (self._split_cum[last] - self._split_cum[first]) * (1.0 - 1.0 / tp)
         if self.model.tie_embeddings:
             both = (np.asarray(first) == 0) & (np.asarray(last) == self.model.num_planner_layers)
             out = out - np.where(both, self._tied_params, 0.0)
@@ -268,14 +329,14 @@ class CostModel:
         out = np.where(one_end, self._tied_params, 0.0)
         return out if np.ndim(first) else float(out)
 
-    def stage_params(self, first: int, last: int) -> float:
-        return float(self.range_params(first, last))
+    def stage_params(self, first: int, last: int, tp: int = 1) -> float:
+        return float(self.range_params(first, last, tp))
 
-    def optimizer_state_bytes(self, first: int, last: int, width: int = 1) -> float:
+    def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1) -> float:
         """Adam's state for layers [first, last) on one replica. With ZeRO-1 a replica of a stage of width w
         holds ceil(n / w) of the stage's n parameters' state (hethub.zero splits the flattened parameters
         element by element), so this is the figure a rank measures, not an average."""
-        return float(self._optimizer_state_of(self.stage_params(first, last), width))
+        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width))
 
     def _optimizer_state_of(self, params, width: int):
         """``params`` a count or an array of counts (the planner prices many layer ranges at once)."""
@@ -287,23 +348,28 @@ class CostModel:
         weights_grads = WEIGHT_GRAD_BYTES.get(self.dtype, WEIGHT_GRAD_BYTES["bf16"])
         return params * weights_grads + self._optimizer_state_of(params, width)
 
-    def state_bytes(self, first: int, last: int, width: int = 1) -> float:
-        """Weights, gradients and optimizer state of layers [first, last) on one replica."""
-        return float(self.state_bytes_of(self.stage_params(first, last), width))
+    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1) -> float:
+        """Weights, gradients and optimizer state of layers [first, last) on one rank of a replica."""
+        return float(self.state_bytes_of(self.stage_params(first, last, tp), width))
+
+    def act_bytes(self, tp: int = 1) -> np.ndarray:
+        """Per layer, per sample: bytes kept for backward without recompute on one rank of a tp group."""
+        return self.layers.act_bytes - self.layers.act_split * (1.0 - 1.0 / tp)
 
     def stage_memory_bytes(self, first: int, last: int, samples: int, in_flight: int, recompute: bool,
-                           width: int = 1) -> float:
-        """Peak bytes on one replica under 1F1B: state + activations of the micro-batches in flight.
+                           width: int = 1, tp: int = 1) -> float:
+        """Peak bytes on one rank of a replica under 1F1B: state + activations of the micro-batches in flight.
 
         With recompute, each in-flight micro-batch keeps only layer inputs, plus one layer's full
         activations while it is being recomputed.
         """
-        act = self.layers.act_bytes_recompute if recompute else self.layers.act_bytes
+        full = self.act_bytes(tp)
+        act = self.layers.act_bytes_recompute if recompute else full
         kept = float(act[first:last].sum()) * samples * in_flight
         if recompute:
-            kept += float(self.layers.act_bytes[first:last].max()) * samples
+            kept += float(full[first:last].max()) * samples
         boundary = 2.0 * float(self.layers.out_bytes[max(first - 1, 0)]) * samples  # send/recv buffers
-        return self.state_bytes(first, last, width) + kept + boundary
+        return self.state_bytes(first, last, width, tp) + kept + boundary
 
     def memory_limit_bytes(self, t: str) -> float:
         return (self.cluster.device_type(t).memory_gib - self.memory_reserve_gib) * 2 ** 30
@@ -335,7 +401,7 @@ class CostModel:
         st = plan.stages[s]
         first, last = st.layers
         one_node = len({r.host for r in st.replicas}) == 1
-        out = self.sync_s(self.range_params(first, last), st.types, st.width, one_node)
+        out = self.sync_s(self.range_params(first, last, st.tensor_parallel), st.types, st.width, one_node)
         tied = self.tied_params(first, last)
         if tied:
             ends = [plan.stages[0], plan.stages[-1]]
@@ -378,9 +444,9 @@ class CostModel:
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(params) else float(out)
 
-    def optimizer_s(self, t: str, first: int, last: int, width: int = 1) -> float:
-        """Optimizer step: memory-bound pass over this replica's state."""
-        return float(self.optimizer_s_of(self.stage_params(first, last), t, width))
+    def optimizer_s(self, t: str, first: int, last: int, width: int = 1, tp: int = 1) -> float:
+        """Optimizer step: memory-bound pass over this rank's state."""
+        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width))
 
     def optimizer_s_of(self, params, t: str, width: int = 1):
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""

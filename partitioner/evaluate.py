@@ -53,8 +53,9 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         first, last = st.layers
         samples = max(r.samples for r in st.replicas)
         # the slowest replica paces the stage: its share on its own type (mixed-type stages differ per replica)
-        fwd, bwd = max((cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute) for r in st.replicas),
-                       key=sum)
+        tp = st.tensor_parallel
+        fwd, bwd = max((cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute, tp)
+                        for r in st.replicas), key=sum)
         comm = 0.0
         if s + 1 < S:
             nxt = plan.stages[s + 1]
@@ -72,8 +73,8 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                     per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         ar = cm.stage_sync_s(plan, s)
-        opt = max(cm.optimizer_s(t, first, last, st.width) for t in st.types)
-        mem = cm.stage_memory_bytes(first, last, samples, min(S - s, M), st.recompute, st.width)
+        opt = max(cm.optimizer_s(t, first, last, st.width, tp) for t in st.types)
+        mem = cm.stage_memory_bytes(first, last, samples, min(S - s, M), st.recompute, st.width, tp)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem))
     return out
 
@@ -91,7 +92,7 @@ def closed_form_s(plan: Plan, cm: CostModel) -> float:
 def fits_memory(plan: Plan, cm: CostModel) -> bool:
     """Every replica's peak (its share, 1F1B in-flight count) within its own type's memory."""
     S, M = plan.num_stages, plan.num_micro_batches
-    return all(cm.stage_memory_bytes(*st.layers, r.samples, min(S - s, M), st.recompute, st.width)
+    return all(cm.stage_memory_bytes(*st.layers, r.samples, min(S - s, M), st.recompute, st.width, st.tensor_parallel)
                <= cm.memory_limit_bytes(st.type_of(r)) for s, st in enumerate(plan.stages) for r in st.replicas)
 
 

@@ -73,9 +73,11 @@ def export_megatron(plan: Plan) -> MegatronExport:
     middle = counts[1:-1]
     first_last = (counts[0], counts[-1]) if S > 1 and len(set(middle)) <= 1 else None
     order = []
-    for r in range(S * dp):
-        s, j = divmod(r, dp)
+    tp = plan.stages[0].tensor_parallel
+    for r in range(S * dp * tp):  # Megatron's rank order: tensor-parallel fastest, then data, then pipeline
+        s, rest = divmod(r, dp * tp)
+        j, k = divmod(rest, tp)
         rep = plan.stages[s].replicas[j]
-        order.append((r, s, j, rep.host, rep.slot, plan.stages[s].device_type))
+        order.append((r, s, j, rep.host, rep.group_slots(tp)[k], plan.stages[s].device_type))
     return MegatronExport(S, dp, plan.stages[0].tensor_parallel, plan.model.num_layers, layout, first_last,
                           plan.micro_batch_size // dp, plan.global_batch_size, order)

@@ -73,8 +73,14 @@ def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayo
     rank_of = {(host_order[h], slot): r for r, (h, slot) in enumerate(used)}
     stages = []
     for i, (lay, slots) in enumerate(zip(layouts, placement)):
-        reps = [{"rank": rank_of[(host, slot)], "host": host, "slot": slot, "samples": int(n)}
-                for (host, slot), n in zip(sorted(slots, key=lambda hs: rank_of[hs]), lay.samples)]
+        reps = []
+        for (host, slot), n in zip(sorted(slots, key=lambda hs: rank_of[hs]), lay.samples):
+            if lay.tensor_parallel == 1:
+                reps.append({"rank": rank_of[(host, slot)], "host": host, "slot": slot, "samples": int(n)})
+            else:  # a tensor-parallel group: consecutive slots of one host
+                group = [slot + k for k in range(lay.tensor_parallel)]
+                reps.append({"ranks": [rank_of[(host, g)] for g in group], "host": host, "slots": group,
+                             "samples": int(n)})
         stages.append({"index": i, "layers": list(lay.layers), "device_type": lay.device_type,
                        "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "replicas": reps})
     boundaries = [{"after_stage": i, "transport": "host"} for i in range(len(layouts) - 1)

@@ -50,6 +50,9 @@ class PlannerOptions:
     # Every stage the same width w, each replica micro_batch / w samples: what Megatron-core's
     # parallel_state can express (stages may still differ in device type and layer count).
     equal_widths: bool = False
+    # Tensor-parallel degrees a stage may use: 1, 2, 4, 8 up to this (only those that fit in one node of the
+    # type and divide heads, KV heads and the FFN size). 1 turns tensor parallelism off.
+    max_tensor_parallel: int = 8
 
 
 @dataclass
@@ -67,13 +70,19 @@ class Candidates:
     in_flight: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
     vendor: np.ndarray  # vendor id of the device type
     bridge_s: np.ndarray  # extra per-micro-batch seconds when the next stage is another vendor's (host bridge)
+    tp: np.ndarray  # tensor-parallel degree: each replica is a group of tp devices on one node
 
     def __len__(self) -> int:
         return len(self.cost_s)
 
+    @property
+    def devices(self) -> np.ndarray:
+        """Devices a candidate stage occupies: width x tensor-parallel degree."""
+        return self.width * self.tp
+
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "allreduce_s", "optimizer_s",
-          "in_flight", "vendor", "bridge_s")
+          "in_flight", "vendor", "bridge_s", "tp")
 
 
 @dataclass
@@ -113,6 +122,14 @@ def widths_for(b: int, available: int) -> list[int]:
     return out
 
 
+def tensor_parallel_degrees(cm: CostModel, t: str, max_tp: int) -> list[int]:
+    """1, 2, 4, 8 up to ``max_tp`` that fit in one node of type t and divide heads, KV heads and FFN size."""
+    node_max = max(n.count for n in cm.cluster.nodes if n.device_type == t)
+    m = cm.model
+    return [d for d in (1, 2, 4, 8) if d <= max_tp and d <= node_max
+            and m.num_attention_heads % d == 0 and m.kv_heads % d == 0 and m.ffn_hidden_size % d == 0]
+
+
 def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """Table m[i, j] = max(values[bounds[i]:bounds[j]]) for unit boundaries i < j."""
     n = len(bounds)
@@ -126,21 +143,20 @@ def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
 
 def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
-               counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None) -> Candidates:
+               counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
+               max_tp: int = 1) -> Candidates:
     """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
 
     ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths).
+    ``max_tp``: largest tensor-parallel degree (``tensor_parallel_degrees``); a candidate's devices are w x tp.
     """
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = np.triu_indices(len(bounds), k=1)
     a, e = bounds[I], bounds[J]
     lay = cm.layers
     cum = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
-    params = cm.range_params(a, e)
     tied = cm.tied_params(a, e)  # a tied embedding/head weight shared with another stage
-    act = {False: cum(lay.act_bytes)[e] - cum(lay.act_bytes)[a],
-           True: cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]}
-    act_max = _range_max(lay.act_bytes, bounds)[I, J]
+    act_rc = cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]
     out_bytes = lay.out_bytes[e - 1]  # 0 for the last layer
     in_bytes = lay.out_bytes[np.maximum(a - 1, 0)]
     node_max = {t: max(n.count for n in cm.cluster.nodes if n.device_type == t) for t in types}
@@ -151,44 +167,53 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     for ti, t in enumerate(types):
         dt = cm.cluster.device_type(t)
         limit = cm.memory_limit_bytes(t)
-        for rc in ((False, True) if allow_recompute else (False,)):
-            per_sample = cm.prefix(t, rc)[e] - cm.prefix(t, rc)[a]
-            fixed = cm.prefix_fixed(t, rc)[e] - cm.prefix_fixed(t, rc)[a]
-            for w in (widths_for(b, counts[t]) if width is None else ([width] if width <= counts[t] else [])):
-                s = -(-b // w)
-                # Output boundary: this stage's share crosses to the next stage and the gradient comes back.
-                # Intra-node when the type's largest node holds this stage and an equal-width neighbour.
-                intra = 2 * w <= node_max[t]
-                gbps, lat = cm._link_gbps(t, t, same_host=intra)
-                # Inter-node: the replicas sharing a node also share its NIC (as the evaluator and simulator
-                # model it), so a node's share of the micro-batch queues on one link.
-                per_link = s if intra else min(w, node_max[t]) * s
-                comm = np.where(out_bytes > 0, 2 * (lat + per_link * out_bytes * 8 / (gbps * 1e9)), 0.0)
-                c = fixed + per_sample * s + comm
-                # ... and when the next stage is another vendor's: host copies both ways, the cross-vendor link
-                per_x = min(w, node_max[t]) * s
-                cross = np.where(out_bytes > 0, 2 * (lx + per_x * out_bytes * 8 / (gx * 1e9)
-                                                     + 2 * s * out_bytes / (PCIE_GBPS * 1e9)), 0.0)
-                pen = np.maximum(cross - comm, 0.0)
-                one_node = w <= node_max[t]
-                # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
-                ar = cm.sync_s(params, [t], w, one_node) + cm.tie_sync_s(tied, [t], 2 * w)
-                state = cm.state_bytes_of(params, w)
-                opt = cm.optimizer_s_of(params, t, w)
-                cap = limit - state - 2.0 * in_bytes * s - (act_max * s if rc else 0.0)
-                per_flight = np.maximum(act[rc] * s, 1.0)
-                k = np.floor(np.where(cap > 0, cap / per_flight, 0.0))
-                k = np.minimum(k, M)
-                keep = k >= 1
-                n = int(keep.sum())
-                for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, ti)),
-                                     ("width", np.full(n, w)), ("recompute", np.full(n, rc)), ("cost_s", c[keep]),
-                                     ("allreduce_s", ar[keep]), ("optimizer_s", opt[keep]), ("in_flight", k[keep]),
-                                     ("vendor", np.full(n, vendor_ids[dt.vendor])), ("bridge_s", pen[keep])):
-                    cols[name].append(values)
+        for tp in tensor_parallel_degrees(cm, t, max_tp):
+            params = cm.range_params(a, e, tp)  # per rank of a tp group
+            full_act = cm.act_bytes(tp)
+            act = {False: cum(full_act)[e] - cum(full_act)[a], True: act_rc}
+            act_max = _range_max(full_act, bounds)[I, J]
+            per_node = node_max[t] // tp  # replicas (tp groups) one node of the type holds
+            for rc in ((False, True) if allow_recompute else (False,)):
+                per_sample = cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a]
+                fixed = cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a]
+                avail = counts[t] // tp
+                for w in (widths_for(b, avail) if width is None else ([width] if width <= avail else [])):
+                    s = -(-b // w)
+                    # Output boundary: this stage's share crosses to the next stage and the gradient comes
+                    # back. Intra-node when the type's largest node holds this stage and an equal neighbour.
+                    intra = 2 * w <= per_node
+                    gbps, lat = cm._link_gbps(t, t, same_host=intra)
+                    # Inter-node: the replicas sharing a node also share its NIC (as the evaluator and simulator
+                    # model it), so a node's share of the micro-batch queues on one link. A tp group's lead
+                    # sends its replica's rows once.
+                    per_link = s if intra else min(w, per_node) * s
+                    comm = np.where(out_bytes > 0, 2 * (lat + per_link * out_bytes * 8 / (gbps * 1e9)), 0.0)
+                    c = fixed + per_sample * s + comm
+                    # ... and when the next stage is another vendor's: host copies both ways, cross-vendor link
+                    per_x = min(w, per_node) * s
+                    cross = np.where(out_bytes > 0, 2 * (lx + per_x * out_bytes * 8 / (gx * 1e9)
+                                                         + 2 * s * out_bytes / (PCIE_GBPS * 1e9)), 0.0)
+                    pen = np.maximum(cross - comm, 0.0)
+                    one_node = w <= per_node
+                    # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
+                    ar = cm.sync_s(params, [t], w, one_node) + cm.tie_sync_s(tied, [t], 2 * w)
+                    state = cm.state_bytes_of(params, w)
+                    opt = cm.optimizer_s_of(params, t, w)
+                    cap = limit - state - 2.0 * in_bytes * s - (act_max * s if rc else 0.0)
+                    per_flight = np.maximum(act[rc] * s, 1.0)
+                    k = np.floor(np.where(cap > 0, cap / per_flight, 0.0))
+                    k = np.minimum(k, M)
+                    keep = k >= 1
+                    n = int(keep.sum())
+                    for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, ti)),
+                                         ("width", np.full(n, w)), ("recompute", np.full(n, rc)), ("cost_s", c[keep]),
+                                         ("allreduce_s", ar[keep]), ("optimizer_s", opt[keep]),
+                                         ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[dt.vendor])),
+                                         ("bridge_s", pen[keep]), ("tp", np.full(n, tp))):
+                        cols[name].append(values)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
     cand = Candidates(**{k: cat[k] for k in cols})
-    for name in ("first_unit", "end_unit", "type_idx", "width", "vendor"):
+    for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp"):
         setattr(cand, name, getattr(cand, name).astype(int))
     cand.recompute = cand.recompute.astype(bool)
     return _prune_recompute(cand)
@@ -198,7 +223,7 @@ def _prune_recompute(c: Candidates) -> Candidates:
     """Drop a recompute candidate when the same stage without recompute holds as many micro-batches."""
     if not c.recompute.any():
         return c
-    key = c.first_unit * 1_000_003 + c.end_unit * 1009 + c.type_idx * 131 + c.width
+    key = ((c.first_unit * 1_000_003 + c.end_unit * 1009 + c.type_idx * 131 + c.width) * 16 + c.tp)
     best_plain = {}
     for idx in np.flatnonzero(~c.recompute):
         best_plain[key[idx]] = c.in_flight[idx]
@@ -230,7 +255,7 @@ def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int
     used = np.zeros(len(counts), dtype=int)
     S = len(chosen)
     for pos, idx in enumerate(chosen):
-        used[c.type_idx[idx]] += c.width[idx]
+        used[c.type_idx[idx]] += c.devices[idx]
         if c.in_flight[idx] < min(S - pos, M):
             return False
     return bool((used <= np.asarray(counts)).all())
@@ -271,7 +296,7 @@ def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.nd
 
 def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
     """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory."""
-    dp, _ = chain_dp(c, U, M, c.width.astype(float), c.cost_s <= T)
+    dp, _ = chain_dp(c, U, M, c.devices.astype(float), c.cost_s <= T)
     return float(dp[0].min())
 
 
@@ -281,10 +306,10 @@ def sum_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
     For any lambda >= 0: min over memory-feasible chains of sum(c + lambda w) - lambda N <= the true
     minimum of sum(c) subject to sum(w) <= N. The best of a few lambdas is taken.
     """
-    scale = float(np.median(c.cost_s / c.width))
+    scale = float(np.median(c.cost_s / c.devices))
     best = 0.0
     for lam in (0.0, 0.1 * scale, 0.3 * scale, scale, 3 * scale):
-        dp, _ = chain_dp(c, U, M, c.cost_s + lam * c.width)
+        dp, _ = chain_dp(c, U, M, c.cost_s + lam * c.devices)
         best = max(best, float(dp[0].min()) - lam * total_devices)
     return best
 
@@ -308,7 +333,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
                     ) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
     the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
-    dp, arg = chain_dp(c, U, M, weights[c.type_idx] * c.width, c.cost_s <= T)
+    dp, arg = chain_dp(c, U, M, weights[c.type_idx] * c.devices, c.cost_s <= T)
     r = int(dp[0].argmin())
     if not np.isfinite(dp[0, r]):
         return None
@@ -435,7 +460,7 @@ class _Milp:
         for ti, cnt in enumerate(counts):
             ks = np.flatnonzero(self.c.type_idx == ti)
             if len(ks):
-                self.prob += self.affine([(k, float(self.c.width[k])) for k in ks]) <= cnt
+                self.prob += self.affine([(k, float(self.c.devices[k])) for k in ks]) <= cnt
 
 
 def _milp_solver(solver: str, time_limit_s: float, cutoff: Optional[float]):
@@ -525,7 +550,7 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     for k in np.argsort(c.cost_s, kind="stable"):
         starts[c.first_unit[k]].append(int(k))
     cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
-    w, t = c.width.tolist(), c.type_idx.tolist()
+    w, t = c.devices.tolist(), c.type_idx.tolist()
     vend, pen = c.vendor.tolist(), c.bridge_s.tolist()
     used = [0] * len(counts)
     best: list = [None, math.inf]
@@ -624,7 +649,7 @@ class _Search:
         for b, w in keys:
             M = self.global_batch // b
             cand = candidates(self.cm, units, b, M, self.types, dict(zip(self.types, self.counts)),
-                              opts.allow_recompute, width=w)
+                              opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel)
             t_lb = bottleneck_lower_bound(cand, U, N, M) if len(cand) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(cand, U, N, M) if math.isfinite(t_lb) else math.inf
             jobs.append(_Job(lb, (b, w), M, cand, t_lb))
@@ -755,5 +780,6 @@ def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[st
     for k in sol.chosen:
         out.append(StageLayout(layers=(units[c.first_unit[k]][0], units[c.end_unit[k] - 1][1]),
                                device_type=types[c.type_idx[k]],
-                               samples=even_split(sol.b, int(c.width[k])), recompute=bool(c.recompute[k])))
+                               samples=even_split(sol.b, int(c.width[k])), recompute=bool(c.recompute[k]),
+                               tensor_parallel=int(c.tp[k])))
     return out

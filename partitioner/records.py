@@ -15,11 +15,11 @@ import functools
 import json
 import os
 from functools import cached_property
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from .catalogue import DEVICE_TYPES, MODELS
 from .errors import InputError, from_validation_error
@@ -397,12 +397,48 @@ def load_profiles(directory: str) -> list[Profile]:
 
 
 class Replica(Record):
+    """One data-parallel replica of a stage. With the stage's ``tensor_parallel`` t > 1 it is a tensor-parallel
+    group of t ranks on one host, written ``ranks``/``slots`` (``rank``/``slot`` are then its first, the lead
+    that talks to neighbouring stages); without ``ranks`` the group is rank..rank+t-1 on slot..slot+t-1."""
+
     rank: int = Field(ge=0, lt=MAX_DEVICES)
     host: str = Name
     slot: int = Field(ge=0, lt=MAX_DEVICES)
     samples: int = Field(gt=0, le=MAX_BATCH)  # of each micro-batch
     # This replica's accelerator type when it differs from its stage's (a mixed-type stage); None: the stage's.
     device_type: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    ranks: Optional[tuple[Annotated[int, Field(ge=0, lt=MAX_DEVICES)], ...]] = Field(default=None, min_length=1,
+                                                                                    max_length=1024)
+    slots: Optional[tuple[Annotated[int, Field(ge=0, lt=MAX_DEVICES)], ...]] = Field(default=None, min_length=1,
+                                                                                    max_length=1024)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lead_of_group(cls, data: Any) -> Any:
+        """``ranks``/``slots`` imply ``rank``/``slot`` (their first), so every consumer can read the lead."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for many, one in (("ranks", "rank"), ("slots", "slot")):
+                group = data.get(many)
+                if isinstance(group, (list, tuple)) and group and one not in data:
+                    data[one] = group[0]
+        return data
+
+    @model_serializer(mode="wrap")
+    def _written(self, handler):
+        """A tensor-parallel group is written with ``ranks``/``slots`` only (the contract's form)."""
+        out = handler(self)
+        if self.ranks is not None:
+            out.pop("rank", None)
+            out.pop("slot", None)
+        return out
+
+    def group_ranks(self, tensor_parallel: int) -> list[int]:
+        """The replica's ranks, lead first."""
+        return list(self.ranks) if self.ranks is not None else [self.rank + k for k in range(tensor_parallel)]
+
+    def group_slots(self, tensor_parallel: int) -> list[int]:
+        return list(self.slots) if self.slots is not None else [self.slot + k for k in range(tensor_parallel)]
 
 
 class Stage(Record):
@@ -500,8 +536,8 @@ class Plan(Record):
 
     @cached_property
     def _rank_map(self) -> dict[int, tuple[int, int]]:
-        return {r.rank + t: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)
-                for t in range(s.tensor_parallel)}
+        return {rank: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)
+                for rank in r.group_ranks(s.tensor_parallel)}
 
     def boundary(self, after_stage: int) -> Optional[Boundary]:
         """The boundary after stage ``after_stage`` (None: direct, no cast)."""
@@ -509,7 +545,7 @@ class Plan(Record):
 
     def idle_devices(self) -> list[tuple[str, int, str]]:
         """(host, slot, device_type) of cluster devices the plan leaves unused."""
-        used = {(r.host, r.slot + t) for s in self.stages for r in s.replicas for t in range(s.tensor_parallel)}
+        used = {(r.host, slot) for s in self.stages for r in s.replicas for slot in r.group_slots(s.tensor_parallel)}
         return [(n.host, k, n.device_type) for n in self.cluster.nodes for k in range(n.count)
                 if (n.host, k) not in used]
 
@@ -535,6 +571,8 @@ def validate_plan(plan: Plan) -> None:
             if t not in plan.cluster.type_names:
                 raise ValueError(f"{where}: cluster {plan.cluster.name!r} has no {t!r} devices "
                                  f"(it has {', '.join(plan.cluster.type_names)})")
+        if st.tensor_parallel > 1:
+            _check_tensor_parallel(plan.model, st.tensor_parallel, f"{f}.tensor_parallel")
         total = sum(r.samples for r in st.replicas)
         if total != plan.micro_batch_size:
             raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
@@ -546,6 +584,14 @@ def validate_plan(plan: Plan) -> None:
     missing = sorted(set(range(world)) - set(seen_ranks))
     if missing:
         raise ValueError(f"stages: ranks must be 0..{world - 1} without gaps, missing rank {missing[0]}")
+
+
+def _check_tensor_parallel(m: "ModelConfig", t: int, field: str) -> None:
+    """Megatron-style tensor parallelism splits attention heads, KV heads and the FFN width t ways."""
+    for what, n in (("attention heads", m.num_attention_heads), ("KV heads", m.kv_heads),
+                    ("FFN size", m.ffn_hidden_size)):
+        if n % t:
+            raise ValueError(f"{field}: {t} must divide the model's {what} ({n})")
 
 
 def _check_layer_cover(plan: Plan) -> None:
@@ -579,15 +625,26 @@ def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict,
         raise ValueError(f"{rf}.host: cluster {plan.cluster.name!r} has no host {r.host!r}")
     if node.device_type != st.type_of(r):
         raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the replica runs on {st.type_of(r)}")
-    if r.slot + st.tensor_parallel > node.count:
-        raise ValueError(f"{rf}.slot: host {r.host!r} has slots 0..{node.count - 1}, got {r.slot}"
-                         + (f" (+{st.tensor_parallel - 1} for tensor parallel)" if st.tensor_parallel > 1 else ""))
-    for t in range(st.tensor_parallel):
-        key = (r.host, r.slot + t)
+    t = st.tensor_parallel
+    for many, one in (("ranks", "rank"), ("slots", "slot")):
+        group = getattr(r, many)
+        if group is None:
+            continue
+        if len(group) != t:
+            raise ValueError(f"{rf}.{many}: a replica of a stage with tensor_parallel {t} lists {t} {many}, "
+                             f"got {len(group)}")
+        if getattr(r, one) != group[0]:
+            raise ValueError(f"{rf}.{one}: must be the first of {many} ({group[0]}), got {getattr(r, one)}")
+    slots = r.group_slots(t)
+    if max(slots) >= node.count:
+        raise ValueError(f"{rf}.slot{'s' if r.slots is not None else ''}: host {r.host!r} has slots "
+                         f"0..{node.count - 1}, got {max(slots)}"
+                         + (f" (+{t - 1} for tensor parallel)" if t > 1 and r.slots is None else ""))
+    for slot, rank in zip(slots, r.group_ranks(t)):
+        key = (r.host, slot)
         if key in seen_slots:
-            raise ValueError(f"{rf}.slot: {r.host}:{r.slot + t} is already used by {seen_slots[key]}")
+            raise ValueError(f"{rf}.slot: {r.host}:{slot} is already used by {seen_slots[key]}")
         seen_slots[key] = rf
-        rank = r.rank + t
         if rank in seen_ranks:
             raise ValueError(f"{rf}.rank: rank {rank} is already used by {seen_ranks[rank]}")
         seen_ranks[rank] = rf

@@ -141,7 +141,9 @@ def overlaps(plan: Plan, s: int, replica: int, direction: str) -> tuple[Transfer
 
 def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[int] = None
                    ) -> dict[int, list[Action]]:
-    """Per global rank, the actions of one training (or, ``train=False``, evaluation) iteration."""
+    """Per replica (keyed by its lead rank), the actions of one training (or, ``train=False``, evaluation)
+    iteration. A tensor-parallel group's other ranks run their lead's list: the lead alone talks to the
+    neighbouring stages and shares what it receives within the group (hethub's engine)."""
     M = num_micro_batches or plan.num_micro_batches
     out: dict[int, list[Action]] = {}
     for s, st in enumerate(plan.stages):
@@ -151,6 +153,11 @@ def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[i
             peers = {"SA": nxt, "RG": nxt, "RA": prv, "SG": prv}
             out[rep.rank] = [Action(kind, mb, peers.get(kind, ())) for kind, mb in order]
     return out
+
+
+def lead_ranks(plan: Plan) -> list[int]:
+    """The rank of every replica (the lead of a tensor-parallel group): the keys of a schedule."""
+    return sorted(rep.rank for st in plan.stages for rep in st.replicas)
 
 
 def read_schedule_file(path: str) -> dict[int, list[Action]]:

@@ -22,7 +22,7 @@ from .costmodel import WIRE_FACTOR, CostModel
 from .errors import InputError
 from .outputs import write_atomic
 from .records import Plan
-from .schedule import Action, Transfer, build_schedule
+from .schedule import Action, Transfer, build_schedule, lead_ranks
 
 
 class ScheduleError(InputError):
@@ -130,6 +130,10 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
                 raise ScheduleError(f"rank {rank}", f"no {kind}{missing[0]} (every micro-batch 0..{M - 1} needs one)")
 
 
+def _short_ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:12])) + (" ..." if len(ranks) > 12 else "")
+
+
 def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]] = None,
              train: bool = True) -> SimResult:
     """Replay one iteration of ``sched`` (default: the plan's own 1F1B, which needs no checks); a given
@@ -137,8 +141,10 @@ def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]]
     if sched is None:
         sched = build_schedule(plan, train)
     else:
-        if set(sched) != set(range(plan.world_size)):
-            raise ScheduleError("schedule", f"must hold ranks 0..{plan.world_size - 1}, got {sorted(sched)[:20]}")
+        leads = lead_ranks(plan)
+        if set(sched) != set(leads):
+            raise ScheduleError("schedule", f"must hold every replica's rank {_short_ranks(leads)} (a tensor-"
+                                            f"parallel group's lead), got {_short_ranks(sorted(sched))}")
         check_matching(sched)
         check_structure(plan, sched, train)
     return _Replay(plan, cm, sched).run()
@@ -192,7 +198,7 @@ class _Replay:
             st, rep = self.where[rank]
             first, last = st.layers
             t = st.type_of(rep)
-            fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute)
+            fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, st.tensor_parallel)
             self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(t, first, last,
                                                                                    st.width)}
         return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
@@ -284,20 +290,20 @@ class _Replay:
         return True
 
     def run(self) -> SimResult:
-        n = self.plan.world_size
+        ranks = sorted(self.sched)  # replicas (tensor-parallel groups replay as their lead)
         progress = True
         while progress:
             progress = False
-            for r in range(n):
+            for r in ranks:
                 while self.pc[r] < len(self.sched[r]) and r not in self.ar_waiting and self.step(r):
                     progress = True
-        stuck = [r for r in range(n) if self.pc[r] < len(self.sched[r])]
+        stuck = [r for r in ranks if self.pc[r] < len(self.sched[r])]
         if stuck:
             raise self.deadlock(stuck)
         it = max(self.clock + list(self.done.values()))
-        busy = {r: self.compute[r] / it for r in range(n)}
+        busy = {r: self.compute[r] / it for r in ranks}
         return SimResult(iteration_s=it, samples_per_s=self.plan.global_batch_size / it,
-                         bubble_fraction=1.0 - sum(busy.values()) / n, busy=busy, events=self.events)
+                         bubble_fraction=1.0 - sum(busy.values()) / len(ranks), busy=busy, events=self.events)
 
     def deadlock(self, stuck: list[int]) -> ScheduleError:
         def what(r: int) -> str:
@@ -330,14 +336,16 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    n = plan.world_size
+    leads = lead_ranks(plan)  # one row per replica (a tensor-parallel group as its lead)
+    row = {r: k for k, r in enumerate(leads)}
+    n = len(leads)
     fig, ax = plt.subplots(figsize=(12, 0.45 * n + 1.6))
     # tab20 without its two greys, which read as transfers / all-reduce
     palette = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (14, 15)]
     cmap = lambda mb: palette[mb % len(palette)]  # noqa: E731
     scale = 1e3  # ms
     for e in result.events:
-        y = n - 1 - e.rank
+        y = n - 1 - row[e.rank]
         x, w = e.start_s * scale, max((e.end_s - e.start_s) * scale, 0.0)
         if e.kind in ("F", "B"):
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(e.mb), edgecolor="black", linewidth=0.3,
@@ -347,13 +355,15 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
         elif e.kind in ("allreduce", "OPT"):
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="lightgray" if e.kind == "allreduce" else "black")
     labels = []
-    for r in range(n - 1, -1, -1):
+    for r in reversed(leads):
         s, j = plan.locate(r)
-        labels.append(f"r{r} s{s} {plan.stages[s].type_of(plan.stages[s].replicas[j])}")
+        st = plan.stages[s]
+        tp = f" tp{st.tensor_parallel}" if st.tensor_parallel > 1 else ""
+        labels.append(f"r{r} s{s} {st.type_of(st.replicas[j])}{tp}")
     ax.set_yticks(range(n))
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("ms")
-    ax.set_title(title or f"{plan.model.name}: {plan.num_stages} stages, {n} ranks, "
+    ax.set_title(title or f"{plan.model.name}: {plan.num_stages} stages, {plan.world_size} ranks, "
                           f"{result.iteration_s * 1e3:.1f} ms/iteration, bubble {result.bubble_fraction:.1%}")
     ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
                        Patch(facecolor="white", edgecolor="black", hatch="///", label="backward"),

@@ -69,7 +69,7 @@ def test_cbc_matches_highs():
 
 def test_some_random_instances_bind_memory_and_mix_types():
     """The property test above is only worth something if its instances exercise the hard parts."""
-    mixed = recompute = bridged = 0
+    mixed = recompute = bridged = tensor_parallel = 0
     for seed in range(30):
         cluster, model, batch = random_instance(seed)
         try:
@@ -80,7 +80,9 @@ def test_some_random_instances_bind_memory_and_mix_types():
         mixed += len({s.device_type for s in plan.stages}) > 1
         recompute += any(s.recompute for s in plan.stages)
         bridged += any(b.transport == "host" for b in plan.boundaries)  # a vendor change: bridge penalty priced
-    assert mixed >= 3 and recompute >= 1 and bridged >= 1, (mixed, recompute, bridged)
+        tensor_parallel += any(s.tensor_parallel > 1 for s in plan.stages)
+    assert mixed >= 3 and recompute >= 1 and bridged >= 1 and tensor_parallel >= 1, \
+        (mixed, recompute, bridged, tensor_parallel)
 
 
 def test_two_type_plan_is_valid_fits_and_beats_baselines():

@@ -1,0 +1,85 @@
+"""Tensor parallelism inside a stage: plan format and validation, cost model terms, the planner's choice."""
+import json
+
+import pytest
+
+from hethub.partitioner import Cluster, InputError, Plan, builtin_model
+from hethub.partitioner.costmodel import CostModel
+from hethub.partitioner.placement import StageLayout, build_plan
+from hethub.partitioner.planner import PlannerOptions, search, tensor_parallel_degrees
+from hethub.partitioner.records import ModelConfig
+
+NODE8 = Cluster.model_validate({"name": "a100x16", "nodes": [{"host": "n0", "device_type": "A100-80GB", "count": 8},
+                                                            {"host": "n1", "device_type": "A100-80GB", "count": 8}]})
+GPT = ModelConfig(name="gpt-mini", architecture="gpt", num_layers=4, hidden_size=64, num_attention_heads=4,
+                  ffn_hidden_size=256, vocab_size=128, seq_length=16)
+
+
+def tp_plan(t=2, widths=(1, 2)) -> Plan:
+    layouts = [StageLayout((0, 3), "A100-80GB", (4,) if widths[0] == 1 else (2, 2), tensor_parallel=t),
+               StageLayout((3, 6), "A100-80GB", tuple([4 // widths[1]] * widths[1]), tensor_parallel=t)]
+    return build_plan(GPT, NODE8, layouts, 4, 2)
+
+
+def test_a_tensor_parallel_replica_lists_its_ranks_and_slots_and_round_trips():
+    plan = tp_plan()
+    rep = json.loads(plan.to_json())["stages"][1]["replicas"][0]
+    assert set(rep) == {"ranks", "host", "slots", "samples"} and len(rep["ranks"]) == 2  # the contract's form
+    assert Plan.model_validate_json(plan.to_json()) == plan
+    assert plan.world_size == 6 and plan.locate(rep["ranks"][1]) == (1, 0)
+    r = plan.stages[1].replicas[0]
+    assert (r.rank, r.slot) == (r.ranks[0], r.slots[0])  # the lead
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["stages"][1]["replicas"][0].update(ranks=[2]), r"stages\[1\]\.replicas\[0\]\.ranks: a replica of "
+                                                                  r"a stage with tensor_parallel 2 lists 2 ranks, got 1"),
+    (lambda d: d["stages"][1]["replicas"][0].update(slots=[2, 9]), r"replicas\[0\]\.slots: host 'n0' has slots 0\.\.7, "
+                                                                   r"got 9"),
+    (lambda d: d["stages"][1]["replicas"][1].update(slots=[0, 1]), r"replicas\[1\]\.slot: n0:0 is already used"),
+    (lambda d: [s.update(tensor_parallel=3) for s in d["stages"]], r"stages\[0\]\.tensor_parallel: 3 must divide the "
+                                                                   r"model's attention heads \(4\)"),
+])
+def test_bad_tensor_parallel_plans_name_the_field(edit, match):
+    data = json.loads(tp_plan().to_json())
+    edit(data)
+    with pytest.raises(InputError, match=match):
+        Plan.from_json(json.dumps(data))
+
+
+def test_cost_model_splits_blocks_and_prices_the_all_reduces():
+    m = builtin_model("gpt-1.3b")
+    cm = CostModel(NODE8, m)
+    f1, b1 = cm.stage_compute_s("A100-80GB", 1, 5, 4)
+    f2, b2 = cm.stage_compute_s("A100-80GB", 1, 5, 4, tp=2)
+    gbps, lat = cm._link_gbps("A100-80GB", "A100-80GB", True)
+    # per block and pass: two ring all-reduces of 4 samples x s x h 16-bit values, 2 (t-1)/t of it each on the link
+    ar = 4 * (2 * (2 * (2 - 1) / 2) * (4 * m.seq_length * m.hidden_size * 2) * 8 / (gbps * 1e9) + 2 * 2 * (2 - 1) * lat)
+    assert f2 == pytest.approx(f1 / 2 + ar) and b2 == pytest.approx(b1 / 2 + ar)
+    # the embedding and the head run whole on every rank of the group
+    n = m.num_planner_layers
+    assert cm.stage_compute_s("A100-80GB", n - 1, n, 4, tp=4)[0] == cm.stage_compute_s("A100-80GB", n - 1, n, 4)[0]
+    # parameters: the split matrices t ways, norms and row-parallel biases whole
+    p1, p4 = cm.stage_params(1, 5), cm.stage_params(1, 5, tp=4)
+    assert p1 / 4 < p4 < p1 / 4 * 1.01
+    assert cm.stage_memory_bytes(1, 5, 4, 2, False, 1, tp=4) < cm.stage_memory_bytes(1, 5, 4, 2, False)
+
+
+def test_degrees_fit_a_node_and_divide_the_model():
+    cm = CostModel(NODE8, builtin_model("llama-70b"))  # 64 heads, 8 KV heads
+    assert tensor_parallel_degrees(cm, "A100-80GB", 8) == [1, 2, 4, 8]
+    assert tensor_parallel_degrees(cm, "A100-80GB", 1) == [1]
+    three = Cluster.model_validate({"name": "n3", "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 3}]})
+    assert tensor_parallel_degrees(CostModel(three, builtin_model("llama-70b")), "A100-80GB", 8) == [1, 2]
+
+
+def test_planner_uses_tensor_parallelism_and_is_never_slower_for_it():
+    """llama-70b on 32 A100-80GB: without TP every replica holds whole layers, so memory forces a deep pipeline;
+    with TP up to 8 the planner splits blocks within a node, and the plan it finds is never slower."""
+    four = Cluster.model_validate({"name": "a100x32", "nodes": [{"host": f"n{k}", "device_type": "A100-80GB",
+                                                                "count": 8} for k in range(4)]})
+    cm = CostModel(four, builtin_model("llama-70b"))
+    on, _ = search(cm, 64, PlannerOptions(time_limit_s=30, max_micro_batch_size=4))
+    off, _ = search(cm, 64, PlannerOptions(time_limit_s=30, max_micro_batch_size=4, max_tensor_parallel=1))
+    assert on.objective <= off.objective * (1 + 1e-9)
+    assert any(int(t) > 1 for t in on.cands.tp[on.chosen])
