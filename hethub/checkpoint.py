@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .partitioner.errors import InputError
+from .tp import full, local, shard_of
 
 LATEST = "latest"
 
@@ -97,7 +98,8 @@ def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
         idx, name = names[id(p)]
         if (idx, name) in owners:
             return  # a tied weight's state is stored with its first layer, by the stage holding that
-        out.setdefault(idx, {})[name] = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+        out.setdefault(idx, {})[name] = {k: (_whole_state(p, v).detach().cpu() if torch.is_tensor(v) else v)
+                                         for k, v in st.items()}
 
     if engine.zero1 is not None:
         for shard in engine.zero1.shards:
@@ -109,6 +111,39 @@ def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
             if id(p) in names and p in opt.state:
                 put(p, opt.state[p])
     return out
+
+
+def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor of parameter ``p`` made whole: a tensor-parallel parameter's state is its
+    shard (a DTensor, or under ZeRO-1 a plain tensor shaped like the shard), gathered over the group
+    (collective: every rank of the group calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(v, DTensor):
+        return full(v)
+    if isinstance(p, DTensor) and v.dim() > 0 and tuple(v.shape) == tuple(local(p).shape):
+        return full(DTensor.from_local(v, p.device_mesh, p.placements, run_check=False))
+    return v
+
+
+def _state_for(p: torch.Tensor, v: Any, flat: bool) -> Any:
+    """A whole optimizer state tensor from a file laid out for parameter ``p``: this rank's shard of it, as a
+    DTensor like ``p`` (or a plain shard for ZeRO-1's flat state, ``flat``)."""
+    from torch.distributed.tensor import DTensor
+    if not (torch.is_tensor(v) and v.dim() > 0):
+        return v
+    part = shard_of(v, p).to(local(p).device)
+    if isinstance(p, DTensor) and not flat:
+        return DTensor.from_local(part.contiguous(), p.device_mesh, p.placements, run_check=False)
+    return part
+
+
+def _load_layer(layer: torch.nn.Module, state: dict) -> None:
+    """``load_state_dict`` that also fills tensor-parallel (DTensor) parameters with their shard of a whole
+    tensor; shapes and keys were checked before."""
+    with torch.no_grad():
+        for k, target in layer.state_dict(keep_vars=True).items():
+            mine = local(target)
+            mine.copy_(shard_of(state[k], target).to(mine.device, mine.dtype))
 
 
 def _gathered_state(engine, shard) -> list[dict]:
@@ -143,9 +178,10 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     if engine.grid.replica_id == 0:
         owners = _tie_owners(engine)
         for idx, layer in _local_layers(engine):
-            torch.save({k: v.detach().cpu() for k, v in layer.state_dict().items() if (idx, k) not in owners},
-                       _layer_file(tmp, idx, "model"))
-            torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
+            whole = {k: full(v).detach().cpu() for k, v in layer.state_dict().items() if (idx, k) not in owners}
+            if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
+                torch.save(whole, _layer_file(tmp, idx, "model"))
+                torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
     dist.barrier()
     if rank == 0:
         plan = engine.plan
@@ -240,14 +276,14 @@ def _load_optimizer_state(engine, names: dict, by_layer: dict) -> None:
         for shard in engine.zero1.shards:
             states = [saved(p) for p in shard.params]
             if states and all(st is not None for st in states):
-                opt.state[shard.shard] = shard.join_state(states)
+                mine = [{k: _state_for(p, v, flat=True) for k, v in st.items()} for p, st in zip(shard.params, states)]
+                opt.state[shard.shard] = shard.join_state(mine)
         return
     for group in opt.param_groups:
         for p in group["params"]:
             st = saved(p) if id(p) in names else None
             if st is not None:
-                opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
-                                for k, v in st.items()}
+                opt.state[p] = {k: _state_for(p, v, flat=False) for k, v in st.items()}
 
 
 def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool) -> tuple[str, dict]:
@@ -287,7 +323,7 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
         if st is not None and place[0] in by_layer:
             by_layer[place[0]].setdefault(place[1], st)
     for idx, layer in _local_layers(engine):
-        layer.load_state_dict(states[idx])
+        _load_layer(layer, states[idx])
     if load_optimizer_states:
         _load_optimizer_state(engine, names, by_layer)
         if engine.lr_scheduler is not None and meta.get("lr_scheduler"):

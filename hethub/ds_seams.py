@@ -19,6 +19,8 @@ SUPPORTED = "deepspeed>=0.19.0,<0.20"
 PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step",
      "the optimizer step (clipping, scheduler, counters) run at the schedule's OPT action"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._broadcast_model",
+     "overridden: the start-up weight broadcast on each rank's own (tensor-parallel) shard"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.clip_fp32_gradients",
      "overridden: the global norm over stages of unequal width"),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._next_batch",

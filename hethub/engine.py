@@ -41,6 +41,7 @@ from . import ds_seams
 from .kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
 from .partitioner.schedule import Action, build_schedule
 from .topology import HeteroGrid
+from .tp import is_sharded, local
 
 ds_seams.check()  # the DeepSpeed names below that are not public API exist in this DeepSpeed
 
@@ -127,7 +128,9 @@ class HeteroPipelineEngine(PipelineEngine):
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
-                                 config=config, config_class=config_class)
+                                 config=config, config_class=config_class,
+                                 # tensor-parallel (DTensor) parameters were placed before being split
+                                 dont_change_device=grid.tp > 1)
         self.plan = plan
         self.grid = grid
         self.enable_backward_allreduce = False  # gradients are reduced at the AR action
@@ -157,6 +160,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self.agg_eval_loss = None
         self.dynamic_shape = False
         self._recv_meta = None  # [(dtype, trailing shape, requires_grad)] of the tensors from the previous stage
+        self._recv_meta_lead = None  # ... as the lead received it (shared with a tensor-parallel group once)
         self._meta_sent = False
         self._global_batch = plan.global_batch_size
         self.autocast_dtype = None  # torch.bfloat16 under "bf16": {"enabled": true} (set by hethub.initialize)
@@ -164,12 +168,22 @@ class HeteroPipelineEngine(PipelineEngine):
         self.zero1 = None
         self.ties: tuple = ()  # every tied weight of the layer list (hethub.ties), set by hethub.initialize
         # This rank's training actions: the plan's 1F1B or a hand-edited schedule (checked before launch).
-        self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[self.global_rank]
+        self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.executed: list[str] = []  # the actions of the last train_batch/eval_batch, as text, in order
         # (start, end, seconds waiting for data) of each of them, perf_counter seconds
         self.executed_s: list[tuple[float, float, float]] = []
         self._waited_s = 0.0
         self._reset_iteration()
+
+    def _broadcast_model(self):
+        """DeepSpeed's start-up broadcast of the weights within the data-parallel group, on each rank's own
+        tensors: with tensor parallelism a parameter is a DTensor, and the group is the ranks holding the
+        same shard (called from DeepSpeedEngine.__init__, so it reads ``self.mpu``)."""
+        grid = self.mpu
+        if grid.data_parallel_size == 1:
+            return
+        for p in self.module.parameters():
+            dist.broadcast(local(p).data, src=grid.dp_ranks[0], group=grid.get_data_parallel_group())
 
     def _reset_iteration(self) -> None:
         self._inputs: dict[int, Any] = {}  # micro-batch -> this stage's input (loaded or received)
@@ -204,7 +218,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self.set_dataiterator(data_iter)
         self.total_loss = None
         self._loss_denominator = micro_batches * self.plan.micro_batch_size
-        actions = build_schedule(self.plan, train=False, num_micro_batches=micro_batches)[self.global_rank]
+        actions = build_schedule(self.plan, train=False, num_micro_batches=micro_batches)[self.grid.schedule_rank]
         with torch.no_grad():
             self._run(actions)
         self.agg_eval_loss = self._guarded(self._aggregate_total_loss, "loss broadcast")
@@ -252,11 +266,11 @@ class HeteroPipelineEngine(PipelineEngine):
         """Sum of every replica's sample-weighted loss (already divided by the batch), on every rank."""
         with torch.no_grad():
             if self.stage_id == self.num_stages - 1:
-                loss = self.total_loss.detach().clone().float().reshape(1)
+                loss = self.total_loss.detach().clone().double().reshape(1)  # float64: no rounding on the way
                 if self.is_data_parallel:
                     dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
             else:
-                loss = torch.zeros(1, dtype=torch.float32, device=self.device)
+                loss = torch.zeros(1, dtype=torch.float64, device=self.device)
             if self.is_pipe_parallel:
                 dist.broadcast(loss, src=self.grid.last_stage_root)
         return loss[0]
@@ -324,23 +338,38 @@ class HeteroPipelineEngine(PipelineEngine):
         if self.stage_id == self.num_stages - 1:
             self._losses.pop(a.mb).backward()
             return
-        grads = self._take_recv("G", a.mb)
         outputs = [o for o in _as_tuple(self._outputs.pop(a.mb)) if o.is_floating_point() and o.requires_grad]
+        grads = self._take_recv("G", a.mb, like=outputs)
         torch.autograd.backward(tensors=outputs, grad_tensors=grads)
 
     # ------------------------------------------------------------------ boundary transfers (non-blocking)
-    def _send_meta(self, outputs: tuple, peers) -> None:
+    @staticmethod
+    def _encode_meta(tensors: Sequence[tuple[torch.Tensor, bool]]) -> torch.Tensor:
+        """(dtype, requires grad, trailing shape) of each (tensor, requires grad) as one int64 message."""
         meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        meta[0] = len(outputs)
+        meta[0] = len(tensors)
         pos = 1
-        for t in outputs:
+        for t, req in tensors:
             if pos + 2 + t.dim() > _META_LEN:
                 raise ValueError("hethub: too many or too high-dimensional tensors cross a stage boundary")
             meta[pos] = _DTYPES.index(t.dtype)
-            meta[pos + 1] = int(t.is_floating_point() and t.requires_grad)
+            meta[pos + 1] = int(req)
             meta[pos + 2] = t.dim() - 1
             meta[pos + 3:pos + 2 + t.dim()] = torch.tensor(t.shape[1:], dtype=torch.int64)
             pos += 2 + t.dim()
+        return meta
+
+    @staticmethod
+    def _decode_meta(meta: torch.Tensor) -> list[tuple[torch.dtype, tuple, bool]]:
+        m, out, pos = meta.tolist(), [], 1
+        for _ in range(m[0]):
+            dtype, req, nd = _DTYPES[m[pos]], bool(m[pos + 1]), m[pos + 2]
+            out.append((dtype, tuple(m[pos + 3:pos + 3 + nd]), req))
+            pos += 3 + nd
+        return out
+
+    def _send_meta(self, outputs: tuple, peers) -> None:
+        meta = self._encode_meta([(t, t.is_floating_point() and t.requires_grad) for t in outputs])
         for p in peers:
             self._sends.append((self._guarded(lambda: dist.isend(meta, p.peer), self._what), meta))
 
@@ -350,12 +379,9 @@ class HeteroPipelineEngine(PipelineEngine):
             self._guarded(w.wait, self._what)
         if any(not torch.equal(m, metas[0]) for m in metas):
             raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
-        m, out, pos = metas[0].tolist(), [], 1
-        for _ in range(m[0]):
-            dtype, req, nd = _DTYPES[m[pos]], bool(m[pos + 1]), m[pos + 2]
-            out.append((dtype, tuple(m[pos + 3:pos + 3 + nd]), req))
-            pos += 3 + nd
-        self._recv_meta = out
+        self._recv_meta_lead = self._decode_meta(metas[0])
+        if self.grid.tp == 1:
+            self._recv_meta = self._recv_meta_lead
 
     def _transport(self, boundary):
         """(process group, through host memory?) for a boundary: the bridge uses the gloo group on host buffers."""
@@ -402,7 +428,39 @@ class HeteroPipelineEngine(PipelineEngine):
                 pieces.append(buf)
         self._recvs[(kind, mb)] = (works, pieces, specs, ranges)
 
-    def _take_recv(self, kind: str, mb: int) -> list[torch.Tensor]:
+    @property
+    def _is_lead(self) -> bool:
+        """This rank talks to the neighbouring stages (every rank without tensor parallelism)."""
+        return self.grid.tp_rank == 0
+
+    def _take_recv(self, kind: str, mb: int, like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """This replica's full tensors of a posted receive. In a tensor-parallel group the lead received them
+        and broadcasts them to the others (``like``: tensors of the shapes to expect, for gradients)."""
+        out = self._take_own_recv(kind, mb) if self._is_lead else None
+        if self.grid.tp > 1:
+            out = self._tp_share(kind, out, like)
+        return out
+
+    def _tp_share(self, kind: str, tensors: Optional[list], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Broadcast the lead's received tensors over the tensor-parallel group (shapes of activations from
+        the lead's meta, shared once; gradients are shaped like this rank's own outputs)."""
+        group, lead = self.grid.tp_group, self.grid.tp_lead
+        self._peers_in_flight = tuple(self.grid.tp_ranks)
+        if kind == "A" and self._recv_meta is None:  # the lead has it from the previous stage
+            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            if self._is_lead:
+                meta = self._encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead)])
+            self._guarded(lambda: dist.broadcast(meta, src=lead, group=group), "the tensor-parallel broadcast")
+            self._recv_meta = self._decode_meta(meta)
+        if tensors is None:
+            n = self.micro_batch_size
+            tensors = ([torch.empty((n, *shape), dtype=d, device=self.device) for d, shape, _ in self._recv_meta]
+                       if kind == "A" else [torch.empty_like(t) for t in like])
+        for t in tensors:
+            self._guarded(lambda: dist.broadcast(t, src=lead, group=group), "the tensor-parallel broadcast")
+        return tensors
+
+    def _take_own_recv(self, kind: str, mb: int) -> list[torch.Tensor]:
         """Wait for a posted receive; unpack and up-cast its pieces into this replica's full tensors."""
         works, pieces, specs, ranges = self._recvs.pop((kind, mb))
         t0 = time.perf_counter()
@@ -431,6 +489,8 @@ class HeteroPipelineEngine(PipelineEngine):
             self._guarded(work.wait, self._what)
 
     def _act_send_activations(self, a: Action) -> None:
+        if not self._is_lead:
+            return  # the group's lead sends the (replicated) output once
         outputs = _as_tuple(self._outputs[a.mb])
         if not self._meta_sent:
             self._send_meta(outputs, a.transfers)
@@ -438,16 +498,23 @@ class HeteroPipelineEngine(PipelineEngine):
         self._post_sends(outputs, a.transfers, self.grid.next_boundary)
 
     def _act_recv_activations(self, a: Action) -> None:
-        if self._recv_meta is None:
+        if not self._is_lead:
+            return  # the lead receives and shares at the forward (_tp_share)
+        if self._recv_meta_lead is None:
             self._recv_meta_from(a.transfers)
-        self._post_recvs("A", a.mb, [(d, s) for d, s, _ in self._recv_meta], a.transfers, self.grid.prev_boundary)
+        self._post_recvs("A", a.mb, [(d, s) for d, s, _ in self._recv_meta_lead], a.transfers,
+                         self.grid.prev_boundary)
 
     def _act_send_grads(self, a: Action) -> None:
         inputs = [t for t in _as_tuple(self._inputs.pop(a.mb)) if t.is_floating_point() and t.requires_grad]
+        if not self._is_lead:
+            return
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
         self._post_sends(grads, a.transfers, self.grid.prev_boundary)
 
     def _act_recv_grads(self, a: Action) -> None:
+        if not self._is_lead:
+            return
         outputs = [o for o in _as_tuple(self._outputs[a.mb]) if o.is_floating_point() and o.requires_grad]
         self._post_recvs("G", a.mb, [(o.dtype, tuple(o.shape[1:])) for o in outputs], a.transfers,
                          self.grid.next_boundary)
@@ -456,7 +523,7 @@ class HeteroPipelineEngine(PipelineEngine):
     def _stage_collective(self, fn, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Run a collective over the stage's replicas; a stage spanning vendors goes through the host bridge
         (its gloo group, on host buffers), like a cross-vendor boundary."""
-        self._peers_in_flight = tuple(self.grid.stage_ranks[self.stage_id])
+        self._peers_in_flight = tuple(self.grid.dp_ranks)
         group = self.grid.stage_bridge_group
         if group is None:
             return self._guarded(lambda: fn(tensor, self.grid.get_data_parallel_group()), what)
@@ -466,7 +533,7 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def _exec_reduce_grads(self):
         """SUM within the stage's replicas: each replica's loss already carries samples / global batch."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]  # tensor-parallel: own shard
         if grads and self.is_data_parallel:
             flat = _flatten_dense_tensors(grads)
 
@@ -493,7 +560,8 @@ class HeteroPipelineEngine(PipelineEngine):
         for tie, group in self.grid.tie_groups:
             p = self._tied_parameter(tie)
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            mine = g.detach().clone() if self.grid.replica_id == 0 else torch.zeros_like(g)
+            first = self.grid.replica_id == 0 and self.grid.tp_rank == 0  # one contribution per stage
+            mine = g.detach().clone() if first else torch.zeros_like(g)
             self._peers_in_flight = tuple(dist.get_process_group_ranks(group))
             self._guarded(lambda: dist.all_reduce(mine, group=group), "the tied-weight all-reduce")
             p.grad = mine
@@ -508,10 +576,11 @@ class HeteroPipelineEngine(PipelineEngine):
         return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
     def clip_fp32_gradients(self):
-        """Clip by the global norm: each stage's squared norm once (replica 0 contributes), summed over stages."""
+        """Clip by the global norm: each stage's squared norm once (replica 0 contributes), summed over stages.
+        In a tensor-parallel group a split parameter's shards add up on every rank; a whole one counts once."""
         max_norm = self.gradient_clipping()
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        counted = self._norm_parameters()
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        counted = [local(g) for g in self._norm_parameters() if is_sharded(g) or self.grid.tp_rank == 0]
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.grid.replica_id == 0 and counted:
             sq += sum(g.detach().double().pow(2).sum() for g in counted)
@@ -572,4 +641,5 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def reset_activation_shape(self):
         self._recv_meta = None
+        self._recv_meta_lead = None
         self._meta_sent = False

@@ -105,6 +105,19 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     return [HFEmbedding(m.embed_tokens), *blocks, HFHead(m.norm, model.lm_head)]
 
 
+def tp_plan(model: nn.Module) -> Optional[dict[str, str]]:
+    """The model's own ``base_model_tp_plan`` ("layers.*.self_attn.q_proj": "colwise", ...) as a ``tp_plan`` for
+    ``hethub.initialize`` over ``pipeline_layers(model)`` (patterns over "{layer index}.block.{path}"); None
+    when the model has none (GPT-2's fused attention matrix has no column split by heads)."""
+    _check_supported(model)
+    base = getattr(model.config, "base_model_tp_plan", None) or {}
+    out = {}
+    for key, style in base.items():
+        if key.startswith("layers.*.") and style in ("colwise", "rowwise"):
+            out["*.block." + key[len("layers.*."):]] = style
+    return out or None
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Hugging Face's causal-LM loss: labels are the input ids (as ``model(input_ids=ids, labels=ids)`` takes
     them), shifted here by one; -100 is ignored; mean over the labelled tokens, in fp32.

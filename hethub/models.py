@@ -27,26 +27,30 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Causal self-attention with separate Q, K, V projections, so that splitting each column-wise across a
+    tensor-parallel group gives every rank whole heads (a fused QKV matrix split by rows would not). The head
+    count is read from the projections' output, so the same code runs whole or tensor-parallel."""
+
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.heads, self.kv_heads = m.num_attention_heads, m.kv_heads
         self.head_dim = m.hidden_size // m.num_attention_heads
         bias = m.architecture == "gpt"
-        self.qkv = nn.Linear(m.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=bias)
+        kv = m.kv_heads * self.head_dim
+        self.q = nn.Linear(m.hidden_size, m.hidden_size, bias=bias)
+        self.k = nn.Linear(m.hidden_size, kv, bias=bias)
+        self.v = nn.Linear(m.hidden_size, kv, bias=bias)
         self.proj = nn.Linear(m.hidden_size, m.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.kv_heads != self.heads:
-            rep = self.heads // self.kv_heads
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
@@ -56,19 +60,24 @@ class Block(nn.Module):
         self.norm1, self.norm2 = norm(), norm()
         self.attn = Attention(m)
         self.llama = m.architecture == "llama"
-        if self.llama:
-            self.gate_up = nn.Linear(m.hidden_size, 2 * m.ffn_hidden_size, bias=False)
+        if self.llama:  # SwiGLU; gate and up apart for the same reason as Q, K, V
+            self.gate = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
+            self.up = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
             self.down = nn.Linear(m.ffn_hidden_size, m.hidden_size, bias=False)
         else:
             self.fc1 = nn.Linear(m.hidden_size, m.ffn_hidden_size)
             self.fc2 = nn.Linear(m.ffn_hidden_size, m.hidden_size)
 
+    # Megatron-style tensor parallelism of this block (hethub.tp): column-parallel Q, K, V and first MLP
+    # matrices, row-parallel output projections; the norms stay whole on every rank.
+    TP_PLAN = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
+               "fc1": "colwise", "fc2": "rowwise", "gate": "colwise", "up": "colwise", "down": "rowwise"}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         y = self.norm2(x)
         if self.llama:
-            gate, up = self.gate_up(y).chunk(2, dim=-1)
-            return x + self.down(F.silu(gate) * up)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
         return x + self.fc2(F.gelu(self.fc1(y)))
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
+from . import tp
 from .emulation import slowdown_for
 from .partitioner.errors import InputError
 from .partitioner.records import Plan, load_plan
@@ -96,16 +97,16 @@ def _type_matches(plan_type: str, detected: str) -> bool:
     return plan_type.upper() == d or all(tok in d for tok in plan_type.upper().split("-"))
 
 
+def _ranks_of(stage) -> str:
+    return str(stage.width) if stage.tensor_parallel == 1 else f"{stage.width}x{stage.tensor_parallel}"
+
+
 def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any], config: dict,
                         optimizer: Any = None) -> None:
     """Everything about plan vs launch vs model that must hold before any collective."""
     if world != plan.world_size:
         raise InputError("plan", f"plan needs world size {plan.world_size} "
-                                 f"({' + '.join(str(s.width) for s in plan.stages)} replicas), launched with {world}")
-    for s in plan.stages:
-        if s.tensor_parallel > 1:
-            raise InputError(f"plan.stages[{s.index}].tensor_parallel", f"tensor parallelism is not supported by "
-                                                                        f"the runtime yet, got {s.tensor_parallel}")
+                                 f"({' + '.join(_ranks_of(s) for s in plan.stages)} ranks), launched with {world}")
     stage_id, rep = plan.locate(rank)
     stage = plan.stages[stage_id]
     mine = stage.type_of(stage.replicas[rep])
@@ -132,6 +133,9 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
         raise InputError("config.zero_optimization.stage", "the plan was made with --zero1 (its memory assumes "
                                                            "optimizer state sharded over each stage's replicas): set "
                                                            "\"zero_optimization\": {\"stage\": 1}")
+    if stage.tensor_parallel > 1 and optimizer is not None and hasattr(optimizer, "step"):
+        raise InputError("optimizer", "with tensor parallelism pass a callable params -> Optimizer: hethub splits "
+                                      "the layers' parameters first, so an optimizer built before holds the old ones")
     if (config.get("fp16") or {}).get("enabled"):
         raise InputError("config.fp16.enabled", "fp16 (loss-scaled) training is not supported yet; use bf16 or fp32")
 
@@ -253,7 +257,7 @@ def _set_batch_keys(cfg: dict, plan: Plan, grid) -> None:
 
 def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config: Union[dict, str, None] = None,
                plan: Union[Plan, str, None] = None, optimizer: Any = None, model_parameters: Any = None,
-               lr_scheduler: Any = None, args: Any = None):
+               lr_scheduler: Any = None, args: Any = None, tp_plan: Optional[dict] = None):
     """Build the stage of ``layers`` this rank runs under ``plan``; returns (engine, optimizer, None, lr_scheduler).
 
     ``layers`` is the full model in pipeline order (layer i = planner layer i of the plan's model);
@@ -261,6 +265,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     may be a callable ``params -> torch.optim.Optimizer`` (it then sees only this stage's
     parameters), an optimizer already built, or left to the ds_config's "optimizer" section. With
     ZeRO-1 hethub then replaces each of its parameter groups by this replica's flat shard (hethub.zero).
+    ``tp_plan`` ({fnmatch pattern over "{layer index}.{submodule}": "colwise" | "rowwise"}) splits a user's
+    layers in stages with tensor_parallel > 1; hethub's own blocks need none (hethub.tp).
     """
     try:
         cfg = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
@@ -269,6 +275,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         layers = resolve_tied_specs(layers)  # TiedLayerSpec: one module per key, shared
         ties = find_ties(layers)
         check_against_world(the_plan, rank, world, layers, cfg, optimizer)
+        tp_plan = tp.check_tp_plan(tp_plan)
+        tp.check_layers(the_plan, layers, tp_plan)
         schedule_file = (cfg.get("hetero") or {}).get("schedule")
         schedule = load_checked_schedule(the_plan, schedule_file, rank) if schedule_file else None
         from . import ds_seams
@@ -294,6 +302,15 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     _register_clean_shutdown()
     grid = HeteroGrid(the_plan, rank, ties)
+    if grid.tp > 1:  # split this stage's layers over the replica's tensor-parallel group (hethub.tp)
+        from deepspeed.accelerator import get_accelerator
+        from torch.distributed.device_mesh import DeviceMesh
+        grid.tp_mesh = DeviceMesh.from_group(grid.tp_group, get_accelerator().device_name())
+        first, last = grid.stage.layers
+        for layer in layers[first:last]:  # on the device before splitting (DeepSpeed then leaves them there)
+            if hasattr(layer, "to"):
+                layer.to(get_accelerator().current_device_name())
+        tp.parallelize(first, layers[first:last], tp_plan, grid.tp_mesh)
     module = HeteroPipelineModule(_emulated(layers, grid, hetero), loss_fn, grid)
     _set_batch_keys(cfg, the_plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]

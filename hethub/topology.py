@@ -30,18 +30,37 @@ class HeteroGrid:
         self.stage_id, self.replica_id = plan.locate(rank)
         self.stage = plan.stages[self.stage_id]
         self.device_type = self.stage.type_of(self.stage.replicas[self.replica_id])  # this rank's accelerator
-        self.stage_ranks = [[r.rank for r in s.replicas] for s in plan.stages]
+        self.stage_ranks = [[r.rank for r in s.replicas] for s in plan.stages]  # replicas' leads
         self.pipe_parallel_size = plan.num_stages
         self.data_parallel_size = self.stage.width
         self.data_parallel_id = self.replica_id
         self.model_parallel_size = 1
         self.slice_parallel_size = 1
-
-        self._dp_group = None
-        for ranks in self.stage_ranks:  # same order on every rank
+        # Tensor parallelism: this replica is a group of tp ranks; the lead (its first) talks to the
+        # neighbouring stages and shares what it receives with the group (hethub.tp, hethub.engine).
+        self.tp = self.stage.tensor_parallel
+        self.tp_ranks = self.stage.replicas[self.replica_id].group_ranks(self.tp)
+        self.tp_rank = self.tp_ranks.index(rank)
+        self.tp_lead = self.tp_ranks[0]
+        self.schedule_rank = self.tp_lead  # whose schedule this rank runs
+        self.tp_group = None
+        for st in plan.stages:  # same order on every rank
+            if st.tensor_parallel > 1:
+                for rep in st.replicas:
+                    ranks = rep.group_ranks(st.tensor_parallel)
+                    group = dist.new_group(ranks=ranks)
+                    if rank in ranks:
+                        self.tp_group = group
+        self.tp_mesh = None  # a DeviceMesh over tp_group, made by hethub.initialize when tp > 1
+        # Data parallelism: the replicas holding the same parameters (with tensor parallelism, the same shard:
+        # the k-th rank of every replica's group).
+        dp_lists = [[rep.group_ranks(st.tensor_parallel)[k] for rep in st.replicas]
+                    for st in plan.stages for k in range(st.tensor_parallel)]
+        self._dp_group, self.dp_ranks = None, [rank]
+        for ranks in dp_lists:
             group = dist.new_group(ranks=ranks)
             if rank in ranks:
-                self._dp_group = group
+                self._dp_group, self.dp_ranks = group, ranks
         self._self_group = None
         for r in range(self.world_size):
             group = dist.new_group(ranks=[r])
@@ -54,11 +73,13 @@ class HeteroGrid:
         # A stage whose replicas span vendors all-reduces gradients through the host bridge: a gloo group
         # over its ranks (built by all ranks, same order, for every such stage).
         self.stage_bridge_group = None
-        for s, ranks in zip(plan.stages, self.stage_ranks):
-            if len({plan.cluster.device_type(t).vendor for t in s.types}) > 1:
-                group = dist.new_group(ranks=ranks, backend="gloo")
-                if rank in ranks:
-                    self.stage_bridge_group = group
+        for st in plan.stages:
+            if len({plan.cluster.device_type(t).vendor for t in st.types}) > 1:
+                for ranks in ([rep.group_ranks(st.tensor_parallel)[k] for rep in st.replicas]
+                              for k in range(st.tensor_parallel)):
+                    group = dist.new_group(ranks=ranks, backend="gloo")
+                    if rank in ranks:
+                        self.stage_bridge_group = group
         # Tied weights whose layers sit on different stages: one group over every replica of those stages.
         layer_stage = [k for k, st in enumerate(plan.stages) for _ in range(*st.layers)]
         self.tie_groups: list[tuple[Tie, object]] = []  # (tie, group) for the ties this rank holds
@@ -66,7 +87,8 @@ class HeteroGrid:
             stages = stages_of(tie, layer_stage)
             if len(stages) < 2:
                 continue  # one stage holds every place: autograd accumulates the one Parameter
-            ranks = sorted(r for k in stages for r in self.stage_ranks[k])
+            ranks = sorted(r for k in stages for rep in plan.stages[k].replicas
+                           for r in rep.group_ranks(plan.stages[k].tensor_parallel))
             group = dist.new_group(ranks=ranks)
             if rank in ranks:
                 self.tie_groups.append((tie, group))

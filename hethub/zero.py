@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .tp import local
+
 
 class FlatShard:
     """One parameter group of one replica: which elements it owns and the flat parameter that holds them."""
@@ -39,14 +41,14 @@ class FlatShard:
             raise ValueError(f"optimizer.param_groups: ZeRO-1 flattens each group into one tensor; a group mixes "
                              f"dtypes {sorted(map(str, dtypes))}: put each dtype in its own group")
         self.params = list(params)
-        self.sizes = [p.numel() for p in self.params]
+        self.sizes = [local(p).numel() for p in self.params]  # tensor-parallel: this rank's shard
         self.total = sum(self.sizes)
         self.width = width
         self.chunk = math.ceil(self.total / width) if self.total else 0
         self.start = min(replica * self.chunk, self.total)
         self.stop = min(self.start + self.chunk, self.total)
         first = self.params[0]
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])[self.start:self.stop]
+        flat = torch.cat([local(p).detach().reshape(-1) for p in self.params])[self.start:self.stop]
         self.shard = torch.nn.Parameter(flat.clone().to(first.device), requires_grad=True)
 
     def _pieces(self):
@@ -65,9 +67,9 @@ class FlatShard:
         g = torch.zeros_like(self.shard)
         with torch.no_grad():
             for p, src, dst, n in self._pieces():
-                self.shard[dst:dst + n].copy_(p.detach().reshape(-1)[src:src + n])
+                self.shard[dst:dst + n].copy_(local(p).detach().reshape(-1)[src:src + n])
                 if p.grad is not None:
-                    g[dst:dst + n].copy_(p.grad.detach().reshape(-1)[src:src + n])
+                    g[dst:dst + n].copy_(local(p.grad).detach().reshape(-1)[src:src + n])
         self.shard.grad = g
 
     def padded(self) -> torch.Tensor:
@@ -81,7 +83,8 @@ class FlatShard:
         offset = 0
         with torch.no_grad():
             for p, n in zip(self.params, self.sizes):
-                p.copy_(full[offset:offset + n].view_as(p))
+                mine = local(p)
+                mine.copy_(full[offset:offset + n].view_as(mine))
                 offset += n
 
     # --- checkpoints: per-parameter state <-> this replica's flat state
@@ -89,7 +92,7 @@ class FlatShard:
         """Per parameter state from full flat state tensors (``gathered``) and per-group scalars (step)."""
         out, offset = [], 0
         for p, n in zip(self.params, self.sizes):
-            st = {k: v[offset:offset + n].reshape(p.shape).clone() for k, v in gathered.items()}
+            st = {k: v[offset:offset + n].reshape(local(p).shape).clone() for k, v in gathered.items()}
             st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()})
             out.append(st)
             offset += n

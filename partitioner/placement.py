@@ -27,11 +27,15 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
     """(host, slot) for every replica of every stage.
 
     Greedy: each stage takes slots on the node of its type with the most free slots first (so a stage
-    stays on one node when it can); stages are served in order, so neighbours tend to share nodes.
+    stays on one node when it can); stages are served in order, so neighbours tend to share nodes —
+    except that stages with larger tensor-parallel groups go first: a group needs consecutive slots of one
+    node, and placing 8s before 4s before 2s before 1s leaves no unusable remainders on nodes whose size
+    the degrees divide.
     """
     free = {n.host: list(range(n.count)) for n in cluster.nodes}
-    out: list[list[tuple[str, int]]] = []
-    for i, lay in enumerate(layouts):
+    out: list[list[tuple[str, int]]] = [[] for _ in layouts]
+    for i in sorted(range(len(layouts)), key=lambda k: -layouts[k].tensor_parallel):
+        lay = layouts[i]
         nodes = [n for n in cluster.nodes if n.device_type == lay.device_type]
         need = len(lay.samples)
         slots: list[tuple[str, int]] = []
@@ -43,13 +47,17 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
                 sorted(nodes, key=lambda n: -len(free[n.host]))
             if not pool or len(free[pool[0].host]) < lay.tensor_parallel:
                 have = sum(len(free[n.host]) for n in nodes)
+                if have >= rest * lay.tensor_parallel:
+                    raise InfeasibleError(f"stages[{i}]", f"its tensor-parallel groups need {lay.tensor_parallel} "
+                                                          f"free {lay.device_type} slots on one node; the {have} "
+                                                          f"left are spread over nodes")
                 raise InfeasibleError(f"stages[{i}]", f"needs {need * lay.tensor_parallel} {lay.device_type} devices, "
                                                       f"only {have} left")
             host = pool[0].host
             first = free[host][0]
             slots.append((host, first))
             del free[host][:lay.tensor_parallel]
-        out.append(slots)
+        out[i] = slots
     return out
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -216,21 +216,35 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp"):
         setattr(cand, name, getattr(cand, name).astype(int))
     cand.recompute = cand.recompute.astype(bool)
-    return _prune_recompute(cand)
+    return _prune_dominated(cand)
 
 
-def _prune_recompute(c: Candidates) -> Candidates:
-    """Drop a recompute candidate when the same stage without recompute holds as many micro-batches."""
-    if not c.recompute.any():
+def _prune_dominated(c: Candidates) -> Candidates:
+    """Drop a candidate when another over the same layers and device type uses no more devices and is no
+    worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, bridge penalty, and
+    micro-batches in flight): swapping it in keeps any chain feasible and its objective no larger, so the
+    optimum is unchanged. This is what keeps tensor-parallel and recompute variants from multiplying the
+    MILP: most are dominated by a plain stage of the same devices."""
+    if len(c) == 0:
         return c
-    key = ((c.first_unit * 1_000_003 + c.end_unit * 1009 + c.type_idx * 131 + c.width) * 16 + c.tp)
-    best_plain = {}
-    for idx in np.flatnonzero(~c.recompute):
-        best_plain[key[idx]] = c.in_flight[idx]
+    group = (c.first_unit * 1_000_003 + c.end_unit) * 64 + c.type_idx
+    order = np.argsort(group, kind="stable")
+    starts = np.flatnonzero(np.r_[True, group[order][1:] != group[order][:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    better = np.stack([-c.devices, -c.cost_s, -c.allreduce_s, -c.optimizer_s, -c.bridge_s, c.in_flight], axis=1)
     keep = np.ones(len(c), dtype=bool)
-    for idx in np.flatnonzero(c.recompute):
-        if best_plain.get(key[idx], -1) >= c.in_flight[idx]:
-            keep[idx] = False
+    for a, b in zip(starts, ends):
+        idx = order[a:b]
+        if len(idx) < 2:
+            continue
+        v = better[idx]
+        ge = (v[:, None, :] >= v[None, :, :]).all(axis=2)  # ge[i, j]: i at least as good as j everywhere
+        gt = (v[:, None, :] > v[None, :, :]).any(axis=2)
+        strictly = ge & gt
+        ties = ge & ~gt  # identical: keep the first of them
+        np.fill_diagonal(ties, False)
+        dominated = strictly.any(axis=0) | np.triu(ties, k=1).any(axis=0)
+        keep[idx[dominated]] = False
     return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
 
 
@@ -740,7 +754,22 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     """
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
+    warm = None
+    if opts.max_tensor_parallel > 1 and opts.solver != "brute-force":
+        # Tensor-parallel candidates multiply the space; the plain space first (half the time) gives an
+        # incumbent, so the full search only looks below it and is never worse than no tensor parallelism.
+        t0 = time.perf_counter()
+        try:
+            warm = _Search(cm, global_batch, replace(opts, max_tensor_parallel=1, time_limit_s=opts.time_limit_s / 2),
+                           progress)
+            warm.run()
+        except InfeasibleError:
+            warm = None
+        opts = replace(opts, time_limit_s=max(opts.time_limit_s - (time.perf_counter() - t0), 1.0))
     s = _Search(cm, global_batch, opts, progress)
+    if warm is not None and warm.best is not None:
+        s.best = warm.best
+        s.pool.update({("no-tp",) + k: v for k, v in warm.pool.items()})
     s.run()
     if s.best is None:
         raise _infeasible(cm, global_batch, s.types, s.counts, s.sizes)

@@ -29,14 +29,15 @@ def _reference(kind, mb, M, steps):
     return train_hf.reference(kind, mb, M, steps)
 
 
-def _plan(kind, cuts, splits, mb, M):
+def _plan(kind, cuts, splits, mb, M, tps=None):
     from hethub.hf import model_config
     from hethub.partitioner.placement import StageLayout, build_plan
     from test_runtime import CPU_CLUSTER
     m = model_config(train_hf.make_model(kind), seq_length=train_hf.SEQ)
     bounds = [0, *cuts, m.num_planner_layers]
-    return build_plan(m, CPU_CLUSTER, [StageLayout((bounds[i], bounds[i + 1]), "CPU", tuple(s))
-                                       for i, s in enumerate(splits)], mb, M)
+    tps = tps or [1] * len(splits)
+    return build_plan(m, CPU_CLUSTER, [StageLayout((bounds[i], bounds[i + 1]), "CPU", tuple(s), tensor_parallel=t)
+                                       for i, (s, t) in enumerate(zip(splits, tps))], mb, M)
 
 
 def _run(tmp_path, plan, name, steps, kind, *extra):
@@ -66,11 +67,11 @@ GPT2_2TO3 = ([2], [[3, 3], [2, 2, 2]], 6, 2)        # the tied weight on stages 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind,layout", [("gpt2", GPT2_2TO3), ("llama", ([2], [[4], [2, 2]], 4, 2))],
-                         ids=["gpt2-2to3", "llama-gqa-1to2"])
+@pytest.mark.parametrize("kind,layout", [("gpt2", GPT2_2TO3), ("llama", ([2], [[4], [2, 2]], 4, 2, [1, 2]))],
+                         ids=["gpt2-2to3", "llama-gqa-1to2-tensor-parallel-2"])
 def test_hf_model_trains_like_one_process(tmp_path, kind, layout):
     plan = _plan(kind, *layout)
-    ref = _reference(kind, *layout[2:], STEPS)
+    ref = _reference(kind, *layout[2:4], STEPS)
     assert ref["losses"][-1] < ref["losses"][0]  # it learns
     _compare(_run(tmp_path, plan, "p", STEPS, kind), ref, ref["losses"])
     if kind == "gpt2":  # both ends of the tie hold the same, trained weight

@@ -83,3 +83,107 @@ def test_planner_uses_tensor_parallelism_and_is_never_slower_for_it():
     off, _ = search(cm, 64, PlannerOptions(time_limit_s=30, max_micro_batch_size=4, max_tensor_parallel=1))
     assert on.objective <= off.objective * (1 + 1e-9)
     assert any(int(t) > 1 for t in on.cands.tp[on.chosen])
+
+
+# ---------------------------------------------------------------------------------------------- runtime (dist)
+import os  # noqa: E402
+
+import torch  # noqa: E402
+
+from conftest import ROOT  # noqa: E402
+from dist_util import spawn  # noqa: E402
+
+WORKER = os.path.join("tests", "workers", "train_tp.py")
+TINY = ModelConfig(name="gpt-tp", architecture="gpt", num_layers=4, hidden_size=32, num_attention_heads=4,
+                   ffn_hidden_size=64, vocab_size=64, seq_length=8)
+TOL = 1e-9  # float64 throughout: only the order of sums differs
+
+
+def _cpu_plan(model, stages, mb=6, M=2):
+    from test_runtime import CPU_CLUSTER
+    return build_plan(model, CPU_CLUSTER, [StageLayout(l, "CPU", s, tensor_parallel=t) for l, s, t in stages], mb, M)
+
+
+def _run(tmp_path, plan, name, steps, kind, *extra):
+    path = str(tmp_path / f"{name}.json")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    out = str(tmp_path / f"{name}{{rank}}.pt")
+    for rank, (rc, _o, err) in enumerate(spawn(plan.world_size, [WORKER, path, out, str(steps), kind, *extra],
+                                               timeout=150)):
+        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
+    return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
+
+
+def _reference(tmp_path, plan, steps, kind):
+    import subprocess
+    import sys
+    path, out = str(tmp_path / "ref.json"), str(tmp_path / "ref.pt")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    r = subprocess.run([sys.executable, WORKER, path, out, str(steps), kind, "single"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _compare(got, ref, losses):
+    seen = set()
+    for rank, g in enumerate(got):
+        torch.testing.assert_close(g["losses"], losses, rtol=TOL, atol=0)
+        for k, v in g["params"].items():
+            torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=TOL, msg=f"rank {rank} {k}")
+            seen.add(k)
+    assert seen == set(ref["params"])
+
+
+@pytest.mark.dist
+def test_gpt_blocks_train_tensor_parallel_and_resume_under_another_degree(tmp_path):
+    """hethub's GPT blocks, SGD with clipping, float64: 5 steps under (t=2, w=1) -> (t=2, w=2), saved (whole
+    tensors); 5 more under (t=1, w=2) -> (t=2, w=1) -> (t=1, w=3, uneven 3+2+1): both equal one process."""
+    K, ckpt = 5, str(tmp_path / "ckpt")
+    a = _cpu_plan(TINY, [((0, 3), (6,), 2), ((3, 6), (3, 3), 2)])
+    b = _cpu_plan(TINY, [((0, 2), (3, 3), 1), ((2, 4), (6,), 2), ((4, 6), (3, 2, 1), 1)])
+    ref = _reference(tmp_path, a, 2 * K, "gpt")
+    first = _run(tmp_path, a, "a", K, "gpt", "--save", ckpt)
+    for g in first:
+        torch.testing.assert_close(g["losses"], ref["losses"][:K], rtol=TOL, atol=0)
+    layer = torch.load(os.path.join(ckpt, f"global_step{K}", "layer_01-model_states.pt"), weights_only=True)
+    assert layer["attn.q.weight"].shape == (32, 32) and layer["fc1.weight"].shape == (64, 32)  # whole, not shards
+    second = _run(tmp_path, b, "b", 2 * K, "gpt", "--first", str(K), "--load", ckpt)
+    _compare(second, ref, ref["losses"][K:])
+
+
+@pytest.mark.dist
+def test_user_layers_split_by_a_tp_plan_train_like_one_process(tmp_path):
+    """A user's Linear-Tanh-Linear layers with tp_plan {"*.0": "colwise", "*.2": "rowwise"} in a stage of two
+    tensor-parallel replicas (uneven 4+2) between two whole stages, with ZeRO-1 over the replicas that hold
+    the same shard: 6 steps equal one process."""
+    m = ModelConfig(name="stack", architecture="gpt", num_layers=3, hidden_size=16, num_attention_heads=2,
+                    ffn_hidden_size=32, vocab_size=8, seq_length=1)
+    plan = _cpu_plan(m, [((0, 1), (6,), 1), ((1, 4), (4, 2), 2), ((4, 5), (6,), 1)])
+    ref = _reference(tmp_path, plan, 6, "user")
+    _compare(_run(tmp_path, plan, "u", 6, "user", "zero1"), ref, ref["losses"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp_plan,fragment", [
+    ({"*.0": "colwise", "*.2": "diagonal"}, "error: tp_plan['*.2']: expected 'colwise' or 'rowwise', got 'diagonal'"),
+    ({"*.0": "colwise", "*.9": "rowwise"}, "error: tp_plan['*.9']: matches no submodule of a stage with "
+                                           "tensor_parallel > 1"),
+    ({}, "error: layers[1]: Sequential in stage 1 (tensor_parallel 2) has no tensor-parallel plan"),
+])
+def test_a_bad_tp_plan_is_refused_on_every_rank(tmp_path, tp_plan, fragment):
+    m = ModelConfig(name="stack", architecture="gpt", num_layers=1, hidden_size=16, num_attention_heads=2,
+                    ffn_hidden_size=32, vocab_size=8, seq_length=1)
+    plan = _cpu_plan(m, [((0, 1), (2,), 1), ((1, 2), (2,), 2), ((2, 3), (2,), 1)], mb=2, M=1)
+    path = str(tmp_path / "plan.json")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    code = ("import sys, torch; from torch import nn; import hethub\n"
+            "layers = [nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)), "
+            "nn.Linear(16, 4)]\n"
+            f"hethub.initialize(layers=layers, loss_fn=nn.functional.mse_loss, plan={path!r}, tp_plan={tp_plan!r},\n"
+            "                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))\n")
+    for rc, _out, err in spawn(plan.world_size, ["-c", code], timeout=60):
+        assert rc == 2 and err.strip().splitlines()[-1].startswith(fragment), err[-1500:]

@@ -70,9 +70,12 @@ def main():
     if "single" in argv:
         torch.save(reference(kind, mb, M, steps), out)
         return
-    layers = pipeline_layers(make_model(kind))
+    model = make_model(kind)
+    layers = pipeline_layers(model)
+    from hethub.hf import tp_plan
     engine, *_ = hethub.initialize(layers=layers, loss_fn=causal_lm_loss, plan=plan, config={"gradient_clipping": CLIP},
-                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+                                   tp_plan=tp_plan(model) if any(s.tensor_parallel > 1 for s in plan.stages) else None)
     first_step = int(argv[argv.index("--first") + 1]) if "--first" in argv else 0
     if "--load" in argv:
         engine.load_checkpoint(argv[argv.index("--load") + 1])
@@ -86,7 +89,8 @@ def main():
     ids = batch(-1, mb * 2)
     eval_loss = float(engine.eval_batch(iter([(x, x) for x in ids.split(mb)]), num_micro_batches=2))
     first, last = engine.grid.stage.layers
-    params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
+    from hethub.tp import full
+    params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last) for k, v in layers[i].state_dict().items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "eval_loss": torch.tensor(eval_loss),
                 "params": params}, out)
 

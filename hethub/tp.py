@@ -1,0 +1,153 @@
+"""Tensor parallelism inside a stage, on PyTorch's tensor-parallel API.
+
+Why PyTorch's API (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on a ``DeviceMesh``
+made from the replica's own process group) and not megatron-core's parallel layers: hethub's groups are
+per stage and per replica (stages differ in width and degree), which a ``DeviceMesh.from_group`` expresses
+directly, while megatron-core's layers read global tensor-parallel state set up once for a dense grid. It
+also takes a user's plan in the strings Hugging Face uses (``base_model_tp_plan``: "colwise" /
+"rowwise") and runs on CPU/gloo, so equivalence is tested where CI runs.
+
+What is split: hethub's own blocks (``hethub.models.Block.TP_PLAN``: Q, K, V and the first MLP matrices
+column-parallel, the output projections row-parallel); a user's layers where ``tp_plan`` patterns
+(fnmatch over ``"{layer index}.{submodule path}"``) match. Everything else — embeddings, norms, heads,
+unmatched submodules — runs replicated on every rank of the group. A stage's output must leave it whole
+(pair every column-parallel matrix with a row-parallel one inside the stage), since only the group's lead
+sends it on.
+
+Parameters split by the plan are DTensors; ``local`` gives the rank's own shard for hethub's all-reduces,
+clipping, ZeRO-1 and checkpoints, and ``is_sharded`` says whether a tensor is split (its norm counts on
+every rank of the group) or whole (counted once).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .partitioner.errors import InputError
+
+STYLES = ("colwise", "rowwise")
+
+
+def check_tp_plan(tp_plan: Optional[Mapping[str, str]]) -> dict[str, str]:
+    """``tp_plan`` as a dict of fnmatch pattern -> "colwise" | "rowwise"; one InputError naming the entry."""
+    if tp_plan is None:
+        return {}
+    if not isinstance(tp_plan, Mapping):
+        raise InputError("tp_plan", f"expected a dict of pattern -> 'colwise' | 'rowwise', got {type(tp_plan).__name__}")
+    for pattern, style in tp_plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise InputError("tp_plan", f"patterns are non-empty strings, got {pattern!r}"[:120])
+        if style not in STYLES:
+            raise InputError(f"tp_plan[{pattern[:60]!r}]", f"expected 'colwise' or 'rowwise', got {style!r}"[:120])
+    return dict(tp_plan)
+
+
+def _known_plan(layer: nn.Module) -> Optional[dict[str, str]]:
+    """hethub's own layers: blocks split per ``Block.TP_PLAN``; embedding and head run whole."""
+    from .models import Block, Embedding, Head
+    if isinstance(layer, Block):
+        names = dict(layer.named_modules())
+        return {path: style for path, style in Block.TP_PLAN.items() if path in names}
+    if isinstance(layer, (Embedding, Head)) or type(layer).__name__ in ("HFEmbedding", "HFHead"):
+        return {}  # embeddings and heads run whole on every rank of the group
+    return None
+
+
+def layer_plan(idx: int, layer: Any, tp_plan: Mapping[str, str]) -> tuple[Optional[dict[str, str]], set[str]]:
+    """(submodule path -> style for this layer, the patterns that matched). None: no plan at all (neither
+    a pattern matches nor does hethub know the layer)."""
+    if not isinstance(layer, nn.Module):
+        return {}, set()  # a plain function: nothing to split
+    out, used = {}, set()
+    for path, _ in layer.named_modules():
+        key = f"{idx}.{path}" if path else str(idx)
+        for pattern, style in tp_plan.items():
+            if fnmatch(key, pattern):
+                out[path] = style
+                used.add(pattern)
+                break
+    if out:
+        return out, used
+    known = _known_plan(layer)
+    if known is None and not any(p.requires_grad for p in layer.parameters()):
+        return {}, used  # nothing to train, nothing to split (activations, reshapes)
+    return known, used
+
+
+def check_layers(plan, layers: Sequence[Any], tp_plan: Mapping[str, str]) -> None:
+    """Before any collective: every layer of a stage with tensor_parallel > 1 has a plan (hethub's own or a
+    pattern), and every pattern matches something in such a stage."""
+    tp_stages = [st for st in plan.stages if st.tensor_parallel > 1]
+    if not tp_stages:
+        return
+    matched: set[str] = set()
+    for st in tp_stages:
+        for idx in range(*st.layers):
+            if type(layers[idx]).__name__ in ("LayerSpec", "TiedLayerSpec"):
+                raise InputError(f"layers[{idx}]", f"stage {st.index} runs tensor-parallel; pass the module itself "
+                                                   f"rather than a LayerSpec, so its plan can be checked")
+            found, used = layer_plan(idx, layers[idx], tp_plan)
+            matched |= used
+            if found is None:
+                raise InputError(f"layers[{idx}]", f"{type(layers[idx]).__name__} in stage {st.index} "
+                                                   f"(tensor_parallel {st.tensor_parallel}) has no tensor-parallel "
+                                                   f"plan: hethub splits its own GPT/Llama blocks; for other layers "
+                                                   f"pass tp_plan={{'{idx}.<submodule>': 'colwise'|'rowwise'}}")
+    unused = [p for p in tp_plan if p not in matched]
+    if unused:
+        raise InputError(f"tp_plan[{unused[0][:60]!r}]", "matches no submodule of a stage with tensor_parallel > 1 "
+                                                         "(keys are '{layer index}.{submodule path}')")
+
+
+def parallelize(first_idx: int, layers: Sequence[Any], tp_plan: Mapping[str, str], mesh) -> None:
+    """Split this stage's layers in place over ``mesh`` (this replica's tensor-parallel group)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for k, layer in enumerate(layers):
+        found, _ = layer_plan(first_idx + k, layer, tp_plan)
+        if not found:
+            continue
+        if "" in found:  # the layer itself (a Linear)
+            parallelize_module(layer, mesh, styles[found[""]]())
+        else:
+            parallelize_module(layer, mesh, {path: styles[s]() for path, s in found.items()})
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor split over its mesh (its rank holds a part)."""
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's own shard (the same storage), anything else as is."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective over the group for a DTensor: every rank of it must call)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.full_tensor()
+    return t
+
+
+def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole tensor, laid out as ``like`` (a DTensor) is: no communication."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(like, DTensor):
+        return whole
+    part = whole
+    for mesh_dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            n = like.device_mesh.size(mesh_dim)
+            part = part.chunk(n, dim=placement.dim)[like.device_mesh.get_local_rank(mesh_dim)]
+    return part

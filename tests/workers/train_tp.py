@@ -1,0 +1,94 @@
+"""Worker for the tensor-parallel tests: train under a plan (or in one process, the reference) in float64,
+SGD with gradient clipping, optionally resuming from / saving a checkpoint.
+
+usage: train_tp.py PLAN OUT STEPS {gpt|llama|user} [single] [--first K] [--load DIR] [--save DIR] [zero1]
+gpt/llama: hethub's own blocks (split with no extra argument). user: a stack of the user's layers, split by
+tp_plan {"*.0": "colwise", "*.2": "rowwise"}. Trains steps [K, STEPS); data of step k is the same under any plan.
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.set_num_threads(1)
+LR, CLIP, IN, HID = 0.2, 0.5, 8, 16
+USER_TP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}
+
+
+def make_layers(kind: str, plan):
+    torch.manual_seed(11)
+    if kind == "user":
+        n = plan.model.num_planner_layers
+        mid = [nn.Sequential(nn.Linear(HID, 2 * HID), nn.Tanh(), nn.Linear(2 * HID, HID)) for _ in range(n - 2)]
+        layers = [nn.Linear(IN, HID), *mid, nn.Linear(HID, 4)]
+    else:
+        from hethub.models import build_layers
+        layers = build_layers(plan.model)
+    return [layer.double() for layer in layers]
+
+
+def loss_fn(out, labels):
+    if labels.dtype == torch.int64:  # next-token cross entropy, in float64 (exactness)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
+    return F.mse_loss(out, labels)
+
+
+def batches(kind: str, plan, step: int):
+    mb, M, m = plan.micro_batch_size, plan.num_micro_batches, plan.model
+    if kind == "user":
+        g = torch.Generator().manual_seed(100 + step)
+        return [(torch.randn(mb, IN, generator=g, dtype=torch.float64),
+                 torch.randn(mb, 4, generator=g, dtype=torch.float64)) for _ in range(M)]
+    from hethub.models import counting_batches
+    return counting_batches(step, M, mb, m.seq_length, m.vocab_size)
+
+
+def main():
+    plan_path, out, steps, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    argv = sys.argv[5:]
+    out = out.replace("{rank}", os.environ.get("RANK", "0"))
+    from hethub.partitioner import load_plan
+    plan = load_plan(plan_path)
+    layers = make_layers(kind, plan)
+    first_step = int(argv[argv.index("--first") + 1]) if "--first" in argv else 0
+    losses = []
+    if "single" in argv:
+        model = nn.Sequential(*layers)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(steps):
+            opt.zero_grad()
+            total = 0.0
+            data = batches(kind, plan, step)
+            for x, y in data:
+                value = loss_fn(model(x), y) / len(data)
+                value.backward()
+                total += value.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            losses.append(total)
+        first, last = 0, len(layers)
+    else:
+        import hethub
+        config = {"gradient_clipping": CLIP}
+        if "zero1" in argv:
+            config["zero_optimization"] = {"stage": 1}
+        engine, *_ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
+                                       optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+                                       tp_plan=USER_TP_PLAN if kind == "user" else None)
+        if "--load" in argv:
+            engine.load_checkpoint(argv[argv.index("--load") + 1])
+            assert engine.global_steps == first_step, (engine.global_steps, first_step)
+        for step in range(first_step, steps):
+            losses.append(float(engine.train_batch(iter(batches(kind, plan, step)))))
+        if "--save" in argv:
+            engine.save_checkpoint(argv[argv.index("--save") + 1])
+        first, last = engine.grid.stage.layers
+    from hethub.tp import full
+    params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last) for k, v in layers[i].state_dict().items()}
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out)
+
+
+if __name__ == "__main__":
+    main()
