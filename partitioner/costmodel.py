@@ -264,14 +264,32 @@ class CostModel:
             split = self.layers.tp_split
             fwd[split] /= tp
             bwd[split] /= tp
-            gbps, lat = self._link_gbps(t, t, same_host=True)
-            nbytes = BYTES_PER_ACT * self.model.seq_length * self.model.hidden_size  # per sample
-            per_sample = 2 * 2 * (tp - 1) / tp * nbytes * 8 / (gbps * 1e9)  # two all-reduces per pass
-            per_call = 2 * 2 * (tp - 1) * lat
+            per_sample, per_call = self.tp_allreduce_s(t, tp)
             for arr, add in ((fwd, per_sample), (bwd, per_sample), (fwd_fixed, per_call), (bwd_fixed, per_call)):
-                arr[split] += add
+                arr += add
         self._tp_times[key] = (fwd, bwd, fwd_fixed, bwd_fixed)
         return self._tp_times[key]
+
+    def tp_allreduce_s(self, t: str, tp: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer: (seconds per sample, seconds per call) of one pass's tensor-parallel all-reduces — two per
+        block (after attention, after the MLP), each a ring over ``tp`` devices of s x h 16-bit values per
+        sample on the type's intra-node link; 0 for the replicated embedding and head."""
+        n = self.model.num_planner_layers
+        if tp <= 1:
+            return np.zeros(n), np.zeros(n)
+        gbps, lat = self._link_gbps(t, t, same_host=True)
+        nbytes = BYTES_PER_ACT * self.model.seq_length * self.model.hidden_size
+        split = self.layers.tp_split
+        return (np.where(split, 2 * 2 * (tp - 1) / tp * nbytes * 8 / (gbps * 1e9), 0.0),
+                np.where(split, 2 * 2 * (tp - 1) * lat, 0.0))
+
+    def stage_tp_allreduce_s(self, t: str, first: int, last: int, samples: float, recompute: bool, tp: int
+                             ) -> tuple[float, float]:
+        """(forward, backward) seconds of a stage's tensor-parallel all-reduces: the part of
+        ``stage_compute_s`` the timeline shows as collectives (recompute repeats the forward's)."""
+        per_sample, per_call = self.tp_allreduce_s(t, tp)
+        one = float(per_call[first:last].sum() + per_sample[first:last].sum() * samples)
+        return one, one * (2 if recompute else 1)
 
     def prefix(self, t: str, recompute: bool = False, tp: int = 1) -> np.ndarray:
         """Cumulative per-sample (fwd + bwd [+ recompute fwd]) seconds over layers: stage time = p[b] - p[a]."""

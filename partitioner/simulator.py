@@ -198,9 +198,11 @@ class _Replay:
             st, rep = self.where[rank]
             first, last = st.layers
             t = st.type_of(rep)
-            fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, st.tensor_parallel)
-            self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(t, first, last,
-                                                                                   st.width)}
+            tp = st.tensor_parallel
+            fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, tp)
+            tp_f, tp_b = self.cm.stage_tp_allreduce_s(t, first, last, rep.samples, st.recompute, tp)
+            self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(t, first, last, st.width, tp),
+                                    "TPF": tp_f, "TPB": tp_b}
         return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
 
     def transfer_s(self, src: int, dst: int, kind: str, rows: int) -> tuple[float, bool]:
@@ -285,6 +287,9 @@ class _Replay:
             self.events.append(Event(r, str(a), a.kind, a.mb, begin, begin + d))
             if a.kind in ("F", "B"):
                 self.compute[r] += d
+                comm = self.durations[r]["TP" + a.kind]
+                if comm > 0:  # the tensor-parallel all-reduces inside it, shown as their own track slice
+                    self.events.append(Event(r, f"TP all-reduce {a}", "tp", a.mb, begin + d - comm, begin + d))
             self.clock[r] = begin + d
         self.pc[r] += 1
         return True
@@ -352,6 +357,8 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
                            hatch="///" if e.kind == "B" else None, alpha=1.0 if e.kind == "F" else 0.75)
         elif e.kind == "transfer":
             ax.broken_barh([(x, w)], (y - 0.45, 0.12), facecolors="dimgray")
+        elif e.kind == "tp":  # tensor-parallel all-reduces inside a forward/backward
+            ax.broken_barh([(x, w)], (y + 0.25, 0.15), facecolors="darkorange")
         elif e.kind in ("allreduce", "OPT"):
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="lightgray" if e.kind == "allreduce" else "black")
     labels = []
@@ -368,6 +375,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
                        Patch(facecolor="white", edgecolor="black", hatch="///", label="backward"),
                        Patch(facecolor="dimgray", label="transfer"), Patch(facecolor="lightgray", label="all-reduce"),
+                       Patch(facecolor="darkorange", label="tensor-parallel all-reduce"),
                        Patch(facecolor="black", label="optimizer")], loc="upper right", fontsize=7, ncol=5)
     fig.tight_layout()
     try:

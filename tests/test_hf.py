@@ -83,7 +83,7 @@ def test_hf_model_trains_like_one_process(tmp_path, kind, layout):
 def test_tied_gpt2_resumes_under_a_plan_that_moves_the_tie(tmp_path):
     """1 -> 2 (uneven) -> 1 for K steps, checked against one process, saved (the tied weight stored once);
     2 -> 3 resumes for K more (the tie's ends now on stages 0 and 1): as if never interrupted."""
-    K, ckpt = 3, str(tmp_path / "ckpt")
+    K, ckpt = 5, str(tmp_path / "ckpt")
     ref = _reference("gpt2", 6, 2, 2 * K)
     first = _run(tmp_path, _plan("gpt2", *GPT2_1TO2TO1), "a", K, "gpt2", "--save", ckpt)
     for g in first:

@@ -96,7 +96,7 @@ def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(t
     assert r.returncode == 2
     errors = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 3 and len(set(errors)) == 1
-    assert errors[0] == "error: plan: plan needs world size 5 (2 + 3 replicas), launched with 3"
+    assert errors[0] == "error: plan: plan needs world size 5 (2 + 3 ranks), launched with 3"
     time.sleep(0.5)
     ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert tag not in ps

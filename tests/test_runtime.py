@@ -193,14 +193,15 @@ def test_plan_from_ds_config_hetero_section(tmp_path):
         assert rc == 2 and "error: config.train_batch_size: must agree with the plan (12" in err, err
 
 
-def test_tensor_parallel_plan_refused(tmp_path):
+def test_a_tensor_parallel_plan_launched_on_too_few_ranks_is_refused(tmp_path):
     data = stack_plan(*CASES["1to1"]).model_dump()
-    data["stages"][1]["tensor_parallel"] = 2
+    data["stages"][1]["tensor_parallel"] = 2  # the replica becomes a group of 2 (ranks 1, 2)
     from hethub.partitioner import Plan
     path = _write(tmp_path, Plan.model_validate(data))
-    results = spawn(3, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
+    results = spawn(2, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
     for rc, _out, err in results:
-        assert rc == 2 and "plan.stages[1].tensor_parallel: tensor parallelism is not supported" in err, err
+        assert rc == 2 and err.strip().splitlines()[-1] == \
+            "error: plan: plan needs world size 3 (1 + 1x2 ranks), launched with 2", err[-1500:]
 
 
 def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):

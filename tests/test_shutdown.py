@@ -17,11 +17,15 @@ WORKER = os.path.join("tests", "workers", "train_stack.py")
 def test_finished_runs_exit_0_on_every_rank_ten_times(tmp_path):
     """Rank 0 works on after training while the others are done: without hethub's exit barrier and
     destroy_process_group, a rank aborted at exit in about 1 of 3 such runs."""
+    from concurrent.futures import ThreadPoolExecutor
     path = _write(tmp_path, stack_plan(*CASES["1to1"]))
-    for run in range(10):
-        results = spawn(2, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=90,
-                        extra_env={"END_SLEEP_RANK0": "0.5"})
-        assert [rc for rc, _, _ in results] == [0, 0], (run, [e[-1500:] for _, _, e in results])
+
+    def one(run):
+        return spawn(2, [WORKER, path, str(tmp_path / f"r{run}-{{rank}}.pt"), "1", "0"], timeout=120,
+                     extra_env={"END_SLEEP_RANK0": "0.5"})
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two jobs at a time: each mostly starts up and sleeps
+        for run, results in enumerate(pool.map(one, range(10))):
+            assert [rc for rc, _, _ in results] == [0, 0], (run, [e[-1500:] for _, _, e in results])
 
 
 def test_a_users_error_shows_its_traceback_and_peers_name_its_rank(tmp_path):

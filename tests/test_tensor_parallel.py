@@ -65,6 +65,22 @@ def test_cost_model_splits_blocks_and_prices_the_all_reduces():
     assert cm.stage_memory_bytes(1, 5, 4, 2, False, 1, tp=4) < cm.stage_memory_bytes(1, 5, 4, 2, False)
 
 
+def test_the_timeline_shows_the_tensor_parallel_all_reduces():
+    from hethub.partitioner.simulator import simulate
+    plan = tp_plan()
+    cm = CostModel(NODE8, GPT)
+    res = simulate(plan, cm)
+    tp_events = [e for e in res.events if e.kind == "tp"]
+    lead = plan.stages[0].replicas[0].rank
+    mine = [e for e in tp_events if e.rank == lead and e.name == "TP all-reduce F0"]
+    assert len(mine) == 1
+    want, _ = cm.stage_tp_allreduce_s("A100-80GB", 0, 3, 4, False, 2)
+    assert mine[0].end_s - mine[0].start_s == pytest.approx(want) and want > 0
+    f0 = next(e for e in res.events if e.rank == lead and e.name == "F0")
+    assert f0.start_s <= mine[0].start_s and mine[0].end_s == pytest.approx(f0.end_s)  # inside the forward
+    assert any(ev.get("cat") == "tp" for ev in res.chrome_trace(plan)["traceEvents"])
+
+
 def test_degrees_fit_a_node_and_divide_the_model():
     cm = CostModel(NODE8, builtin_model("llama-70b"))  # 64 heads, 8 KV heads
     assert tensor_parallel_degrees(cm, "A100-80GB", 8) == [1, 2, 4, 8]
