@@ -48,7 +48,7 @@ class PlannerOptions:
     max_units: int = 48
     device_types: Optional[tuple[str, ...]] = None  # restrict to these types (fastest-only, homogeneous sums)
     # Every stage the same width w, each replica micro_batch / w samples: what Megatron-core's
-    # parallel_state can express (stages may still differ in device type and layer count).
+    # parallel_state can express (stages may still differ in device type and layer count); no tensor parallelism.
     equal_widths: bool = False
     # Tensor-parallel degrees a stage may use: 1, 2, 4, 8 up to this (only those that fit in one node of the
     # type and divide heads, KV heads and the FFN size). 1 turns tensor parallelism off.
@@ -754,8 +754,12 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     """
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
+    if opts.equal_widths:  # what Megatron-core can run: one width, and (here) no tensor parallelism
+        opts = replace(opts, max_tensor_parallel=1)
     warm = None
-    if opts.max_tensor_parallel > 1 and opts.solver != "brute-force":
+    types = opts.device_types or cm.cluster.type_names
+    can_split = any(len(tensor_parallel_degrees(cm, t, opts.max_tensor_parallel)) > 1 for t in types)
+    if can_split and cm.cluster.num_devices > 16 and opts.solver != "brute-force":
         # Tensor-parallel candidates multiply the space; the plain space first (half the time) gives an
         # incumbent, so the full search only looks below it and is never worse than no tensor parallelism.
         t0 = time.perf_counter()

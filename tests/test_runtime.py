@@ -170,7 +170,7 @@ def test_plan_world_mismatch_exits_2_on_every_rank(tmp_path):
     for rc, _out, err in results:
         assert rc == 2
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: plan: plan needs world size 5 (2 + 3 replicas), "
+        assert len(lines) == 1 and lines[0].startswith("error: plan: plan needs world size 5 (2 + 3 ranks), "
                                                        "launched with 3"), err
 
 
@@ -195,6 +195,7 @@ def test_plan_from_ds_config_hetero_section(tmp_path):
 
 def test_a_tensor_parallel_plan_launched_on_too_few_ranks_is_refused(tmp_path):
     data = stack_plan(*CASES["1to1"]).model_dump()
+    data["model"]["num_attention_heads"] = 2  # so that 2 divides the heads
     data["stages"][1]["tensor_parallel"] = 2  # the replica becomes a group of 2 (ranks 1, 2)
     from hethub.partitioner import Plan
     path = _write(tmp_path, Plan.model_validate(data))

@@ -14,9 +14,10 @@ WORKER = os.path.join("tests", "workers", "train_stack.py")
 
 
 @pytest.mark.slow
-def test_finished_runs_exit_0_on_every_rank_ten_times(tmp_path):
+def test_finished_runs_exit_0_on_every_rank_six_times(tmp_path):
     """Rank 0 works on after training while the others are done: without hethub's exit barrier and
-    destroy_process_group, a rank aborted at exit in about 1 of 3 such runs."""
+    destroy_process_group, a rank aborted at exit in about 1 of 3 such runs (six runs catch that 91% of
+    the time)."""
     from concurrent.futures import ThreadPoolExecutor
     path = _write(tmp_path, stack_plan(*CASES["1to1"]))
 
@@ -24,7 +25,7 @@ def test_finished_runs_exit_0_on_every_rank_ten_times(tmp_path):
         return spawn(2, [WORKER, path, str(tmp_path / f"r{run}-{{rank}}.pt"), "1", "0"], timeout=120,
                      extra_env={"END_SLEEP_RANK0": "0.5"})
     with ThreadPoolExecutor(max_workers=2) as pool:  # two jobs at a time: each mostly starts up and sleeps
-        for run, results in enumerate(pool.map(one, range(10))):
+        for run, results in enumerate(pool.map(one, range(6))):
             assert [rc for rc, _, _ in results] == [0, 0], (run, [e[-1500:] for _, _, e in results])
 
 

@@ -182,24 +182,42 @@ def test_user_layers_split_by_a_tp_plan_train_like_one_process(tmp_path):
     _compare(_run(tmp_path, plan, "u", 6, "user", "zero1"), ref, ref["losses"])
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("tp_plan,fragment", [
-    ({"*.0": "colwise", "*.2": "diagonal"}, "error: tp_plan['*.2']: expected 'colwise' or 'rowwise', got 'diagonal'"),
-    ({"*.0": "colwise", "*.9": "rowwise"}, "error: tp_plan['*.9']: matches no submodule of a stage with "
-                                           "tensor_parallel > 1"),
-    ({}, "error: layers[1]: Sequential in stage 1 (tensor_parallel 2) has no tensor-parallel plan"),
-])
-def test_a_bad_tp_plan_is_refused_on_every_rank(tmp_path, tp_plan, fragment):
+BAD_TP_PLANS = [
+    ({"*.0": "colwise", "*.2": "diagonal"}, "tp_plan['*.2']: expected 'colwise' or 'rowwise', got 'diagonal'"),
+    ({"*.0": "colwise", "*.9": "rowwise"}, "tp_plan['*.9']: matches no submodule of a stage with tensor_parallel > 1"),
+    ({}, "layers[1]: Sequential in stage 1 (tensor_parallel 2) has no tensor-parallel plan"),
+]
+
+
+def stack_layers():
+    from torch import nn
+    return [nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)), nn.Linear(16, 4)]
+
+
+def _stack_tp_plan():
     m = ModelConfig(name="stack", architecture="gpt", num_layers=1, hidden_size=16, num_attention_heads=2,
                     ffn_hidden_size=32, vocab_size=8, seq_length=1)
-    plan = _cpu_plan(m, [((0, 1), (2,), 1), ((1, 2), (2,), 2), ((2, 3), (2,), 1)], mb=2, M=1)
+    return _cpu_plan(m, [((0, 1), (2,), 1), ((1, 2), (2,), 2), ((2, 3), (2,), 1)], mb=2, M=1)
+
+
+@pytest.mark.parametrize("tp_plan,message", BAD_TP_PLANS)
+def test_a_bad_tp_plan_names_the_entry_or_layer(tp_plan, message):
+    from hethub import tp
+    with pytest.raises(InputError) as err:
+        tp.check_layers(_stack_tp_plan(), stack_layers(), tp.check_tp_plan(tp_plan))
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.dist
+def test_a_bad_tp_plan_ends_every_rank_with_exit_2_before_any_collective(tmp_path):
+    tp_plan, message = BAD_TP_PLANS[1]
+    plan = _stack_tp_plan()
     path = str(tmp_path / "plan.json")
     with open(path, "w") as f:
         f.write(plan.to_json())
-    code = ("import sys, torch; from torch import nn; import hethub\n"
-            "layers = [nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)), "
-            "nn.Linear(16, 4)]\n"
-            f"hethub.initialize(layers=layers, loss_fn=nn.functional.mse_loss, plan={path!r}, tp_plan={tp_plan!r},\n"
-            "                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))\n")
+    code = ("import sys, torch; from torch import nn; sys.path.insert(0, 'tests'); import hethub\n"
+            "from test_tensor_parallel import stack_layers\n"
+            f"hethub.initialize(layers=stack_layers(), loss_fn=nn.functional.mse_loss, plan={path!r},\n"
+            f"                  tp_plan={tp_plan!r}, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))\n")
     for rc, _out, err in spawn(plan.world_size, ["-c", code], timeout=60):
-        assert rc == 2 and err.strip().splitlines()[-1].startswith(fragment), err[-1500:]
+        assert rc == 2 and err.strip().splitlines()[-1].startswith("error: " + message), err[-1500:]

@@ -63,31 +63,25 @@ def _check_shards(plan, got, ref):
         assert share == [2 * 4 * (min(n, (j + 1) * c) - min(n, j * c)) + 4 for j in range(st.width)], (st.index, share)
 
 
-def test_zero1_trains_like_one_process_and_shards_optimizer_state(tmp_path):
-    """2 -> 1 -> 3 with ZeRO-1, Adam and clipping, 10 steps: equal to one process, state split exactly."""
-    plan = stack_plan(*PLANS["2to1to3"])
-    got = _run(tmp_path, plan, "z", 0, 10, "--zero1")
-    ref = _reference(tmp_path, 10)
-    _compare(got, ref, ref["losses"])
-    _check_shards(plan, got, ref)
-
-
-def test_zero1_checkpoints_resume_without_zero_and_back_under_other_plans(tmp_path):
-    """2 -> 3 with ZeRO-1 for K steps (checked against one process, shards too), saved; 1 -> 2 -> 1 without
-    ZeRO resumes from it for K steps and saves; 2 -> 1 -> 3 with ZeRO-1 resumes from that for K more: all as
-    if never interrupted."""
-    ckpt, ckpt2, plan_a = str(tmp_path / "ckpt"), str(tmp_path / "ckpt2"), stack_plan(*PLANS["2to3"])
+def test_zero1_trains_like_one_process_and_checkpoints_resume_without_zero_and_back(tmp_path):
+    """Adam with clipping. 2 -> 3 with ZeRO-1 for K steps, saved; 1 -> 2 -> 1 without ZeRO resumes from it for
+    K steps and saves; 2 -> 1 -> 3 with ZeRO-1 resumes from that for 10 more. Every run equals one process
+    trained without a break, and ZeRO-1's optimizer state is split element by element."""
+    K, L = 5, 10
+    ckpt, ckpt2, plan_a, plan_c = (str(tmp_path / "ckpt"), str(tmp_path / "ckpt2"), stack_plan(*PLANS["2to3"]),
+                                   stack_plan(*PLANS["2to1to3"]))
     first = _run(tmp_path, plan_a, "a", 0, K, "--zero1", "--save", ckpt)
     second = _run(tmp_path, stack_plan([2, 5], [[6], [4, 2], [6]], 6, 2), "b", K, 2 * K, "--load", ckpt,
                   "--save", ckpt2)
-    third = _run(tmp_path, stack_plan(*PLANS["2to1to3"]), "c", 2 * K, 3 * K, "--load", ckpt2, "--zero1")
-    ref = _reference(tmp_path, 3 * K)
+    third = _run(tmp_path, plan_c, "c", 2 * K, 2 * K + L, "--load", ckpt2, "--zero1")
+    ref = _reference(tmp_path, 2 * K + L)
     for g in first:
         torch.testing.assert_close(g["losses"], ref["losses"][:K], rtol=TOL, atol=0)
     _check_shards(plan_a, first, ref)
     for g in second:
         torch.testing.assert_close(g["losses"], ref["losses"][K:2 * K], rtol=TOL, atol=0)
     _compare(third, ref, ref["losses"][2 * K:])
+    _check_shards(plan_c, third, ref)
 
 
 def test_optimizer_state_per_rank_is_the_cost_models_figure(tmp_path):
