@@ -33,6 +33,14 @@ WORKER = os.path.join(ROOT, "hethub", "bench_worker.py")
 EMULATE = f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}"
 
 
+def write_result(name: str, text: str) -> None:
+    """benchmarks/results/NAME (and the same text on stdout)."""
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
+        f.write(text)
+    print(text)
+
+
 def run(world: int, args: list[str], out: str, port: int) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HETHUB_LOCAL="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world), "--master_port", str(port),
@@ -165,10 +173,7 @@ def main():
         f"DeepSpeed: PipelineModule(partition_method='parameters', num_stages={S}), boundaries {bounds}, micro-batch "
         f"{b} x {G // b}.", "",
         "| comparison | times | result | target |", "|---|---|---|---|", *rows, *fidelity(steps, tmp), ""])
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "runtime.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_result("runtime.md", text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from runtime import FID_CLUSTER, FID_FAST, FID_MODEL, FID_SLOW, run  # noqa: E402
+from runtime import FID_CLUSTER, FID_FAST, FID_MODEL, FID_SLOW, run, write_result  # noqa: E402
 
 from hethub.models import build_layers  # noqa: E402
 from hethub.partitioner import Cluster, ModelConfig, Plan  # noqa: E402
@@ -121,10 +121,7 @@ def main():
         "| ZeRO | measured ms/iteration | predicted ms | predicted vs measured |", "|---|---|---|---|", *zrows, "",
         "## (b) A mixed stage vs two single-type stages on the same 6 ranks, global batch 48", "",
         "| layout | measured ms/iteration | predicted ms | predicted vs measured |", "|---|---|---|---|", *mixed_rows, ""])
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "zero_mixed.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_result("zero_mixed.md", text)
 
 
 if __name__ == "__main__":

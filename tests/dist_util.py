@@ -23,6 +23,19 @@ def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dic
     return env
 
 
+def run_plan(tmp_path, plan, name: str, worker: str, *args: str, timeout: float = 150) -> list:
+    """Write ``plan`` to ``name``.json, run ``worker PLAN OUT *args`` on every rank (each saves its results to
+    OUT with {rank} filled in), and return what each rank saved."""
+    import torch
+    path = str(tmp_path / f"{name}.json")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    out = str(tmp_path / f"{name}{{rank}}.pt")
+    for rank, (rc, _o, err) in enumerate(spawn(plan.world_size, [worker, path, out, *args], timeout=timeout)):
+        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
+    return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
+
+
 def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | None = None):
     """Start ``world`` ranks of ``python argv``; returns [(returncode, stdout, stderr)] per rank."""
     port = free_port()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_plan
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
@@ -41,14 +41,7 @@ def _plan(kind, cuts, splits, mb, M, tps=None):
 
 
 def _run(tmp_path, plan, name, steps, kind, *extra):
-    path = str(tmp_path / f"{name}.json")
-    with open(path, "w") as f:
-        f.write(plan.to_json())
-    out = str(tmp_path / f"{name}{{rank}}.pt")
-    for rank, (rc, _o, err) in enumerate(spawn(plan.world_size, [WORKER, path, out, str(steps), kind, *extra],
-                                               timeout=120)):
-        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
-    return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
+    return run_plan(tmp_path, plan, name, WORKER, str(steps), kind, *extra)
 
 
 def _compare(got, ref, losses):

@@ -48,7 +48,7 @@ CASES = {
     "2to1": ([2], [[2, 2], [4]], 4, 3),
     "2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3),
     "3to2": ([3], [[2, 2, 2], [3, 3]], 6, 2),
-    "1to2to1": ([2, 5], [[4], [2, 2], [4]], 4, 3),
+    "1to2to1": ([2, 5], [[4], [2, 2], [4]], 4, 3),  # both a 1 -> 2 and a 2 -> 1 boundary
     "uneven2to3": ([4], [[4, 2], [1, 2, 3]], 6, 3),
     # the cross-vendor bridge (host buffers over a separate gloo group), lossless wire
     "bridge2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3, [{"after_stage": 0, "transport": "host"}]),
@@ -93,7 +93,7 @@ def _run_and_compare(tmp_path, plan, rtol, atol, sched=None, extra=()):
     return got, ref
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n not in ("1to2", "2to1")])  # both are inside 1to2to1
 def test_equivalence_with_single_process(tmp_path, name):
     _run_and_compare(tmp_path, stack_plan(*CASES[name]), rtol=1e-5, atol=1e-5)
 

@@ -107,7 +107,7 @@ import os  # noqa: E402
 import torch  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
-from dist_util import spawn  # noqa: E402
+from dist_util import run_plan, spawn  # noqa: E402
 
 WORKER = os.path.join("tests", "workers", "train_tp.py")
 TINY = ModelConfig(name="gpt-tp", architecture="gpt", num_layers=4, hidden_size=32, num_attention_heads=4,
@@ -121,14 +121,7 @@ def _cpu_plan(model, stages, mb=6, M=2):
 
 
 def _run(tmp_path, plan, name, steps, kind, *extra):
-    path = str(tmp_path / f"{name}.json")
-    with open(path, "w") as f:
-        f.write(plan.to_json())
-    out = str(tmp_path / f"{name}{{rank}}.pt")
-    for rank, (rc, _o, err) in enumerate(spawn(plan.world_size, [WORKER, path, out, str(steps), kind, *extra],
-                                               timeout=150)):
-        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
-    return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
+    return run_plan(tmp_path, plan, name, WORKER, str(steps), kind, *extra)
 
 
 def _reference(tmp_path, plan, steps, kind):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_plan, spawn
 from test_runtime import CASES, _write, stack_plan
 
 pytestmark = pytest.mark.dist
@@ -21,14 +21,7 @@ TOL = 1e-5
 
 
 def _run(tmp_path, plan, name, first, last, *extra):
-    path = str(tmp_path / f"{name}.json")
-    with open(path, "w") as f:
-        f.write(plan.to_json())
-    out = str(tmp_path / f"{name}{{rank}}.pt")
-    results = spawn(plan.world_size, [WORKER, path, out, str(first), str(last), "adam", "0.05", *extra], timeout=120)
-    for rank, (rc, _o, err) in enumerate(results):
-        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
-    return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
+    return run_plan(tmp_path, plan, name, WORKER, str(first), str(last), "adam", "0.05", *extra, timeout=120)
 
 
 def _reference(tmp_path, last):
