@@ -128,6 +128,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              with_homogeneous_sum=not args.no_compare, progress=status)
     write_atomic(args.output, plan.to_json() + "\n", "--output", [args.cluster, args.model, *profile_files])
     print_plan(plan, console)
+    split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages if s.tensor_parallel > 1})
+    if profiles and split:  # profiles are measured whole (t = 1)
+        console.print("note: tensor parallel " + ", ".join(f"{t} x{k}" for t, k in split) + " priced analytically on "
+                      "top of the t = 1 profiles (blocks' compute / t, plus their all-reduces on the intra-node link)")
     if not args.baseline and not args.no_compare:
         for kind in BASELINES:
             try:
