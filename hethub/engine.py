@@ -167,6 +167,7 @@ class HeteroPipelineEngine(PipelineEngine):
         # ZeRO-1 (hethub.zero): this replica's flat shards of the optimizer's groups; None without it
         self.zero1 = None
         self.ties: tuple = ()  # every tied weight of the layer list (hethub.ties), set by hethub.initialize
+        self._tied_params: dict = {}  # tie -> this stage's Parameter of it
         # This rank's training actions: the plan's 1F1B or a hand-edited schedule (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.executed: list[str] = []  # the actions of the last train_batch/eval_batch, as text, in order
@@ -548,11 +549,14 @@ class HeteroPipelineEngine(PipelineEngine):
             self.zero1.load_grads()
 
     def _tied_parameter(self, tie):
-        """This stage's Parameter of a tie (any of its local places: they are one object)."""
-        from .checkpoint import _local_layers
-        local = dict(_local_layers(self))
-        idx, name = next((i, n) for i, n in tie.places if i in local)
-        return dict(local[idx].named_parameters())[name]
+        """This stage's Parameter of a tie (any of its local places: they are one object); looked up once."""
+        cache = self._tied_params
+        if tie not in cache:
+            from .checkpoint import _local_layers
+            layers = dict(_local_layers(self))
+            idx, name = next((i, n) for i, n in tie.places if i in layers)
+            cache[tie] = dict(layers[idx].named_parameters())[name]
+        return cache[tie]
 
     def _reduce_tied_grads(self) -> None:
         """A weight tied across stages: replica 0 of each holding stage gives its stage's (already reduced)
