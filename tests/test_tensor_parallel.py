@@ -125,12 +125,16 @@ def _run(tmp_path, plan, name, steps, kind, *extra):
 
 
 def _reference(tmp_path, plan, steps, kind):
+    return _reference_args(tmp_path, plan, steps, kind)
+
+
+def _reference_args(tmp_path, plan, steps, kind, *extra):
     import subprocess
     import sys
-    path, out = str(tmp_path / "ref.json"), str(tmp_path / "ref.pt")
+    path, out = str(tmp_path / "ref.json"), str(tmp_path / f"ref{'-'.join(extra)}.pt")
     with open(path, "w") as f:
         f.write(plan.to_json())
-    r = subprocess.run([sys.executable, WORKER, path, out, str(steps), kind, "single"], cwd=ROOT,
+    r = subprocess.run([sys.executable, WORKER, path, out, str(steps), kind, "single", *extra], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out, weights_only=True)
@@ -167,12 +171,22 @@ def test_gpt_blocks_train_tensor_parallel_and_resume_under_another_degree(tmp_pa
 def test_user_layers_split_by_a_tp_plan_train_like_one_process(tmp_path):
     """A user's Linear-Tanh-Linear layers with tp_plan {"*.0": "colwise", "*.2": "rowwise"} in a stage of two
     tensor-parallel replicas (uneven 4+2) between two whole stages, with ZeRO-1 over the replicas that hold
-    the same shard: 6 steps equal one process."""
+    the same shard: 6 steps equal one process. Then the same under bf16 autocast, within 1e-2."""
     m = ModelConfig(name="stack", architecture="gpt", num_layers=3, hidden_size=16, num_attention_heads=2,
                     ffn_hidden_size=32, vocab_size=8, seq_length=1)
     plan = _cpu_plan(m, [((0, 1), (6,), 1), ((1, 4), (4, 2), 2), ((4, 5), (6,), 1)])
     ref = _reference(tmp_path, plan, 6, "user")
     _compare(_run(tmp_path, plan, "u", 6, "user", "zero1"), ref, ref["losses"])
+    # bf16 autocast under tensor parallelism: fp32 weights, within bf16's tolerance of the same autocast in one
+    # process (only GEMM blocking over sliced rows and split columns differs), and really not fp64's numbers
+    bf16 = _run(tmp_path, plan, "b", 6, "user", "bf16")
+    ref16 = _reference_args(tmp_path, plan, 6, "user", "bf16")
+    for g in bf16:
+        torch.testing.assert_close(g["losses"], ref16["losses"], rtol=1e-2, atol=0)
+        for k, v in g["params"].items():
+            assert v.dtype == torch.float32
+            torch.testing.assert_close(v, ref16["params"][k], rtol=0, atol=1e-2)
+    assert not torch.allclose(ref16["losses"], ref["losses"], rtol=1e-6, atol=0)
 
 
 BAD_TP_PLANS = [

@@ -1,7 +1,8 @@
 """Worker for the tensor-parallel tests: train under a plan (or in one process, the reference) in float64,
 SGD with gradient clipping, optionally resuming from / saving a checkpoint.
 
-usage: train_tp.py PLAN OUT STEPS {gpt|llama|user} [single] [--first K] [--load DIR] [--save DIR] [zero1]
+usage: train_tp.py PLAN OUT STEPS {gpt|llama|user} [single] [--first K] [--load DIR] [--save DIR] [zero1] [bf16]
+bf16: float32 weights with bf16 autocast (the reference autocasts the same way) instead of float64.
 gpt/llama: hethub's own blocks (split with no extra argument). user: a stack of the user's layers, split by
 tp_plan {"*.0": "colwise", "*.2": "rowwise"}. Trains steps [K, STEPS); data of step k is the same under any plan.
 """
@@ -17,6 +18,9 @@ LR, CLIP, IN, HID = 0.2, 0.5, 8, 16
 USER_TP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}
 
 
+DTYPE = torch.float32 if "bf16" in sys.argv[5:] else torch.float64
+
+
 def make_layers(kind: str, plan):
     torch.manual_seed(11)
     if kind == "user":
@@ -26,7 +30,7 @@ def make_layers(kind: str, plan):
     else:
         from hethub.models import build_layers
         layers = build_layers(plan.model)
-    return [layer.double() for layer in layers]
+    return [layer.to(DTYPE) for layer in layers]
 
 
 def loss_fn(out, labels):
@@ -39,8 +43,8 @@ def batches(kind: str, plan, step: int):
     mb, M, m = plan.micro_batch_size, plan.num_micro_batches, plan.model
     if kind == "user":
         g = torch.Generator().manual_seed(100 + step)
-        return [(torch.randn(mb, IN, generator=g, dtype=torch.float64),
-                 torch.randn(mb, 4, generator=g, dtype=torch.float64)) for _ in range(M)]
+        return [(torch.randn(mb, IN, generator=g, dtype=torch.float64).to(DTYPE),
+                 torch.randn(mb, 4, generator=g, dtype=torch.float64).to(DTYPE)) for _ in range(M)]
     from hethub.models import counting_batches
     return counting_batches(step, M, mb, m.seq_length, m.vocab_size)
 
@@ -62,7 +66,8 @@ def main():
             total = 0.0
             data = batches(kind, plan, step)
             for x, y in data:
-                value = loss_fn(model(x), y) / len(data)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in argv):
+                    value = loss_fn(model(x), y) / len(data)
                 value.backward()
                 total += value.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -74,6 +79,8 @@ def main():
         config = {"gradient_clipping": CLIP}
         if "zero1" in argv:
             config["zero_optimization"] = {"stage": 1}
+        if "bf16" in argv:
+            config["bf16"] = {"enabled": True}
         engine, *_ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
                                        tp_plan=USER_TP_PLAN if kind == "user" else None)
