@@ -170,6 +170,12 @@ class DeviceCosts:
             self.bwd_fixed_s = np.zeros_like(self.bwd_s)
 
 
+def ring_allreduce(nbytes, ranks: int):
+    """(bytes each rank moves over its link, latency hops) of a ring all-reduce over ``ranks``: a
+    reduce-scatter and an all-gather, each (n-1)/n of the buffer in n-1 steps. ``nbytes`` may be an array."""
+    return 2 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1)
+
+
 @dataclass
 class CostModel:
     """Times and memory for every (layer range, device type, samples) the planner asks about."""
@@ -278,10 +284,9 @@ class CostModel:
         if tp <= 1:
             return np.zeros(n), np.zeros(n)
         gbps, lat = self._link_gbps(t, t, same_host=True)
-        nbytes = BYTES_PER_ACT * self.model.seq_length * self.model.hidden_size
+        volume, hops = ring_allreduce(BYTES_PER_ACT * self.model.seq_length * self.model.hidden_size, tp)
         split = self.layers.tp_split
-        return (np.where(split, 2 * 2 * (tp - 1) / tp * nbytes * 8 / (gbps * 1e9), 0.0),
-                np.where(split, 2 * 2 * (tp - 1) * lat, 0.0))
+        return np.where(split, 2 * volume * 8 / (gbps * 1e9), 0.0), np.where(split, 2 * hops * lat, 0.0)
 
     def stage_tp_allreduce_s(self, t: str, first: int, last: int, samples: float, recompute: bool, tp: int
                              ) -> tuple[float, float]:
@@ -432,8 +437,8 @@ class CostModel:
         if ranks <= 1:
             return np.zeros_like(np.asarray(tied_params, dtype=float)) if np.ndim(tied_params) else 0.0
         nbytes = np.asarray(tied_params, dtype=float) * BYTES_PER_ACT
-        out = max(2 * (ranks - 1) * lat + 2 * (ranks - 1) / ranks * nbytes * 8 / (gbps * 1e9)
-                  for gbps, lat in (self._link_gbps(t, t, False) for t in types))
+        volume, hops = ring_allreduce(nbytes, ranks)
+        out = max(hops * lat + volume * 8 / (gbps * 1e9) for gbps, lat in (self._link_gbps(t, t, False) for t in types))
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(tied_params) else float(out)
 
@@ -448,7 +453,7 @@ class CostModel:
         if width <= 1:
             return np.zeros_like(np.asarray(params, dtype=float)) if np.ndim(params) else 0.0
         nbytes = np.asarray(params, dtype=float) * BYTES_PER_ACT
-        volume, hops, copies = 2 * (width - 1) / width * nbytes, 2 * (width - 1), 2 * nbytes
+        (volume, hops), copies = ring_allreduce(nbytes, width), 2 * nbytes
         if self.zero1:
             volume, hops, copies = volume + (width - 1) / width * nbytes, hops + width - 1, copies + 2 * nbytes
         vendors = {self.cluster.device_type(t).vendor for t in types}
