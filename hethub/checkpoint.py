@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .partitioner.errors import InputError
-from .tp import full, local, shard_of
+from .tp import full, gather_like, local, shard_of
 
 LATEST = "latest"
 
@@ -115,14 +115,15 @@ def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
 
 def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """An optimizer state tensor of parameter ``p`` made whole: a tensor-parallel parameter's state is its
-    shard (a DTensor, or under ZeRO-1 a plain tensor shaped like the shard), gathered over the group
+    shard (a DTensor, a marked plain tensor, or under ZeRO-1 a plain tensor shaped like the shard), gathered
+    over the group
     (collective: every rank of the group calls it, in the same order)."""
     from torch.distributed.tensor import DTensor
     if isinstance(v, DTensor):
         return full(v)
     if isinstance(p, DTensor) and v.dim() > 0 and tuple(v.shape) == tuple(local(p).shape):
         return full(DTensor.from_local(v, p.device_mesh, p.placements, run_check=False))
-    return v
+    return gather_like(v, p)
 
 
 def _state_for(p: torch.Tensor, v: Any, flat: bool) -> Any:
@@ -178,7 +179,8 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     if engine.grid.replica_id == 0:
         owners = _tie_owners(engine)
         for idx, layer in _local_layers(engine):
-            whole = {k: full(v).detach().cpu() for k, v in layer.state_dict().items() if (idx, k) not in owners}
+            whole = {k: full(v).detach().cpu() for k, v in layer.state_dict(keep_vars=True).items()
+                     if (idx, k) not in owners}
             if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
                 torch.save(whole, _layer_file(tmp, idx, "model"))
                 torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))

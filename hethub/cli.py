@@ -128,10 +128,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              with_homogeneous_sum=not args.no_compare, progress=status)
     write_atomic(args.output, plan.to_json() + "\n", "--output", [args.cluster, args.model, *profile_files])
     print_plan(plan, console)
-    split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages if s.tensor_parallel > 1})
-    if profiles and split:  # profiles are measured whole (t = 1)
+    split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
+                    if s.tensor_parallel > 1 and not cm.tp_measured(s.device_type, s.tensor_parallel)})
+    if profiles and split:  # no profile measured at that degree
         console.print("note: tensor parallel " + ", ".join(f"{t} x{k}" for t, k in split) + " priced analytically on "
-                      "top of the t = 1 profiles (blocks' compute / t, plus their all-reduces on the intra-node link)")
+                      "top of the t = 1 profiles (blocks' compute / t, plus their all-reduces on the intra-node link); "
+                      "hethub profile --tensor-parallel T measures them")
     if not args.baseline and not args.no_compare:
         for kind in BASELINES:
             try:
@@ -222,15 +224,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .profiler import measure_links, profile_model
     dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     prof = profile_model(model, args.device_type, args.micro_batch_size, dtype, reps=args.reps,
-                         slowdown=args.emulate_slowdown, progress=os.environ.get("RANK", "0") == "0")
+                         slowdown=args.emulate_slowdown, progress=os.environ.get("RANK", "0") == "0",
+                         tensor_parallel=args.tensor_parallel)
     if args.links:
         from .partitioner.records import LinkProfile
         prof = prof.model_copy(update={"links": [LinkProfile(**d) for d in measure_links()]})
     if os.environ.get("RANK", "0") == "0":
         write_atomic(args.output, prof.to_json() + "\n", "--output")
         block = next((l for l in prof.layers if l.kind == "block"), prof.layers[0])
+        tp = f", tensor parallel {prof.tensor_parallel}" if prof.tensor_parallel > 1 else ""
         print(f"wrote {args.output}: {len(prof.layers)} layers of {model.name} on {args.device_type} "
-              f"(micro-batch {prof.micro_batch_size}, {dtype}); block forward {block.forward_ms:.3f} ms, "
+              f"(micro-batch {prof.micro_batch_size}, {dtype}{tp}); block forward {block.forward_ms:.3f} ms, "
               f"backward {block.backward_ms:.3f} ms" + (f", {len(prof.links)} links" if prof.links else ""))
     return 0
 
@@ -301,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--emulate-slowdown", type=_float_in(1, 1e4), default=1.0, metavar="K",
                     help="profile as if the device were K times slower (emulated heterogeneity)")
     sp.add_argument("--links", action="store_true", help="measure link bandwidth between ranks (under a launcher)")
+    sp.add_argument("--tensor-parallel", type=_int_in(1, 1024), default=1, metavar="T",
+                    help="split the block over T processes (under a launcher with T of them, one node) so its "
+                         "times include the tensor-parallel all-reduces")
     sp.add_argument("-o", "--output", default="profile.json")
     sp.set_defaults(func=cmd_profile)
 

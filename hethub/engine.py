@@ -571,20 +571,21 @@ class HeteroPipelineEngine(PipelineEngine):
             p.grad = mine
 
     def _norm_parameters(self) -> list:
-        """Gradients this stage counts in the global norm: a tied weight only on its owner's stage."""
+        """Parameters whose gradients this stage counts in the global norm: a tied weight only on its owner's
+        stage."""
         skip = set()
         a, b = self.grid.stage.layers
         for tie, _group in self.grid.tie_groups:
             if not a <= tie.owner[0] < b:
                 skip.add(id(self._tied_parameter(tie)))
-        return [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+        return [p for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
     def clip_fp32_gradients(self):
         """Clip by the global norm: each stage's squared norm once (replica 0 contributes), summed over stages.
         In a tensor-parallel group a split parameter's shards add up on every rank; a whole one counts once."""
         max_norm = self.gradient_clipping()
         grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        counted = [local(g) for g in self._norm_parameters() if is_sharded(g) or self.grid.tp_rank == 0]
+        counted = [local(p.grad) for p in self._norm_parameters() if is_sharded(p) or self.grid.tp_rank == 0]
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.grid.replica_id == 0 and counted:
             sq += sum(g.detach().double().pow(2).sum() for g in counted)

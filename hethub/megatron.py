@@ -6,6 +6,11 @@ final norm + output layer — so a megatron-core GPT trains under any hethub pla
 hethub's runtime slices micro-batches by sample (dim 0): the wrappers keep tensors batch-first between
 layers and transpose to Megatron's sequence-first layout inside each layer.
 
+Tensor parallelism: the layers are built whole; on a stage with ``tensor_parallel`` > 1 hethub calls each
+block's ``split_tensor_parallel(group)``, which rebuilds it with megatron-core's parallel layers over the
+replica's own group (megatron-core's ``pg_collection``), so stages of different degrees coexist. The
+embedding and the head run whole on every rank of the group.
+
 On a machine without CUDA, megatron-core reaches for CUDA in three places on this path; ``cpu_compat()``
 keeps them away without touching megatron-core's files: its global memory buffer (attention scores) is
 replaced by one that allocates on the layer's device; its CUDA RNG tracker by one whose ``fork()`` uses
@@ -41,7 +46,7 @@ class _DeviceMemoryBuffer:
 
 
 class _DefaultGeneratorTracker:
-    """Stand-in for megatron-core's CUDA RNG tracker: forks nothing (tensor parallel is 1 here)."""
+    """Stand-in for megatron-core's CUDA RNG tracker: forks nothing (dropout draws from the default generator)."""
 
     def fork(self, name: str = "model-parallel-rng"):
         return contextlib.nullcontext()
@@ -79,16 +84,58 @@ class MegatronEmbedding(nn.Module):
         return self.embedding(ids, pos).transpose(0, 1).contiguous()  # [s, b, h] -> [b, s, h]
 
 
+def _local_layer(config: Any, layer_number: int, pg_collection: Any = None) -> nn.Module:
+    """A megatron-core TransformerLayer with the local (non-Transformer-Engine) spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    if config.num_moe_experts is not None:
+        raise ValueError("config.num_moe_experts: mixture-of-experts layers are not supported by hethub yet")
+    spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False)
+    extra = {} if pg_collection is None else {"pg_collection": pg_collection}
+    return build_module(spec, config=config, layer_number=layer_number, **extra)
+
+
 class MegatronBlock(nn.Module):
+    """One megatron-core TransformerLayer, batch-first outside. Built whole (tensor parallel 1, so every
+    process initialises the same weights); ``split_tensor_parallel`` rebuilds it over a replica's group."""
+
     def __init__(self, config: Any, layer_number: int):
         super().__init__()
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.spec_utils import build_module
-        spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
-                                        qk_layernorm=False) if config.num_moe_experts is None else None
-        if spec is None:
-            raise ValueError("config.num_moe_experts: mixture-of-experts layers are not supported by hethub yet")
-        self.layer = build_module(spec, config=config, layer_number=layer_number)
+        self.config, self.layer_number = config, layer_number
+        self.layer = _local_layer(config, layer_number)
+
+    def split_tensor_parallel(self, group: Any) -> None:
+        """Rebuild the layer with megatron-core's own tensor-parallel layers over ``group`` (column-parallel
+        QKV and first MLP matrix, row-parallel output projections; norms and row-parallel biases whole) and
+        copy this rank's part of every weight into it. A tensor that shrank along one dim is a shard: the
+        fused SwiGLU input matrix [gate; up] is two blocks, each split on its own (megatron's layout)."""
+        import dataclasses
+
+        import torch.distributed as dist
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from .tp import mark_split
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        pgs.tp = group
+        with torch.random.fork_rng(devices=[]):  # the rebuild draws no numbers from the user's stream
+            config = dataclasses.replace(self.config, perform_initialization=False)
+            split = _local_layer(config, self.layer_number, pgs)
+        whole = dict(self.layer.named_parameters())
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        with torch.no_grad():
+            for name, p in split.named_parameters():
+                w = whole[name]
+                p.data = p.data.to(w.device, w.dtype)
+                dims = [d for d in range(w.dim()) if w.shape[d] != p.shape[d]]
+                if not dims:
+                    p.copy_(w)
+                    continue
+                parts = 2 if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias") else 1
+                parts = parts if self.config.gated_linear_unit else 1
+                d = dims[0]
+                p.copy_(torch.cat([b.chunk(n, dim=d)[r] for b in w.chunk(parts, dim=d)], dim=d))
+                mark_split(p, group, d, parts)
+        self.layer = split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
@@ -120,8 +167,8 @@ def gpt_layers(config: Any, vocab_size: int, seq_length: int) -> list[nn.Module]
     """hethub's layer list for a megatron-core GPT: [embedding, TransformerLayer x num_layers, head]."""
     cpu_compat()
     if getattr(config, "tensor_model_parallel_size", 1) != 1:
-        raise ValueError(f"config.tensor_model_parallel_size: hethub runs TP = 1, got "
-                         f"{config.tensor_model_parallel_size}")
+        raise ValueError(f"config.tensor_model_parallel_size: build the layers whole (1); the plan's "
+                         f"tensor_parallel splits them per stage, got {config.tensor_model_parallel_size}")
     return [MegatronEmbedding(config, vocab_size, seq_length),
             *[MegatronBlock(config, i + 1) for i in range(config.num_layers)],
             MegatronHead(config, vocab_size)]

@@ -8,6 +8,7 @@ only where the device reports it (CUDA/ROCm).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -17,7 +18,8 @@ from torch import nn
 
 from .emulation import SlowDown
 from .models import Block, Embedding, Head
-from .partitioner.records import LayerProfile, ModelConfig, Profile
+from .partitioner.errors import InputError
+from .partitioner.records import LayerProfile, ModelConfig, Profile, check_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,8 +34,9 @@ def local_device() -> torch.device:
 
 
 def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device,
-                  warmup: int = 2, reps: int = 7) -> dict:
-    """Median forward and backward milliseconds of one layer, activation bytes it keeps, and peak memory."""
+                  warmup: int = 2, reps: int = 7, agree: Callable[[int], int] = lambda n: n) -> dict:
+    """Median forward and backward milliseconds of one layer, activation bytes it keeps, and peak memory.
+    ``agree`` makes the ranks of a tensor-parallel group run the same number of repetitions (the largest)."""
     fwd, bwd = [], []
     saved = 0
     peak = None
@@ -69,17 +72,50 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
         elif it == warmup - 1:
             # Short layers get more repetitions (at least ~50 ms of measurements, at most 200): a median of
             # a handful of sub-millisecond runs moves by tens of percent between runs.
-            target = warmup + min(200, max(reps, int(0.05 / max(t2 - t0, 1e-6))))
+            target = agree(warmup + min(200, max(reps, int(0.05 / max(t2 - t0, 1e-6)))))
         it += 1
     return {"forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd),
             "activation_bytes": saved, "peak_memory_bytes": peak}
 
 
+def _tp_group(tensor_parallel: int):
+    """(all-reduce-max of an int over the group, mesh) for a profile measured tensor-parallel: the world of
+    processes a launcher started, which must be exactly ``tensor_parallel`` of them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tensor_parallel:
+        raise InputError("--tensor-parallel", f"{tensor_parallel} needs {tensor_parallel} processes under a launcher "
+                                              f"(e.g. torchrun --nproc-per-node {tensor_parallel}), got WORLD_SIZE "
+                                              f"{world}")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    mesh = init_device_mesh(local_device().type, (tensor_parallel,))
+
+    def agree(n: int) -> int:
+        t = torch.tensor([n], device=local_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    return agree, mesh
+
+
 def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 1, dtype: str = "fp32",
                   warmup: int = 2, reps: int = 7, slowdown: float = 1.0, progress: bool = True,
-                  seed: int = 0) -> Profile:
-    """Measure embedding, one block and head of ``model`` on the local device; every block shares the block's row."""
+                  seed: int = 0, tensor_parallel: int = 1) -> Profile:
+    """Measure embedding, one block and head of ``model`` on the local device; every block shares the block's row.
+
+    With ``tensor_parallel`` t > 1 (under a launcher, t processes) the block is split over them as the runtime
+    splits it (``Block.TP_PLAN``), so its times include the all-reduces on this node's real link; embedding
+    and head run whole, as in training."""
     device = local_device()
+    agree, mesh = (lambda n: n), None
+    if tensor_parallel > 1:
+        try:
+            check_tensor_parallel(model, tensor_parallel, "--tensor-parallel")
+        except ValueError as exc:
+            raise InputError("--tensor-parallel", str(exc).split(": ", 1)[1]) from None
+        agree, mesh = _tp_group(tensor_parallel)
     torch.manual_seed(seed)
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size
     tdtype = _DTYPES[dtype]
@@ -97,10 +133,13 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         task = bar.add_task(f"profiling {model.name} on {device_type}", total=len(kinds))
     try:
         for kind, module, make_input in kinds:
-            module = module.to(device=device, dtype=tdtype if kind != "embedding" else tdtype)
+            module = module.to(device=device, dtype=tdtype)
+            if mesh is not None and kind == "block":
+                from .tp import parallelize
+                parallelize(1, [module], {}, mesh)
             if slowdown != 1.0:
                 module = SlowDown(module, slowdown)
-            rows[kind] = measure_layer(module, make_input, device, warmup, reps)
+            rows[kind] = measure_layer(module, make_input, device, warmup, reps, agree)
             if bar:
                 bar.advance(task)
     finally:
@@ -114,7 +153,8 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
                                    peak_memory_bytes=r["peak_memory_bytes"]))
     import socket
     return Profile(device_type=device_type, model=model, micro_batch_size=micro_batch_size, dtype=dtype,
-                   emulated_slowdown=slowdown, layers=layers, host=socket.gethostname())
+                   emulated_slowdown=slowdown, tensor_parallel=tensor_parallel, layers=layers,
+                   host=socket.gethostname())
 
 
 def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int = 5) -> list[dict]:

@@ -1,11 +1,17 @@
 """Tensor parallelism inside a stage, on PyTorch's tensor-parallel API.
 
 Why PyTorch's API (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on a ``DeviceMesh``
-made from the replica's own process group) and not megatron-core's parallel layers: hethub's groups are
-per stage and per replica (stages differ in width and degree), which a ``DeviceMesh.from_group`` expresses
-directly, while megatron-core's layers read global tensor-parallel state set up once for a dense grid. It
+made from the replica's own process group) for hethub's and the user's layers, rather than megatron-core's
+parallel layers: it splits a module already built, in place, and hethub's groups are per stage and per
+replica (stages differ in width and degree), which a ``DeviceMesh.from_group`` expresses directly. It
 also takes a user's plan in the strings Hugging Face uses (``base_model_tp_plan``: "colwise" /
-"rowwise") and runs on CPU/gloo, so equivalence is tested where CI runs.
+"rowwise") and runs on CPU/gloo, so equivalence is tested where CI runs. megatron-core's own layers run
+tensor-parallel too, rebuilt with the replica's group (``hethub.megatron``): megatron-core 0.16 takes
+per-module process groups (``pg_collection``), which is the seam a per-stage group needs.
+
+A layer may split itself: one that defines ``split_tensor_parallel(group)`` replaces its parameters by
+this rank's shards and marks each split one with ``mark_split(param, group, dim, parts)`` (``parts`` > 1
+for matrices that are several matrices stacked, like a fused SwiGLU input, each split on its own).
 
 What is split: hethub's own blocks (``hethub.models.Block.TP_PLAN``: Q, K, V and the first MLP matrices
 column-parallel, the output projections row-parallel); a user's layers where ``tp_plan`` patterns
@@ -14,12 +20,13 @@ unmatched submodules — runs replicated on every rank of the group. A stage's o
 (pair every column-parallel matrix with a row-parallel one inside the stage), since only the group's lead
 sends it on.
 
-Parameters split by the plan are DTensors; ``local`` gives the rank's own shard for hethub's all-reduces,
+Parameters split by the plan are DTensors (or marked plain tensors); ``local`` gives the rank's own shard for hethub's all-reduces,
 clipping, ZeRO-1 and checkpoints, and ``is_sharded`` says whether a tensor is split (its norm counts on
 every rank of the group) or whole (counted once).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Any, Mapping, Optional, Sequence
 
@@ -29,6 +36,26 @@ from torch import nn
 from .partitioner.errors import InputError
 
 STYLES = ("colwise", "rowwise")
+SELF = "self"  # a layer with split_tensor_parallel(group): it splits itself
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a plain tensor is one rank's shard of a whole one: ``parts`` stacked blocks along ``dim``, each
+    cut into ``group``-size equal chunks, this rank keeping its chunk of every block."""
+    group: Any
+    dim: int
+    parts: int = 1
+
+
+def mark_split(param: torch.Tensor, group: Any, dim: int, parts: int = 1) -> None:
+    """Mark ``param`` as this rank's shard (see ``Split``) so hethub reduces, clips, shards (ZeRO-1) and
+    checkpoints it as a split tensor."""
+    param._hethub_split = Split(group, dim, parts)
+
+
+def split_of(t: torch.Tensor) -> Optional[Split]:
+    return getattr(t, "_hethub_split", None)
 
 
 def check_tp_plan(tp_plan: Optional[Mapping[str, str]]) -> dict[str, str]:
@@ -51,7 +78,8 @@ def _known_plan(layer: nn.Module) -> Optional[dict[str, str]]:
     if isinstance(layer, Block):
         names = dict(layer.named_modules())
         return {path: style for path, style in Block.TP_PLAN.items() if path in names}
-    if isinstance(layer, (Embedding, Head)) or type(layer).__name__ in ("HFEmbedding", "HFHead"):
+    if isinstance(layer, (Embedding, Head)) or type(layer).__name__ in (
+            "HFEmbedding", "HFHead", "MegatronEmbedding", "MegatronHead"):
         return {}  # embeddings and heads run whole on every rank of the group
     return None
 
@@ -61,6 +89,8 @@ def layer_plan(idx: int, layer: Any, tp_plan: Mapping[str, str]) -> tuple[Option
     a pattern matches nor does hethub know the layer)."""
     if not isinstance(layer, nn.Module):
         return {}, set()  # a plain function: nothing to split
+    if callable(getattr(layer, "split_tensor_parallel", None)):
+        return {"": SELF}, set()  # it splits itself; patterns do not reach inside
     out, used = {}, set()
     for path, _ in layer.named_modules():
         key = f"{idx}.{path}" if path else str(idx)
@@ -110,16 +140,18 @@ def parallelize(first_idx: int, layers: Sequence[Any], tp_plan: Mapping[str, str
         found, _ = layer_plan(first_idx + k, layer, tp_plan)
         if not found:
             continue
-        if "" in found:  # the layer itself (a Linear)
+        if found == {"": SELF}:
+            layer.split_tensor_parallel(mesh.get_group())
+        elif "" in found:  # the layer itself (a Linear)
             parallelize_module(layer, mesh, styles[found[""]]())
         else:
             parallelize_module(layer, mesh, {path: styles[s]() for path, s in found.items()})
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    """A DTensor split over its mesh (its rank holds a part)."""
+    """A DTensor split over its mesh, or a tensor marked by ``mark_split`` (its rank holds a part)."""
     from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+    return split_of(t) is not None or (isinstance(t, DTensor) and any(p.is_shard() for p in t.placements))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -132,17 +164,38 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective over the group for a DTensor: every rank of it must call)."""
+    """The whole tensor (collective over the group for a split one: every rank of it must call)."""
     from torch.distributed.tensor import DTensor
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.full_tensor()
-    return t
+    return gather_like(t, t)
+
+
+def gather_like(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole of ``v``, this rank's shard laid out as the marked plain tensor ``p`` (``v`` may be ``p``
+    or optimizer state shaped like it); anything else as is. Collective over the group."""
+    import torch.distributed as dist
+    split = split_of(p)
+    if split is None or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
+        return v
+    with torch.no_grad():
+        chunks = [torch.empty_like(v) for _ in range(dist.get_world_size(split.group))]
+        dist.all_gather(chunks, v.detach().contiguous(), group=split.group)
+        blocks = [[c.chunk(split.parts, dim=split.dim)[k] for c in chunks] for k in range(split.parts)]
+        return torch.cat([torch.cat(b, dim=split.dim) for b in blocks], dim=split.dim)
 
 
 def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a whole tensor, laid out as ``like`` (a DTensor) is: no communication."""
+    """This rank's part of a whole tensor, laid out as ``like`` (a DTensor or a marked tensor) is: no
+    communication."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+    split = split_of(like)
+    if split is not None and whole.dim() > 0:
+        n, r = dist.get_world_size(split.group), dist.get_rank(split.group)
+        return torch.cat([b.chunk(n, dim=split.dim)[r] for b in whole.chunk(split.parts, dim=split.dim)],
+                         dim=split.dim)
     if not isinstance(like, DTensor):
         return whole
     part = whole

@@ -196,6 +196,7 @@ class CostModel:
         self._tp_times: dict[tuple[str, int], tuple] = {}
         self._tied_params = float(self.model.vocab_size * self.model.hidden_size) if self.model.tie_embeddings else 0.0
         self.devices: dict[str, DeviceCosts] = {}
+        self._tp_profiles: dict[tuple[str, int], list[Profile]] = {}
         by_type: dict[str, list[Profile]] = {}
         for i, p in enumerate(self.profiles):
             if p.device_type not in self.cluster.type_names:
@@ -206,7 +207,10 @@ class CostModel:
                 raise InputError(f"profiles[{i}].model", f"profile was measured on model {p.model.name!r} "
                                                          f"({_shape(p.model)}), planning model {self.model.name!r} "
                                                          f"is {_shape(self.model)}")
-            by_type.setdefault(p.device_type, []).append(p)
+            if p.tensor_parallel > 1:  # measured split: replaces the analytic TP terms for that (type, degree)
+                self._tp_profiles.setdefault((p.device_type, p.tensor_parallel), []).append(p)
+            else:
+                by_type.setdefault(p.device_type, []).append(p)
         for t in self.cluster.type_names:
             self.devices[t] = self._device_costs(t, by_type.get(t, []))
 
@@ -227,16 +231,7 @@ class CostModel:
         if not profiles:
             fwd, bwd = self._analytic(t, efficiency, self.dtype)
             return DeviceCosts(fwd, bwd, efficiency, measured)
-        samples_by_layer: dict[int, list[tuple[int, float, float]]] = {}
-        for p in profiles:
-            for lp in p.layers:
-                samples_by_layer.setdefault(lp.index, []).append((p.micro_batch_size, lp.forward_ms / 1e3,
-                                                                  lp.backward_ms / 1e3))
-                measured[lp.index] = True
-        fwd_m, bwd_m, fwd_a, bwd_a = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-        for idx, pts in samples_by_layer.items():
-            (fwd_a[idx], fwd_m[idx]), (bwd_a[idx], bwd_m[idx]) = (_affine([(q[0], q[1]) for q in pts]),
-                                                                  _affine([(q[0], q[2]) for q in pts]))
+        measured, fwd_m, bwd_m, fwd_a, bwd_a = self._measured(profiles)
         # One efficiency factor for the type, from the measured compute-bound layers (blocks and head).
         efficiency = calibrate_efficiency(self.model, self.cluster.device_type(t).peak(profiles[0].dtype),
                                           {lp.index: lp.forward_ms + lp.backward_ms for lp in profiles[0].layers},
@@ -249,6 +244,27 @@ class CostModel:
                               f"(efficiency {efficiency:.3f})")
         return DeviceCosts(fwd, bwd, efficiency, measured, fwd_a, bwd_a)
 
+    def _measured(self, profiles: list[Profile]) -> tuple[np.ndarray, ...]:
+        """(measured mask, fwd per sample, bwd per sample, fwd per call, bwd per call) of every layer from the
+        profiles of one (type, degree): an affine fit over micro-batch sizes where there are several."""
+        n = self.model.num_planner_layers
+        measured = np.zeros(n, dtype=bool)
+        samples_by_layer: dict[int, list[tuple[int, float, float]]] = {}
+        for p in profiles:
+            for lp in p.layers:
+                samples_by_layer.setdefault(lp.index, []).append((p.micro_batch_size, lp.forward_ms / 1e3,
+                                                                  lp.backward_ms / 1e3))
+                measured[lp.index] = True
+        fwd_m, bwd_m, fwd_a, bwd_a = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        for idx, pts in samples_by_layer.items():
+            (fwd_a[idx], fwd_m[idx]), (bwd_a[idx], bwd_m[idx]) = (_affine([(q[0], q[1]) for q in pts]),
+                                                                  _affine([(q[0], q[2]) for q in pts]))
+        return measured, fwd_m, bwd_m, fwd_a, bwd_a
+
+    def tp_measured(self, t: str, tp: int) -> bool:
+        """Whether (type, degree) has a profile measured tensor-parallel (else the analytic terms apply)."""
+        return tp > 1 and (t, tp) in self._tp_profiles
+
     def layer_times(self, t: str, tp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(forward per sample, backward per sample, forward per call, backward per call) seconds of every layer
         on a device of type t, in a tensor-parallel group of ``tp`` devices of that type.
@@ -258,7 +274,8 @@ class CostModel:
         block's compute is divided by tp and its output needs an all-reduce after attention and after the MLP
         (two in forward, two in backward, each of s x h 16-bit activations per sample, ring, on the type's
         intra-node link). The embedding, the norms and the head are replicated: every rank of the group runs
-        them whole. Measured (tp = 1) profiles get the same terms on top.
+        them whole. Measured (tp = 1) profiles get the same terms on top; a profile measured at this degree
+        (``hethub profile --tensor-parallel``) replaces them for the layers it has.
         """
         key = (t, tp)
         cached = self._tp_times.get(key)
@@ -273,6 +290,9 @@ class CostModel:
             per_sample, per_call = self.tp_allreduce_s(t, tp)
             for arr, add in ((fwd, per_sample), (bwd, per_sample), (fwd_fixed, per_call), (bwd_fixed, per_call)):
                 arr += add
+        if self.tp_measured(t, tp):
+            m, fwd_m, bwd_m, fwd_a, bwd_a = self._measured(self._tp_profiles[(t, tp)])
+            fwd[m], bwd[m], fwd_fixed[m], bwd_fixed[m] = fwd_m[m], bwd_m[m], fwd_a[m], bwd_a[m]
         self._tp_times[key] = (fwd, bwd, fwd_fixed, bwd_fixed)
         return self._tp_times[key]
 

@@ -362,12 +362,16 @@ class Profile(Record):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # Emulated slowdown factor the profile was measured under (1 = real device speed).
     emulated_slowdown: float = Field(default=1.0, ge=1, le=MAX_RATE, allow_inf_nan=False)
+    # Measured in a tensor-parallel group of this many devices (blocks split, their all-reduces included).
+    tensor_parallel: int = Field(default=1, gt=0, le=1024)
     layers: list[LayerProfile] = Field(default_factory=list)
     links: list[LinkProfile] = Field(default_factory=list)
     host: str = Field(default="", max_length=MAX_NAME_CHARS)
 
     @model_validator(mode="after")
     def _check(self) -> "Profile":
+        if self.tensor_parallel > 1:
+            check_tensor_parallel(self.model, self.tensor_parallel, "tensor_parallel")
         kinds = {li.index: li.kind for li in self.model.layers()}
         for i, lp in enumerate(self.layers):
             if lp.index not in kinds:
@@ -572,7 +576,7 @@ def validate_plan(plan: Plan) -> None:
                 raise ValueError(f"{where}: cluster {plan.cluster.name!r} has no {t!r} devices "
                                  f"(it has {', '.join(plan.cluster.type_names)})")
         if st.tensor_parallel > 1:
-            _check_tensor_parallel(plan.model, st.tensor_parallel, f"{f}.tensor_parallel")
+            check_tensor_parallel(plan.model, st.tensor_parallel, f"{f}.tensor_parallel")
         total = sum(r.samples for r in st.replicas)
         if total != plan.micro_batch_size:
             raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
@@ -586,7 +590,7 @@ def validate_plan(plan: Plan) -> None:
         raise ValueError(f"stages: ranks must be 0..{world - 1} without gaps, missing rank {missing[0]}")
 
 
-def _check_tensor_parallel(m: "ModelConfig", t: int, field: str) -> None:
+def check_tensor_parallel(m: "ModelConfig", t: int, field: str) -> None:
     """Megatron-style tensor parallelism splits attention heads, KV heads and the FFN width t ways."""
     for what, n in (("attention heads", m.num_attention_heads), ("KV heads", m.kv_heads),
                     ("FFN size", m.ffn_hidden_size)):

@@ -80,8 +80,8 @@ def test_links():
     assert many[0] == pytest.approx(z.sync_s(p, ["A100-80GB"], 4, True))
 
 
-def _profile(model, device_type, layers, mbs=2, ms=1.0):
-    return Profile(device_type=device_type, model=model, micro_batch_size=mbs,
+def _profile(model, device_type, layers, mbs=2, ms=1.0, tp=1):
+    return Profile(device_type=device_type, model=model, micro_batch_size=mbs, tensor_parallel=tp,
                    layers=[LayerProfile(index=i, kind=model.layers()[i].kind, forward_ms=ms, backward_ms=2 * ms)
                            for i in layers])
 
@@ -96,6 +96,22 @@ def test_profile_merge_measured_wins_and_missing_layers_fall_back():
     assert any("lacks layers 4..5" in n for n in cm.notes)
     # the calibrated efficiency came from the measured blocks, not the datasheet default
     assert d.efficiency != MIXED.device_type("A100-80GB").efficiency
+
+
+def test_a_profile_measured_tensor_parallel_replaces_the_analytic_terms_at_its_degree():
+    m = builtin_model("gpt-tiny")
+    whole = _profile(m, "A100-80GB", range(6), ms=1.0)
+    cm = CostModel(MIXED, m, profiles=[whole, _profile(m, "A100-80GB", range(1, 3), ms=0.7, tp=2)])
+    analytic = CostModel(MIXED, m, profiles=[whole])
+    fwd2, bwd2, _, _ = cm.layer_times("A100-80GB", 2)
+    assert fwd2[1] == pytest.approx(0.7e-3 / 2) and bwd2[2] == pytest.approx(1.4e-3 / 2)  # measured at t = 2
+    # blocks it lacks, and other degrees, keep the analytic terms on top of the t = 1 profile
+    assert fwd2[3] == analytic.layer_times("A100-80GB", 2)[0][3]
+    assert cm.layer_times("A100-80GB", 4)[0][1] == analytic.layer_times("A100-80GB", 4)[0][1]
+    assert cm.layer_times("A100-80GB", 1)[0][1] == pytest.approx(1e-3 / 2)  # t = 1 untouched
+    assert cm.tp_measured("A100-80GB", 2) and not cm.tp_measured("A100-80GB", 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel: 3 must divide the model's attention heads"):
+        _profile(m, "A100-80GB", range(6), tp=3)
 
 
 def test_profile_for_unknown_type_or_other_model_is_refused():
@@ -130,3 +146,38 @@ def test_profiler_measures_every_layer_and_round_trips(tmp_path):
     assert block.activation_bytes >= 4 * 32 * 256
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--micro-batch-size", "0")
     assert r.returncode == 2 and r.stderr.strip() == "error: --micro-batch-size: must be in 1..65536, got 0"
+    r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--tensor-parallel", "2")
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --tensor-parallel: 2 needs 2 processes under a "
+                                                      "launcher (e.g. torchrun --nproc-per-node 2), got WORLD_SIZE 1")
+
+
+@pytest.mark.dist
+def test_profile_tensor_parallel_splits_the_block_over_the_launched_processes(tmp_path):
+    """``hethub profile --tensor-parallel 2`` under 2 processes: the block runs split (its all-reduces are in
+    its time), embedding and head whole; the planner's cost model then prices t = 2 from it."""
+    pytest.importorskip("torch")
+    from dist_util import spawn
+    out = tmp_path / "p2.json"
+    argv = ["-m", "hethub.cli", "profile", "--model", "gpt-tiny", "--device-type", "A100-80GB", "--reps", "2",
+            "--tensor-parallel", "2", "-o", str(out)]
+    for rank, (rc, _o, err) in enumerate(spawn(2, argv, timeout=120)):
+        assert rc == 0, f"rank {rank}: {err[-2000:]}"
+    from hethub.partitioner import load_profile
+    prof = load_profile(str(out))
+    assert prof.tensor_parallel == 2 and [l.index for l in prof.layers] == list(range(6))
+    # half the block's weights per rank: the activations it keeps (the MLP's hidden half) shrink too
+    whole = run_cli_profile(tmp_path)
+    assert prof.layers[1].activation_bytes < whole.layers[1].activation_bytes
+    assert prof.layers[0].activation_bytes == whole.layers[0].activation_bytes  # the embedding runs whole
+    cm = CostModel(MIXED, prof.model, profiles=[whole, prof])
+    assert cm.layer_times("A100-80GB", 2)[0][1] == pytest.approx(prof.layers[1].forward_ms / 1e3)
+
+
+def run_cli_profile(tmp_path):
+    from conftest import run_cli
+
+    from hethub.partitioner import load_profile
+    r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "A100-80GB", "--reps", "2", "-o",
+                str(tmp_path / "p1.json"))
+    assert r.returncode == 0, r.stderr
+    return load_profile(str(tmp_path / "p1.json"))

@@ -55,8 +55,10 @@ def test_megatron_core_accepts_the_export(tmp_path):
 
 
 @pytest.mark.dist
-def test_megatron_core_gpt_under_a_2_to_3_plan_matches_one_process(tmp_path):
-    """A tiny megatron-core GPT (local spec) under widths 2 -> 3 trains like one process (5 SGD steps, clipped)."""
+def test_megatron_core_layers_tensor_parallel_match_one_process(tmp_path):
+    """A tiny Llama-style megatron-core GPT (local spec; SwiGLU, 2 query groups) under width 1 -> tensor
+    parallel 2 x width 2 (4+2 samples) trains like one process (5 SGD steps, clipped): megatron-core's own
+    parallel layers over each replica's group."""
     pytest.importorskip("megatron.core")
     import subprocess
     import sys
@@ -69,11 +71,12 @@ def test_megatron_core_gpt_under_a_2_to_3_plan_matches_one_process(tmp_path):
     from hethub.megatron import model_config_from_megatron
     from train_megatron import SEQ, VOCAB, megatron_config
     model = model_config_from_megatron(megatron_config(), VOCAB, SEQ, name="megatron-tiny")
-    assert model.num_planner_layers == 5 and model.architecture == "gpt"
+    assert model.num_planner_layers == 5 and model.architecture == "llama"
     cl = Cluster.model_validate({"name": "cpu", "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": 1,
                                                                          "memory_gib": 4, "memory_gbps": 10}},
                                  "nodes": [{"host": "localhost", "device_type": "CPU", "count": 5}]})
-    plan = build_plan(model, cl, [StageLayout((0, 2), "CPU", (3, 3)), StageLayout((2, 5), "CPU", (2, 2, 2))], 6, 2)
+    plan = build_plan(model, cl, [StageLayout((0, 2), "CPU", (6,)),
+                                  StageLayout((2, 5), "CPU", (4, 2), tensor_parallel=2)], 6, 2)
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     worker = os.path.join("tests", "workers", "train_megatron.py")
@@ -84,14 +87,18 @@ def test_megatron_core_gpt_under_a_2_to_3_plan_matches_one_process(tmp_path):
                        env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = torch.load(tmp_path / "single.pt", weights_only=True)
-    seen = set()
+    seen, splits = set(), []
     for rank in range(5):
         got = torch.load(tmp_path / f"r{rank}.pt", weights_only=True)
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+        splits.append(int(got["split"]))
         for k, v in got["params"].items():
             torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=1e-5)
             seen.add(k)
     assert seen == set(ref["params"]) and ref["losses"][-1] < ref["losses"][0]
+    # each of the 4 ranks of stage 1 holds a shard of 6 tensors per block (QKV and fc1 weight and bias,
+    # both output projections' weights) for its 2 blocks; the width-1 stage splits nothing
+    assert sorted(splits) == [0, 12, 12, 12, 12], splits
 
 
 def test_cost_model_reads_a_megatron_config():

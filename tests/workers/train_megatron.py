@@ -13,9 +13,13 @@ VOCAB, SEQ = 64, 8
 
 
 def megatron_config():
+    """Llama-style (SwiGLU, RMSNorm, 2 query groups for 4 heads): the layouts tensor parallelism must cut."""
+    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+    return TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=64, gated_linear_unit=True, activation_func=F.silu,
+                             normalization="RMSNorm", use_cpu_initialization=True, hidden_dropout=0.0,
+                             attention_dropout=0.0)
 
 
 def batch(step, m, mb):
@@ -51,9 +55,17 @@ def main():
         for step in range(steps):
             losses.append(float(engine.train_batch(iter([batch(step, m, mb) for m in range(M)]))))
         a, b = engine.grid.stage.layers
-        params = {f"{i}.{k}": v for i in range(a, b) for k, v in layers[i].state_dict().items()
+        from hethub.tp import full, is_sharded, shard_of
+        split = 0
+        for i in range(a, b):
+            for p in layers[i].parameters():
+                split += is_sharded(p)  # and a checkpoint's whole tensor cuts back to exactly this shard
+                assert torch.equal(shard_of(full(p), p), p.detach()), (i, p.shape)
+        params = {f"{i}.{k}": full(v).detach().clone() for i in range(a, b)
+                  for k, v in layers[i].state_dict(keep_vars=True).items()
                   if torch.is_tensor(v) and v.is_floating_point()}
-    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params},
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
+                "split": torch.tensor(0 if single else split)},
                out.replace("{rank}", os.environ.get("RANK", "0")))
 
 

@@ -93,7 +93,8 @@ def main():
             engine.save_checkpoint(argv[argv.index("--save") + 1])
         first, last = engine.grid.stage.layers
     from hethub.tp import full
-    params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last) for k, v in layers[i].state_dict().items()}
+    params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last)
+              for k, v in layers[i].state_dict(keep_vars=True).items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out)
 
 
