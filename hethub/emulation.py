@@ -53,8 +53,13 @@ class _End(torch.autograd.Function):
 
 
 def _idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
-    """Sleep until this phase has taken ``factor`` x its fastest time seen (the reference), updated first."""
-    ref[phase] = min(ref.get(phase, took_s), took_s)
+    """Sleep until this phase has taken ``factor`` x its fastest time seen (the reference), updated first.
+    The first call only sets the reference: it carries one-time costs (allocations, a tensor-parallel
+    layer's sharding set-up: seconds), which k x would turn into minutes of idling."""
+    if phase not in ref:
+        ref[phase] = took_s
+        return
+    ref[phase] = min(ref[phase], took_s)
     time.sleep(max(0.0, factor * ref[phase] - took_s))
 
 

@@ -43,6 +43,7 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
     it = 0
     target = warmup + reps
     while it < target:
+        agree(0)  # tensor parallel: start each repetition together, so no rank's time holds another's idling
         x = make_input()
         for p in module.parameters():
             p.grad = None
