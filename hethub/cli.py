@@ -120,12 +120,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
+    if args.what_if:
+        return _what_if(args, cm, opts, console)
     if args.baseline:
         plan = make_baseline(args.baseline, cluster, model, args.global_batch, opts=opts, cost_model=cm)
     else:
         with _SolveStatus(console) as status:
             plan = make_plan(cluster, model, args.global_batch, opts=opts, cost_model=cm,
-                             with_homogeneous_sum=not args.no_compare, progress=status)
+                             with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective)
     write_atomic(args.output, plan.to_json() + "\n", "--output", [args.cluster, args.model, *profile_files])
     print_plan(plan, console)
     split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
@@ -142,7 +144,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               f"({base.predicted.samples_per_s:.4g} samples/s)")
             except InfeasibleError as exc:
                 console.print(f"vs {kind}: baseline has no feasible plan ({exc.message})")
+    if args.explain:
+        from .partitioner.api import solve
+        from .partitioner.explain import explain
+        for line in explain(plan, cm, opts, solve):
+            console.print(f"explain: {line}")
     console.print(f"wrote {args.output}")
+    return 0
+
+
+def _what_if(args: argparse.Namespace, cm, opts, console) -> int:
+    """Plan the cluster as it is and as changed, with the same options; print both, write nothing."""
+    from .partitioner.api import solve
+    from .partitioner.costmodel import CostModel
+    from .partitioner.errors import InfeasibleError
+    from .partitioner.whatif import apply_what_if
+    changed = apply_what_if(cm.cluster, args.what_if)
+    other = CostModel(changed, cm.model, profiles=[p for p in cm.profiles if p.device_type in changed.type_names],
+                      memory_reserve_gib=cm.memory_reserve_gib, zero1=cm.zero1)
+    results = []
+    for label, model in (("now", cm), ("what-if", other)):
+        try:
+            plan = solve(model, args.global_batch, opts)
+            results.append(plan.predicted.samples_per_s)
+            console.print(f"{label}: {plan.predicted.samples_per_s:.4g} samples/s on {plan.world_size} of "
+                          f"{model.cluster.num_devices} devices, {plan.num_stages} stages")
+        except InfeasibleError as exc:
+            results.append(0.0)
+            console.print(f"{label}: no feasible plan ({exc.message})")
+    before, after = results
+    change = f"{after / before - 1:+.1%}" if before > 0 else "from infeasible"
+    console.print(f"what-if {args.what_if!r}: {before:.4g} -> {after:.4g} samples/s ({change}); no plan written")
     return 0
 
 
@@ -273,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "
                                                                "plans (faster)")
+    sp.add_argument("--objective", choices=["throughput", "cost"], default="throughput",
+                    help="cost: fewest dollars per million tokens (needs usd_per_hour for every device type)")
+    sp.add_argument("--explain", action="store_true",
+                    help="say for each idle device type which constraint keeps it out and what would bring it in")
+    sp.add_argument("--what-if", metavar="CHANGE",
+                    help="'add 16 V100-32GB', 'remove 8 A100-80GB', 'remove host nv3' (';' joins several): print "
+                         "the change in samples/s; no plan is written")
     sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("simulate", help="event-level replay of one iteration of a plan")

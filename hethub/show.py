@@ -59,7 +59,11 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
             line += f", efficiency {p.efficiency:.1%}"
         if p.homogeneous_sum_samples_per_s:
             line += f", {p.samples_per_s / p.homogeneous_sum_samples_per_s:.1%} of the homogeneous sub-clusters' sum"
+        if p.usd_per_million_tokens is not None:
+            line += f", ${p.usd_per_million_tokens:.4g} per 1M tokens"
         console.print(line)
+    used, total = plan.devices_by_type(), plan.cluster.count_by_type()
+    console.print("devices used: " + ", ".join(f"{t} {used.get(t, 0)}/{n}" for t, n in total.items()))
     if plan.solver:
         s = plan.solver
         console.print(f"solver: {s.name}, {s.status}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from .baselines import deepspeed_baseline
@@ -19,7 +20,7 @@ def fastest_type(cm: CostModel) -> str:
     return min(cm.cluster.type_names, key=cm.sample_s)
 
 
-def _solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
+def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
     """The MILP's best chains (per micro-batch size), placed; the simulator picks among the closest few."""
     sol, stats = search(cm, global_batch, opts, progress)
     types = list(opts.device_types or cm.cluster.type_names)
@@ -43,19 +44,60 @@ def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> f
     for t in cm.cluster.type_names:
         sub = PlannerOptions(**{**opts.__dict__, "device_types": (t,)})
         try:
-            total += _solve(cm, global_batch, sub).predicted.samples_per_s
+            total += solve(cm, global_batch, sub).predicted.samples_per_s
         except InfeasibleError:
             pass
     return total
 
 
+OBJECTIVES = ("throughput", "cost")
+
+
+def type_subsets(types: Sequence[str]) -> list[tuple[str, ...]]:
+    """Which device types to rent: every non-empty subset up to 4 types; beyond, each type alone, all, and all
+    but one (2^n plans would not fit a time limit)."""
+    n = len(types)
+    if n <= 4:
+        return [tuple(t for k, t in enumerate(types) if mask >> k & 1) for mask in range(1, 2 ** n)]
+    return ([(t,) for t in types] + [tuple(types)]
+            + [tuple(u for u in types if u != t) for t in types])
+
+
+def _cheapest(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
+    """--objective cost: the plan with the fewest dollars per million tokens. Each subset of the device types
+    is planned for throughput (a share of the time limit) and priced on the devices it uses; the cheapest
+    wins. Within a subset the planner still uses what makes it fastest, so a cheaper plan that idles part of
+    a type on purpose is not searched (README)."""
+    types = list(opts.device_types or cm.cluster.type_names)
+    unpriced = [t for t in types if cm.cluster.device_type(t).usd_per_hour is None]
+    if unpriced:
+        raise InputError("--objective", f"cost needs usd_per_hour for every device type; {unpriced[0]!r} has none "
+                                        f"(set it under the cluster's device_types)")
+    subsets = type_subsets(types)
+    share = max(opts.time_limit_s / len(subsets), 0.5)
+    best = None
+    for sub in subsets:
+        try:
+            plan = solve(cm, global_batch, replace(opts, device_types=sub, time_limit_s=share), progress)
+        except InfeasibleError:
+            continue
+        if best is None or plan.predicted.usd_per_million_tokens < best.predicted.usd_per_million_tokens:
+            best = plan
+    if best is None:
+        return solve(cm, global_batch, opts, progress)  # raises the planner's own infeasibility line
+    return best
+
+
 def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profiles: Sequence[Profile] = (),
               opts: PlannerOptions = PlannerOptions(), with_homogeneous_sum: bool = True,
               memory_reserve_gib: float = 2.0, zero1: bool = False, cost_model: Optional[CostModel] = None,
-              progress=None) -> Plan:
-    """The planner's best plan, with ``predicted`` and ``solver`` filled in (``progress``: see ``search``)."""
+              progress=None, objective: str = "throughput") -> Plan:
+    """The planner's best plan, with ``predicted`` and ``solver`` filled in (``progress``: see ``search``).
+    ``objective``: "throughput" (samples/s) or "cost" (dollars per million tokens, ``_cheapest``)."""
+    if objective not in OBJECTIVES:
+        raise InputError("--objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}"[:120])
     cm = cost_model or CostModel(cluster, model, profiles=profiles, memory_reserve_gib=memory_reserve_gib, zero1=zero1)
-    plan = _solve(cm, global_batch, opts, progress)
+    plan = (_cheapest if objective == "cost" else solve)(cm, global_batch, opts, progress)
     if with_homogeneous_sum:
         hs = homogeneous_sum(cm, global_batch, PlannerOptions(**{**opts.__dict__,
                                                                 "time_limit_s": opts.time_limit_s / 4}))
@@ -70,7 +112,7 @@ def make_baseline(kind: str, cluster: Cluster, model: ModelConfig, global_batch:
     cm = cost_model or CostModel(cluster, model, profiles=profiles)
     if kind == "fastest-only":
         t = fastest_type(cm)
-        plan = _solve(cm, global_batch, PlannerOptions(**{**opts.__dict__, "device_types": (t,)}))
+        plan = solve(cm, global_batch, PlannerOptions(**{**opts.__dict__, "device_types": (t,)}))
     elif kind in ("uniform", "parameters"):
         plan = deepspeed_baseline(cm, global_batch, kind)
     else:

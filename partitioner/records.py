@@ -112,6 +112,8 @@ class DeviceType(Record):
     memory_gbps: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
     # Fraction of peak a transformer layer's matmuls reach (MFU); a measured profile calibrates it.
     efficiency: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
+    # Price of one device-hour (cloud list price or amortised cost), for $/1M tokens and --objective cost.
+    usd_per_hour: Optional[float] = Field(default=None, ge=0, le=MAX_RATE, allow_inf_nan=False)
 
     @field_validator("peak_tflops", mode="before")
     @classmethod
@@ -495,6 +497,8 @@ class Predicted(Record):
     upper_bound_samples_per_s: Optional[float] = None
     efficiency: Optional[float] = None
     homogeneous_sum_samples_per_s: Optional[float] = None
+    # Dollars per million training tokens on the devices the plan uses (None unless each has usd_per_hour).
+    usd_per_million_tokens: Optional[float] = None
     stage_s: list[float] = Field(default_factory=list)
     memory_gib: list[float] = Field(default_factory=list)
 
@@ -533,6 +537,14 @@ class Plan(Record):
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def devices_by_type(self) -> dict[str, int]:
+        """Devices the plan uses, per type (a tensor-parallel replica counts its whole group)."""
+        out: dict[str, int] = {}
+        for st in self.stages:
+            for r in st.replicas:
+                out[st.type_of(r)] = out.get(st.type_of(r), 0) + st.tensor_parallel
+        return out
 
     def locate(self, rank: int) -> tuple[int, int]:
         """(stage index, replica index) of a global rank."""

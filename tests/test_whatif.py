@@ -1,0 +1,91 @@
+"""--what-if, --objective cost ($ per 1M tokens) and --explain."""
+import json
+import re
+
+import pytest
+
+from hethub.partitioner import Cluster, InputError, ModelConfig, builtin_model
+from hethub.partitioner.api import make_plan, solve, type_subsets
+from hethub.partitioner.costmodel import CostModel
+from hethub.partitioner.explain import explain
+from hethub.partitioner.planner import PlannerOptions
+from hethub.partitioner.whatif import apply_what_if
+
+PRICED = {"name": "priced", "device_types": {"A100-80GB": {"usd_per_hour": 1.8}, "V100-32GB": {"usd_per_hour": 0.9}},
+          "nodes": [{"host": "a0", "device_type": "A100-80GB", "count": 4},
+                    {"host": "v0", "device_type": "V100-32GB", "count": 4},
+                    {"host": "v1", "device_type": "V100-32GB", "count": 4}],
+          "network": {"intra_node_gbps": {"A100-80GB": 2400, "V100-32GB": 1200}, "inter_node_gbps": 200}}
+OPTS = PlannerOptions(time_limit_s=5, max_micro_batch_size=16)
+
+
+def test_what_if_sentences_change_the_cluster():
+    cl = Cluster.model_validate(PRICED)
+    more = apply_what_if(cl, "add 6 A100-80GB")
+    assert more.count_by_type() == {"A100-80GB": 10, "V100-32GB": 8}
+    assert [(n.host, n.count) for n in more.nodes[-2:]] == [("whatif-A100-80GB-0", 4), ("whatif-A100-80GB-1", 2)]
+    new_type = apply_what_if(cl, "add 8 H100-80GB; remove host v1")
+    assert new_type.count_by_type() == {"A100-80GB": 4, "V100-32GB": 4, "H100-80GB": 8}
+    assert new_type.network.intra_gbps("H100-80GB") == 1200  # the slowest listed link, never optimistic
+    fewer = apply_what_if(cl, "remove 5 V100-32GB")
+    assert [(n.host, n.count) for n in fewer.nodes] == [("a0", 4), ("v0", 3)]  # last nodes first
+    for text, message in (("add 3 B200", "unknown device type 'B200'"), ("remove host x9", "no host 'x9'"),
+                          ("remove 9 V100-32GB", "the cluster has 8 V100-32GB devices"),
+                          ("double everything", "expected 'add N TYPE'"),
+                          ("remove 4 A100-80GB; remove 8 V100-32GB", "leaves no devices")):
+        with pytest.raises(InputError, match=message) as exc:
+            apply_what_if(cl, text)
+        assert exc.value.field == "--what-if"
+
+
+def test_dollars_per_million_tokens_and_the_cost_objective():
+    cl = Cluster.model_validate(PRICED)
+    model = builtin_model("gpt-1.3b")
+    cm = CostModel(cl, model)
+    fast = make_plan(cl, model, 64, opts=OPTS, cost_model=cm, with_homogeneous_sum=False)
+    used = fast.devices_by_type()
+    hourly = 1.8 * used.get("A100-80GB", 0) + 0.9 * used.get("V100-32GB", 0)
+    expected = hourly * fast.predicted.iteration_s / 3600 / (64 * model.seq_length) * 1e6
+    assert fast.predicted.usd_per_million_tokens == pytest.approx(expected)
+    cheap = make_plan(cl, model, 64, opts=OPTS, cost_model=cm, with_homogeneous_sum=False, objective="cost")
+    # the cheapest over which types to rent: no dearer than the fastest plan or any single type's plan
+    singles = [solve(cm, 64, PlannerOptions(**{**OPTS.__dict__, "device_types": (t,)})) for t in cl.type_names]
+    assert all(cheap.predicted.usd_per_million_tokens <= p.predicted.usd_per_million_tokens * (1 + 1e-9)
+               for p in [fast, *singles])
+    assert type_subsets(["a", "b"]) == [("a",), ("b",), ("a", "b")]
+    assert len(type_subsets(list("abcdef"))) == 6 + 1 + 6
+    unpriced = CostModel(Cluster.model_validate({**PRICED, "device_types": {}}), model)
+    with pytest.raises(InputError, match=r"cost needs usd_per_hour for every device type; 'A100-80GB' has none"):
+        make_plan(unpriced.cluster, model, 64, opts=OPTS, cost_model=unpriced, objective="cost")
+
+
+def test_explain_names_the_constraint_and_what_brings_idle_devices_in():
+    cl = Cluster.model_validate(PRICED)
+    cm = CostModel(cl, builtin_model("gpt-1.3b"))
+    plan = make_plan(cl, cm.model, 2, opts=OPTS, cost_model=cm, with_homogeneous_sum=False)
+    lines = explain(plan, cm, OPTS, solve)
+    idle = [line for line in lines if "idle" in line]
+    assert idle, lines
+    # a global batch of 2 gives each stage at most 2 replicas: that is what keeps the rest out
+    assert any("batch: a replica needs at least one of the micro-batch's" in line for line in idle), idle
+    assert any(re.search(r"global batch (4|8|16) would use \d+ of them: \+", line) for line in idle), idle
+    # memory: a model whose block does not fit one device of a type even split 4 ways (V100, 32 GiB)
+    huge = ModelConfig(name="huge", architecture="gpt", num_layers=2, hidden_size=32768, num_attention_heads=64,
+                       ffn_hidden_size=131072, vocab_size=1000, seq_length=128)
+    big = CostModel(cl, huge)
+    from hethub.partitioner.explain import idle_reason
+    assert idle_reason(plan, big, "V100-32GB", 8).startswith("memory: one block split")
+
+
+def test_the_cli_prints_the_what_if_and_writes_no_plan(tmp_path):
+    from conftest import run_cli
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps(PRICED))
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", "--cluster", str(cluster), "--model", "gpt-1.3b", "--global-batch", "64", "--time-limit",
+                "3", "--max-micro-batch", "16", "-o", str(out), "--what-if", "remove host v1")
+    assert r.returncode == 0, r.stderr
+    assert "what-if 'remove host v1':" in r.stdout and "samples/s (" in r.stdout and not out.exists()
+    r = run_cli("plan", "--cluster", str(cluster), "--model", "gpt-1.3b", "--global-batch", "64", "-o", str(out),
+                "--what-if", "add 2")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --what-if: 'add 2': expected") and not out.exists()
