@@ -148,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .partitioner.api import solve
         from .partitioner.explain import explain
         for line in explain(plan, cm, opts, solve):
-            console.print(f"explain: {line}")
+            console.print(f"explain: {line}", soft_wrap=True)
     console.print(f"wrote {args.output}")
     return 0
 
