@@ -297,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-recompute", action="store_true", help="never plan activation recompute")
     sp.add_argument("--memory-reserve-gib", type=_float_in(0, 1e6), default=2.0, help="kept free on every device")
     sp.add_argument("--zero1", action="store_true", help="shard optimizer state over each stage's replicas")
-    sp.add_argument("--max-units", type=_int_in(3, MAX_BLOCKS + 2), default=48,
-                    help="group blocks into at most this many cut points (large models)")
+    sp.add_argument("--max-units", type=_int_in(3, MAX_BLOCKS + 2), default=None,
+                    help="group blocks into at most this many cut points (default: every layer is one)")
     sp.add_argument("--max-tensor-parallel", type=_int_in(1, 1024), default=8,
                     help="largest tensor-parallel degree a stage may use (1, 2, 4, 8 within one node; 1: off)")
     sp.add_argument("--equal-widths", action="store_true",

@@ -45,7 +45,9 @@ class PlannerOptions:
     micro_batch_sizes: Optional[tuple[int, ...]] = None  # default: divisors of the global batch <= max
     max_micro_batch_size: int = 64
     allow_recompute: bool = True
-    max_units: int = 48
+    # Chunk the blocks into at most this many units (chain MILP). None: every layer is a cut point — long
+    # models of identical blocks go to the shape MILP, others are chunked at DEFAULT_MAX_UNITS.
+    max_units: Optional[int] = None
     device_types: Optional[tuple[str, ...]] = None  # restrict to these types (fastest-only, homogeneous sums)
     # Every stage the same width w, each replica micro_batch / w samples: what Megatron-core's
     # parallel_state can express (stages may still differ in device type and layer count); no tensor parallelism.
@@ -94,11 +96,16 @@ class Solution:
     bound: float
     status: str
     cands: Candidates = field(repr=False)
+    units: Optional[list[tuple[int, int]]] = None  # the planner layer ranges cands' units index (default: units_for)
 
 
-def units_for(model: ModelConfig, max_units: int) -> list[tuple[int, int]]:
+DEFAULT_MAX_UNITS = 48
+
+
+def units_for(model: ModelConfig, max_units: Optional[int]) -> list[tuple[int, int]]:
     """Planner layer ranges the solver may cut between: every layer, or equal chunks of blocks."""
     n = model.num_planner_layers
+    max_units = DEFAULT_MAX_UNITS if max_units is None else max_units
     if n <= max_units:
         return [(l, l + 1) for l in range(n)]
     blocks = model.num_layers
@@ -144,14 +151,15 @@ def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
 def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
                counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
-               max_tp: int = 1) -> Candidates:
+               max_tp: int = 1, pairs: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Candidates:
     """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
 
     ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths).
     ``max_tp``: largest tensor-parallel degree (``tensor_parallel_degrees``); a candidate's devices are w x tp.
+    ``pairs``: only these (first unit, end unit) ranges (default: all).
     """
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
-    I, J = np.triu_indices(len(bounds), k=1)
+    I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
     a, e = bounds[I], bounds[J]
     lay = cm.layers
     cum = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
@@ -756,6 +764,20 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
     if opts.equal_widths:  # what Megatron-core can run: one width, and (here) no tensor parallelism
         opts = replace(opts, max_tensor_parallel=1)
+    if _layer_granular_shapes(cm, opts):
+        from .shapes import ShapeSearch
+        types = list(opts.device_types or cm.cluster.type_names)
+        counts_all = cm.cluster.count_by_type()
+        for t in types:
+            if t not in counts_all:
+                raise InputError("device_types", f"cluster {cm.cluster.name!r} has no {t!r} devices")
+        counts = [counts_all[t] for t in types]
+        sizes = micro_batch_sizes(global_batch, opts)
+        shape = ShapeSearch(cm, global_batch, opts, progress, types, counts, sizes)
+        shape.run()
+        if shape.best is None:
+            raise _infeasible(cm, global_batch, types, counts, sizes)
+        return shape.best, shape.stats()
     warm = None
     types = opts.device_types or cm.cluster.type_names
     can_split = any(len(tensor_parallel_degrees(cm, t, opts.max_tensor_parallel)) > 1 for t in types)
@@ -778,6 +800,16 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     if s.best is None:
         raise _infeasible(cm, global_batch, s.types, s.counts, s.sizes)
     return s.best, s.stats()
+
+
+def _layer_granular_shapes(cm: CostModel, opts: PlannerOptions) -> bool:
+    """Plan a long model of identical blocks at layer granularity with the shape MILP (``shapes``) unless the
+    user asked for chunks (``max_units``), a fixed width or the brute-force reference."""
+    from .shapes import identical_blocks
+    n = cm.model.num_planner_layers
+    types = list(opts.device_types or cm.cluster.type_names)
+    return (opts.max_units is None and n > DEFAULT_MAX_UNITS and not opts.equal_widths
+            and opts.solver != "brute-force" and identical_blocks(cm, types, opts.max_tensor_parallel))
 
 
 def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list[int], bs: list[int]):
@@ -809,6 +841,7 @@ def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list
 
 def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[str]) -> list[StageLayout]:
     c = sol.cands
+    units = sol.units or units
     out = []
     for k in sol.chosen:
         out.append(StageLayout(layers=(units[c.first_unit[k]][0], units[c.end_unit[k] - 1][1]),

@@ -1,0 +1,416 @@
+"""Layer-granular planning for models whose blocks are identical: a MILP over stage *shapes*, not chains.
+
+Why: the chain MILP (``planner.solve_milp``) has one binary per (layer range, device type, width, tensor
+parallel, recompute); at 160 blocks that is ~13,000 ranges times the configurations, so large models were
+cut into 4-block units — which is what kept HETHUB-like plans away from their balance point. When every
+block costs the same (every built-in model and every Hugging Face decoder), a middle stage's cost, memory
+and synchronisation depend only on how many blocks it holds and its configuration, not on where it sits,
+except through 1F1B's in-flight count. So:
+
+- a *shape* is a candidate over one of the ranges (0, j) [first stage: embedding + j-1 blocks; j = all
+  layers is a one-stage plan], (1, 1 + m) [a middle stage of m blocks] or (i, n) [last stage: blocks + head];
+- integer n_k counts how many middle stages of shape k the plan has, binaries pick the first and last;
+- blocks add up to the model's, devices per type to at most the cluster's;
+- 1F1B memory is a matching of stages to positions (the stage p-th from the end keeps min(p, M)
+  micro-batches in flight): by Hall's theorem on these nested sets it holds iff for every k < M at most k
+  of the stages after the first fit only <= k in flight, and the first stage fits min(S, M);
+- the bottleneck, all-reduce and optimizer terms are maxima over shapes in use (u_k = [n_k >= 1]).
+
+The cross-vendor bridge penalty depends on the order, which the counts do not fix: the MILP leaves it out
+(so its bound stays valid), and the chain is then ordered — the stages by in-flight capacity, grouped by
+vendor where memory allows — and priced exactly with ``planner.objective_of``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .costmodel import CostModel
+from .planner import (FIELDS, Candidates, _milp_solver, _quiet_stdout, candidates, chain_is_feasible,
+                      objective_of, tensor_parallel_degrees)
+
+
+def identical_blocks(cm: CostModel, types: Sequence[str], max_tp: int) -> bool:
+    """Whether every block (planner layers 1 .. n-2) costs the same on every type and degree: what makes a
+    stage's cost depend only on its block count."""
+    n = cm.model.num_planner_layers
+    if n < 4:
+        return False
+    blocks = slice(1, n - 1)
+    lay = cm.layers
+    arrays = [lay.params, lay.act_bytes, lay.act_bytes_recompute, lay.out_bytes, lay.params_split, lay.act_split]
+    for t in types:
+        for tp in tensor_parallel_degrees(cm, t, max_tp):
+            arrays.extend(cm.layer_times(t, tp))
+    for a in arrays:
+        v = np.asarray(a, dtype=float)[blocks]
+        if np.ptp(v) > 1e-9 * max(1.0, float(np.abs(v).max())):
+            return False
+    return True
+
+
+def shape_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first layer, end layer) of every shape: first stages (0, j), middle stages (1, 1 + m), last (i, n)."""
+    first = [(0, j) for j in range(1, n + 1)]
+    middle = [(1, 1 + m) for m in range(1, n - 1)]
+    last = [(i, n) for i in range(1, n)]
+    pairs = np.array(first + middle + last)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def shape_candidates(cm: CostModel, b: int, M: int, types: Sequence[str], counts: dict[str, int],
+                     allow_recompute: bool, max_tp: int, max_cost_s: float = math.inf) -> Candidates:
+    n = cm.model.num_planner_layers
+    units = [(l, l + 1) for l in range(n)]
+    c = candidates(cm, units, b, M, types, counts, allow_recompute, max_tp=max_tp, pairs=shape_pairs(n))
+    keep = np.flatnonzero(c.cost_s <= max_cost_s)
+    return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
+
+
+def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int) -> float:
+    """Smallest bottleneck T such that stages costing <= T could hold every block with the devices there are
+    (per type, ignoring 1F1B position and the embedding/head): a valid lower bound on any plan's bottleneck.
+    Per type an unbounded knapsack: the most blocks ``d`` devices of the type can hold."""
+    L = n - 2
+    mid = (c.first_unit == 1) & (c.end_unit < n)
+    blocks = c.end_unit - c.first_unit
+    values = np.unique(c.cost_s[mid])
+
+    def holds(T: float) -> bool:
+        total = 0
+        for ti, cnt in enumerate(counts):
+            sel = np.flatnonzero(mid & (c.type_idx == ti) & (c.cost_s <= T))
+            if not len(sel):
+                continue
+            best_per_dev: dict[int, int] = {}
+            for k in sel:  # per device count, the longest stage
+                d = int(c.devices[k])
+                best_per_dev[d] = max(best_per_dev.get(d, 0), int(blocks[k]))
+            g = np.zeros(cnt + 1, dtype=np.int64)
+            for d, m in best_per_dev.items():
+                if d <= cnt:
+                    for x in range(d, cnt + 1):  # unbounded knapsack, items in any multiplicity
+                        g[x] = max(g[x], g[x - d] + m)
+            total += int(g[cnt])
+            if total >= L:
+                return True
+        return total >= L
+
+    if not len(values) or not holds(values[-1]):
+        return math.inf
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid_i = (lo + hi) // 2
+        if holds(values[mid_i]):
+            hi = mid_i
+        else:
+            lo = mid_i + 1
+    return float(values[lo])
+
+
+def sum_lower_bound(c: Candidates, n: int) -> float:
+    """A lower bound on the sum of stage costs: every block, at the lowest cost per block any stage has
+    (a stage's cost is at least its blocks times its own cost per block; the embedding and head add)."""
+    first, end = c.first_unit, c.end_unit
+    blocks = np.minimum(end, n - 1) - np.maximum(first, 1)
+    ok = blocks > 0
+    if not ok.any():
+        return 0.0
+    return float((n - 2) * (c.cost_s[ok] / blocks[ok]).min())
+
+
+class ShapeMilp:
+    """The counts MILP over shape candidates ``c`` for one micro-batch size and one order of the vendors.
+
+    The stages form one run per vendor, in ``vendor_order`` (vendors the plan leaves out have empty runs):
+    a run that has a later non-empty run ends with a stage that pays the bridge penalty. Memory per run:
+    its stages sit after every stage of the later runs, so for a shape k in use, the run's stages that fit
+    no more than k's in-flight count, plus all later stages, number at most that count (Hall's condition,
+    run by run; the last stage is always last); a run's bridge stage sits right after the later runs.
+    """
+
+    def __init__(self, c: Candidates, n: int, counts: Sequence[int], M: int, vendor_order: Sequence[int],
+                 z_lower: float = 0.0, z_upper: Optional[float] = None):
+        import pulp
+        self.pulp, self.c, self.n, self.M = pulp, c, n, M
+        L = n - 2
+        self.prob = prob = pulp.LpProblem("hethub_shapes", pulp.LpMinimize)
+        var = getattr(prob, "add_variable", None) or (
+            lambda name, lowBound=None, upBound=None, cat="Continuous": pulp.LpVariable(name, lowBound, upBound, cat))
+        lin = lambda terms: pulp.LpAffineExpression(terms)  # noqa: E731
+        first, end = c.first_unit, c.end_unit
+        self.is_first = first == 0
+        self.is_last = (end == n) & (first > 0)
+        self.is_whole = self.is_first & (end == n)
+        self.is_mid = ~self.is_first & ~self.is_last
+        blocks = np.where(self.is_first, end - 1, np.where(self.is_last, n - 1 - first, end - first))
+        blocks = np.where(self.is_whole, L, blocks)
+        order = [int(v) for v in vendor_order]
+        self.x, self.u = {}, {}
+        for k in range(len(c)):
+            if int(c.vendor[k]) not in order:
+                continue
+            if self.is_mid[k]:
+                ub = min(L // int(blocks[k]), counts[c.type_idx[k]] // int(c.devices[k]), M + L)
+                if ub < 1:
+                    continue
+                self.x[k] = var(f"n{k}", lowBound=0, upBound=ub, cat=pulp.LpInteger)
+                self.u[k] = var(f"u{k}", cat=pulp.LpBinary)
+                prob += self.x[k] <= ub * self.u[k]
+            else:
+                self.x[k] = self.u[k] = var(f"y{k}", cat=pulp.LpBinary)
+        ks = self.ks = list(self.x)
+        Z, A, O = var("Z", lowBound=z_lower, upBound=z_upper), var("A", lowBound=0), var("O", lowBound=0)
+        prob += (M - 1) * Z + lin([(self.x[k], float(c.cost_s[k])) for k in ks]) + A + O
+        for k in ks:
+            for top, vals in ((Z, c.cost_s), (A, c.allreduce_s), (O, c.optimizer_s)):
+                if vals[k] > 0:
+                    prob += top >= float(vals[k]) * self.u[k]
+        ends = [k for k in ks if not self.is_mid[k]]
+        prob += lin([(self.x[k], 1.0) for k in ends if self.is_first[k]]) == 1
+        prob += lin([(self.x[k], 1.0) for k in ends if self.is_last[k] or self.is_whole[k]]) == 1
+        prob += lin([(self.x[k], float(blocks[k])) for k in ks]) == L
+        for ti, cnt in enumerate(counts):
+            terms = [(self.x[k], float(c.devices[k])) for k in ks if c.type_idx[k] == ti]
+            if terms:
+                prob += lin(terms) <= cnt
+        self._runs(var, lin, Z, order)
+        # The first stage keeps min(S, M) in flight, S = 2 + middle stages (1 for a one-stage plan).
+        stages = lin([(self.x[k], 1.0) for k in ks if self.is_mid[k]])
+        big = M + L
+        for k in ends:
+            if self.is_first[k] and not self.is_whole[k] and c.in_flight[k] < M:
+                prob += stages + 2 <= float(c.in_flight[k]) + big * (1 - self.x[k])
+
+    def _runs(self, var, lin, Z, order: list[int]) -> None:
+        """Vendor runs: which are used, the first/last stage in the first/last used run, the bridge stage
+        ending each run that has a used run after it, and memory run by run."""
+        c, prob, ks, M = self.c, self.prob, self.ks, self.M
+        big = M + self.n
+        of = {v: [k for k in ks if c.vendor[k] == v] for v in order}
+        used = {v: var(f"used{v}", cat=self.pulp.LpBinary) for v in order}
+        for k in ks:
+            prob += used[int(c.vendor[k])] >= self.u[k]
+        self.beta: dict[int, object] = {}
+        for r, v in enumerate(order):
+            prob += used[v] <= lin([(self.x[q], 1.0) for q in of[v]])
+            before, after = order[:r], order[r + 1:]
+            for w in before:  # the first stage sits in the first used run
+                prob += lin([(self.x[k], 1.0) for k in of[v] if self.is_first[k]]) + used[w] <= 1
+            for w in after:  # ... and the last stage in the last
+                prob += lin([(self.x[k], 1.0) for k in of[v] if self.is_last[k] or self.is_whole[k]]) + used[w] <= 1
+            # stages after this run's: the later runs' middles and the last stage (always at the end)
+            later_n = var(f"later{v}", lowBound=0)
+            prob += later_n == lin([(self.x[k], 1.0) for w in after for k in of[w] if self.is_mid[k]])
+            later = later_n + 1
+            if after:
+                beta = {k: var(f"beta{k}", cat=self.pulp.LpBinary) for k in of[v]
+                        if not (self.is_last[k] or self.is_whole[k])}
+                total = lin([(b, 1.0) for b in beta.values()])
+                for w in after:  # one bridge exactly when this run and a later one are used
+                    prob += total >= used[v] + used[w] - 1
+                prob += total <= used[v]
+                prob += total <= lin([(used[w], 1.0) for w in after])
+                for k, b in beta.items():
+                    prob += b <= self.x[k]
+                    prob += Z >= float(c.cost_s[k] + c.bridge_s[k]) * b
+                    if self.is_first[k]:  # the first stage ends its run only when it is all of it
+                        mids = [(self.x[q], 1.0) for q in of[v] if self.is_mid[q]]
+                        if mids:
+                            prob += lin(mids) <= big * (1 - b)
+                    elif c.in_flight[k] < M:
+                        prob += later + 1 <= float(c.in_flight[k]) + big * (1 - b)
+                prob.objective += lin([(b, float(c.bridge_s[k])) for k, b in beta.items()])
+                self.beta.update(beta)
+            # this run's middles fitting <= cap in flight, cumulated over the distinct caps (linear size)
+            tail = [k for k in of[v] if self.is_mid[k] and c.in_flight[k] < M]
+            upto, prev = {}, None
+            for cap in sorted({int(c.in_flight[k]) for k in tail}):
+                cum = var(f"cum{v}_{cap}", lowBound=0)
+                prob += cum == (prev if prev is not None else 0) + lin(
+                    [(self.x[k], 1.0) for k in tail if c.in_flight[k] == cap])
+                upto[cap], prev = cum, cum
+            for k in tail:
+                cap = int(c.in_flight[k])
+                prob += upto[cap] + later <= float(cap) + big * (1 - self.u[k])
+
+    def solve(self, solver: str, time_limit_s: float, cutoff: Optional[float]):
+        """(counts per candidate or None, status, dual bound)."""
+        pulp = self.pulp
+        with _quiet_stdout():
+            self.prob.solve(_milp_solver(solver, time_limit_s, cutoff))
+        bound = 0.0
+        if solver == "highs":
+            info = self.prob.solverModel.getInfo()
+            bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0
+        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            if self.prob.status == pulp.LpStatusInfeasible or self.prob.sol_status == pulp.LpSolutionInfeasible:
+                return None, "infeasible", math.inf
+            if cutoff is not None and solver == "highs" and self.prob.solverModel.getModelStatus() == \
+                    __import__("highspy").HighsModelStatus.kObjectiveBound:
+                return None, "infeasible", float(cutoff)
+            return None, "timeout", bound
+        counts = {k: int(round(self.x[k].value() or 0)) for k in self.ks}
+        status = "optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "feasible"
+        self.value = float(self.pulp.value(self.prob.objective))
+        self.bridged = [k for k, b in self.beta.items() if (b.value() or 0) > 0.5]
+        return {k: v for k, v in counts.items() if v > 0}, status, bound
+
+
+def order_chain(c: Candidates, chosen: dict[int, int], bridged: Sequence[int], vendor_order: Sequence[int],
+                n: int, counts: Sequence[int], M: int) -> Optional[tuple[Candidates, float]]:
+    """The chosen shapes as a pipeline laid over the layers in order, priced exactly (``objective_of``).
+
+    The MILP's order first: the first stage, then one run per vendor in ``vendor_order``, each run's
+    stages by in-flight capacity (largest first, as 1F1B memory needs) and its ``bridged`` stage last,
+    then the last stage. Should that break memory, the runs by capacity alone, then all stages by capacity;
+    the cheapest feasible order wins."""
+    first = [k for k in chosen if c.first_unit[k] == 0]
+    last = [k for k in chosen if c.end_unit[k] == n and c.first_unit[k] > 0]
+    mids = [k for k, cnt in chosen.items() for _ in range(cnt) if c.first_unit[k] > 0 and c.end_unit[k] < n]
+    ends_run = [k for k in bridged if c.first_unit[k] > 0]
+    rest = list(mids)
+    for k in ends_run:
+        rest.remove(k)
+    by_cap = lambda ks: sorted(ks, key=lambda k: -c.in_flight[k])  # noqa: E731
+    orders = [[k for v in vendor_order for k in by_cap([q for q in rest if c.vendor[q] == v])
+               + [q for q in ends_run if c.vendor[q] == v]],
+              [k for v in vendor_order for k in by_cap([q for q in mids if c.vendor[q] == v])],
+              by_cap(mids)]
+    best = None
+    for order in orders:
+        seq = first + order + last
+        rows = {f: getattr(c, f)[seq].copy() for f in FIELDS}
+        at = 0
+        for pos, k in enumerate(seq):
+            size = int(c.end_unit[k] - c.first_unit[k])
+            rows["first_unit"][pos], rows["end_unit"][pos] = at, at + size
+            at += size
+        if at != n:
+            return None
+        chain = Candidates(**rows)
+        idx = list(range(len(seq)))
+        if not chain_is_feasible(chain, idx, counts, M):
+            continue
+        obj = objective_of(chain, idx, M)
+        if best is None or obj < best[1]:
+            best = (chain, obj)
+    return best
+
+
+def _keep(c: Candidates, mask: np.ndarray) -> Candidates:
+    idx = np.flatnonzero(mask)
+    return Candidates(*(getattr(c, f)[idx] for f in FIELDS))
+
+
+class ShapeSearch:
+    """The search over micro-batch sizes with the shape MILP: the same contract as ``planner._Search``
+    (``best``, ``pool`` of the best chain per size, ``stats``), chains at layer granularity.
+
+    Per size b (in order of the bound M * T_lb, T_lb from ``blocks_lower_bound``): pass 1 caps the
+    bottleneck a little above T_lb (Z <= T: a small MILP, usually solved to optimality in well under a
+    second) and raises the cap until a plan appears; a solved capped MILP proves that no plan with
+    Z <= T beats its value, and none with Z > T beats M * T. Pass 2 spends the time left on the sizes whose
+    bound is still below the incumbent, capping Z at incumbent / M. Every MILP runs once per order of the
+    vendors, so the bound holds over plans that visit each vendor in one run of stages.
+    """
+
+    CAPS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 2.0)
+    SMALL = 2000  # candidates
+
+    def __init__(self, cm: CostModel, global_batch: int, opts, progress, types: list[str], counts: list[int],
+                 sizes: list[int]):
+        import time
+        from .planner import Solution
+        self._Solution, self._time = Solution, time
+        self.cm, self.G, self.opts, self.progress = cm, global_batch, opts, progress
+        self.types, self.counts, self.sizes = types, counts, sizes
+        self.n = cm.model.num_planner_layers
+        self.t0 = time.perf_counter()
+        self.best = None
+        self.pool: dict[tuple, object] = {}
+        self.bounds: dict[int, float] = {}
+        self.jobs = []
+        for b in sizes:
+            M = global_batch // b
+            c = shape_candidates(cm, b, M, types, dict(zip(types, counts)), opts.allow_recompute,
+                                 opts.max_tensor_parallel)
+            t_lb = blocks_lower_bound(c, self.n, counts, M) if len(c) else math.inf
+            lb = (M - 1) * t_lb + sum_lower_bound(c, self.n) if math.isfinite(t_lb) else math.inf
+            self.jobs.append((lb, b, M, c, t_lb))
+            self.bounds[b] = lb
+        self.jobs.sort(key=lambda j: j[0])
+        self.candidates = sum(len(j[3]) for j in self.jobs)
+        self.milps = 0
+
+    def left(self) -> float:
+        return self.opts.time_limit_s - (self._time.perf_counter() - self.t0)
+
+    def _solve(self, b: int, M: int, c: Candidates, t_lb: float, cap: float, seconds: float) -> float:
+        """Every vendor order at bottleneck cap ``cap``; offers the chains found; returns the bound this proves
+        for size b (the best value over Z <= cap, or M * cap beyond it)."""
+        sub = _keep(c, c.cost_s <= cap * (1 + 1e-9))
+        vendors = sorted({int(v) for v in sub.vendor})
+        cutoff = self.best.objective if self.best is not None else None
+        bound = math.inf
+        for perm in itertools.permutations(vendors):
+            if self.left() <= 0.1:
+                return min(bound, self.bounds[b])
+            milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb, cap if math.isfinite(cap) else None)
+            self.milps += 1
+            chosen, status, milp_bound = milp.solve(self.opts.solver, min(seconds, self.left()), cutoff)
+            bound = min(bound, milp_bound)  # infeasible: inf, or the cutoff when nothing beats it
+            if chosen:
+                res = order_chain(sub, chosen, milp.bridged, perm, self.n, self.counts, M)
+                if res is not None:
+                    chain, obj = res
+                    sol = self._Solution(b, M, list(range(len(chain))), obj, milp_bound, status, chain)
+                    sol.units = [(l, l + 1) for l in range(self.n)]
+                    if (b,) not in self.pool or obj < self.pool[(b,)].objective:
+                        self.pool[(b,)] = sol
+                    if self.best is None or obj < self.best.objective:
+                        self.best, cutoff = sol, obj
+        return min(bound, M * cap)
+
+    def beaten(self, bound: float) -> bool:
+        return self.best is not None and bound >= self.best.objective * (1 - 1e-9)
+
+    def run(self) -> None:
+        quick = max(self.opts.time_limit_s / (2 * max(1, len(self.jobs))), 2.0)
+        # pass 1 visits the sizes with small MILPs first (HiGHS overruns its time limit on large ones)
+        small = lambda j: int((j[3].cost_s <= j[4] * self.CAPS[-1]).sum()) > self.SMALL  # noqa: E731
+        for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (small(j), j[0])):  # pass 1
+            for f in self.CAPS:
+                if not math.isfinite(t_lb) or self.beaten(self.bounds[b]) or self.left() <= 0.1:
+                    break
+                cap = t_lb * f if self.best is None else min(t_lb * f, self.best.objective / M)
+                self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, cap, quick))
+                if (b,) in self.pool or cap * M >= (self.best.objective if self.best else math.inf):
+                    break
+            self._report(b)
+        for _, b, M, c, t_lb in self.jobs:  # pass 2
+            if self.beaten(self.bounds[b]) or not math.isfinite(t_lb) or self.left() <= 0.2:
+                continue
+            todo = sum(1 for j in self.jobs if not self.beaten(self.bounds[j[1]]))
+            cap = self.best.objective / M if self.best is not None else math.inf  # no better plan has Z above
+            proven = self._solve(b, M, c, t_lb, cap, self.left() / max(1, todo))
+            self.bounds[b] = max(self.bounds[b], min(proven, self.best.objective) if self.best else proven)
+            self._report(b)
+
+    def _report(self, b: int) -> None:
+        if self.progress is not None:
+            self.progress({"micro_batch_size": b, "done": sum(1 for j in self.jobs if self.beaten(self.bounds[j[1]])),
+                           "total": len(self.jobs),
+                           "incumbent_s": self.best.objective if self.best is not None else math.inf,
+                           "bound_s": min(self.bounds.values()),
+                           "elapsed_s": self._time.perf_counter() - self.t0})
+
+    def stats(self) -> dict:
+        gap = max(0.0, (self.best.objective - min(self.bounds.values())) / self.best.objective)
+        return {"seconds": self._time.perf_counter() - self.t0, "micro_batch_sizes": self.sizes,
+                "candidates": self.candidates, "units": self.n, "milp_variables": self.candidates,
+                "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible",
+                "alternatives": sorted(self.pool.values(), key=lambda s: s.objective)}

@@ -1,0 +1,55 @@
+"""The shape MILP (layer-granular planning for models of identical blocks) against the brute-force chain
+reference on random small instances, and when the planner chooses it."""
+import pytest
+
+from hethub.partitioner import InfeasibleError, builtin_model
+from hethub.partitioner.costmodel import CostModel
+from hethub.partitioner.planner import (PlannerOptions, _layer_granular_shapes, chain_is_feasible, micro_batch_sizes,
+                                        objective_of, search)
+from hethub.partitioner.shapes import ShapeSearch, identical_blocks
+from test_planner import TWO_TYPE, random_instance
+
+
+def one_run_per_vendor(vendors) -> bool:
+    runs = [v for k, v in enumerate(vendors) if k == 0 or vendors[k - 1] != v]
+    return len(runs) == len(set(runs))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_shapes_match_brute_force(seed):
+    """Single vendor: the same optimum as enumerating every chain. Several vendors: never better than it,
+    and the same whenever the best chain visits each vendor in one run (the space the shape MILP covers)."""
+    cluster, model, batch = random_instance(seed)
+    cm = CostModel(cluster, model, memory_reserve_gib=0.5)
+    if cm.model.num_planner_layers < 4:
+        pytest.skip("needs at least two blocks")
+    opts = PlannerOptions(max_micro_batch_size=batch, time_limit_s=60)
+    types = cluster.type_names
+    counts = [cluster.count_by_type()[t] for t in types]
+    shapes = ShapeSearch(cm, batch, opts, None, types, counts, micro_batch_sizes(batch, opts))
+    shapes.run()
+    try:
+        ref, _ = search(cm, batch, PlannerOptions(solver="brute-force", max_micro_batch_size=batch, time_limit_s=60))
+    except InfeasibleError:
+        assert shapes.best is None
+        return
+    got = shapes.best
+    assert got is not None
+    chain = list(range(len(got.cands)))
+    assert chain_is_feasible(got.cands, chain, counts, got.M)
+    assert got.objective == pytest.approx(objective_of(got.cands, chain, got.M), rel=1e-12)
+    assert got.objective >= ref.objective * (1 - 1e-6)
+    ref_vendors = [int(ref.cands.vendor[k]) for k in ref.chosen]
+    if one_run_per_vendor(ref_vendors):
+        assert got.objective == pytest.approx(ref.objective, rel=1e-6)
+        assert shapes.stats()["gap"] <= 1e-4  # HiGHS stops within its relative MIP gap (1e-4)
+
+
+def test_long_models_of_identical_blocks_plan_at_layer_granularity():
+    cm = CostModel(TWO_TYPE, builtin_model("llama-140b"))
+    assert identical_blocks(cm, TWO_TYPE.type_names, 8)
+    assert _layer_granular_shapes(cm, PlannerOptions())
+    assert not _layer_granular_shapes(cm, PlannerOptions(max_units=48))  # chunks only when asked
+    assert not _layer_granular_shapes(cm, PlannerOptions(solver="brute-force"))
+    small = CostModel(TWO_TYPE, builtin_model("gpt-1.3b"))  # 26 planner layers: the chain MILP is exact and fast
+    assert not _layer_granular_shapes(small, PlannerOptions())
