@@ -1,5 +1,6 @@
 """Run N ranks as local processes (gloo on CPU), bounded by a timeout: a hang fails, never freezes CI."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,8 +37,84 @@ def run_plan(tmp_path, plan, name: str, worker: str, *args: str, timeout: float 
     return [torch.load(out.replace("{rank}", str(r)), weights_only=True) for r in range(plan.world_size)]
 
 
+# Ranks start from a fork server that has already imported torch, torch._dynamo (which the first optimizer
+# imports) and DeepSpeed: each rank then costs its own work, not ~4 s of imports, which on 2 cores was most of
+# the multi-process tests' time. HETHUB_TEST_EXEC=1 starts every rank as a fresh interpreter instead.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "deepspeed", "hethub.runtime"]
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        import multiprocessing
+        # what the preloaded imports read from the environment, fixed before the server starts
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if ROOT not in sys.path:
+            sys.path.insert(0, ROOT)
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _rank_main(argv: list[str], env: dict, out_path: str, err_path: str) -> None:
+    """A rank in a forked child: the environment, argv and stdout/stderr a fresh ``python argv`` would have."""
+    import runpy
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, ROOT)
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
 def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | None = None):
     """Start ``world`` ranks of ``python argv``; returns [(returncode, stdout, stderr)] per rank."""
+    if os.environ.get("HETHUB_TEST_EXEC") == "1":
+        return _spawn_exec(world, argv, timeout, extra_env)
+    import tempfile
+    ctx = _context()
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="hethub-ranks-")
+    paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(argv, rank_env(r, world, port, extra_env), *paths[r]))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = any(p.exitcode is None for p in procs)
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    results = []
+    for p, (out, err) in zip(procs, paths):
+        with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
+            results.append((p.exitcode, fo.read(), fe.read()))
+    shutil.rmtree(tmp, ignore_errors=True)
+    if hung:
+        raise AssertionError(f"ranks still running after {timeout} s (hang?):\n"
+                             + "\n".join(f"--- rank {r}\n{o[2][-2000:]}" for r, o in enumerate(results)))
+    return results
+
+
+def _spawn_exec(world: int, argv: list[str], timeout: float, extra_env: dict | None):
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *argv], env=rank_env(r, world, port, extra_env), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
