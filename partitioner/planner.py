@@ -140,12 +140,10 @@ def tensor_parallel_degrees(cm: CostModel, t: str, max_tp: int) -> list[int]:
 def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """Table m[i, j] = max(values[bounds[i]:bounds[j]]) for unit boundaries i < j."""
     n = len(bounds)
+    unit = np.array([values[bounds[k]:bounds[k + 1]].max() for k in range(n - 1)], dtype=float)
     m = np.zeros((n, n))
     for i in range(n - 1):
-        cur = -np.inf
-        for j in range(i + 1, n):
-            cur = max(cur, values[bounds[j - 1]:bounds[j]].max())
-            m[i, j] = cur
+        m[i, i + 1:] = np.maximum.accumulate(unit[i:])  # running max over the units from i on
     return m
 
 

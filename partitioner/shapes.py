@@ -78,6 +78,7 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int) -> 
     mid = (c.first_unit == 1) & (c.end_unit < n)
     blocks = c.end_unit - c.first_unit
     values = np.unique(c.cost_s[mid])
+    devices = c.devices
 
     def holds(T: float) -> bool:
         total = 0
@@ -86,14 +87,12 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int) -> 
             if not len(sel):
                 continue
             best_per_dev: dict[int, int] = {}
-            for k in sel:  # per device count, the longest stage
-                d = int(c.devices[k])
-                best_per_dev[d] = max(best_per_dev.get(d, 0), int(blocks[k]))
+            for d, m in zip(devices[sel].tolist(), blocks[sel].tolist()):  # per device count, the longest stage
+                best_per_dev[d] = max(best_per_dev.get(d, 0), m)
             g = np.zeros(cnt + 1, dtype=np.int64)
             for d, m in best_per_dev.items():
                 if d <= cnt:
-                    for x in range(d, cnt + 1):  # unbounded knapsack, items in any multiplicity
-                        g[x] = max(g[x], g[x - d] + m)
+                    g = _take_any_number(g, d, m)
             total += int(g[cnt])
             if total >= L:
                 return True
@@ -109,6 +108,19 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int) -> 
         else:
             lo = mid_i + 1
     return float(values[lo])
+
+
+def _take_any_number(g: np.ndarray, d: int, m: int) -> np.ndarray:
+    """Unbounded knapsack step: g[x] = max over k >= 0 of g[x - k d] + k m (an item of d devices holding m
+    blocks, taken any number of times). Per residue of x mod d a running maximum of g[r + j d] - j m, so
+    one vectorised pass instead of a loop over x."""
+    n = len(g)
+    rows = -(-n // d)
+    padded = np.full(rows * d, -(1 << 40), dtype=np.int64)
+    padded[:n] = g
+    grid = padded.reshape(rows, d)
+    j = np.arange(rows, dtype=np.int64)[:, None] * m
+    return (np.maximum.accumulate(grid - j, axis=0) + j).ravel()[:n]
 
 
 def sum_lower_bound(c: Candidates, n: int) -> float:
@@ -178,8 +190,10 @@ class ShapeMilp:
             if terms:
                 prob += lin(terms) <= cnt
         self._runs(var, lin, Z, order)
-        # The first stage keeps min(S, M) in flight, S = 2 + middle stages (1 for a one-stage plan).
-        stages = lin([(self.x[k], 1.0) for k in ks if self.is_mid[k]])
+        # The first stage keeps min(S, M) in flight, S = 2 + middle stages (1 for a one-stage plan). The sum
+        # is one variable, so that each first-stage row has three terms, not one per middle shape.
+        stages = var("middles", lowBound=0)
+        prob += stages == lin([(self.x[k], 1.0) for k in ks if self.is_mid[k]])
         big = M + L
         for k in ends:
             if self.is_first[k] and not self.is_whole[k] and c.in_flight[k] < M:
@@ -214,13 +228,17 @@ class ShapeMilp:
                     prob += total >= used[v] + used[w] - 1
                 prob += total <= used[v]
                 prob += total <= lin([(used[w], 1.0) for w in after])
+                mids = [(self.x[q], 1.0) for q in of[v] if self.is_mid[q]]
+                run_mids = None
+                if mids:
+                    run_mids = var(f"middles{v}", lowBound=0)
+                    prob += run_mids == lin(mids)
                 for k, b in beta.items():
                     prob += b <= self.x[k]
                     prob += Z >= float(c.cost_s[k] + c.bridge_s[k]) * b
                     if self.is_first[k]:  # the first stage ends its run only when it is all of it
-                        mids = [(self.x[q], 1.0) for q in of[v] if self.is_mid[q]]
-                        if mids:
-                            prob += lin(mids) <= big * (1 - b)
+                        if run_mids is not None:
+                            prob += run_mids <= big * (1 - b)
                     elif c.in_flight[k] < M:
                         prob += later + 1 <= float(c.in_flight[k]) + big * (1 - b)
                 prob.objective += lin([(b, float(c.bridge_s[k])) for k, b in beta.items()])
@@ -347,7 +365,9 @@ class ShapeSearch:
         self.milps = 0
 
     def left(self) -> float:
-        return self.opts.time_limit_s - (self._time.perf_counter() - self.t0)
+        # HiGHS may run past its time limit (it checks the clock between phases) and PuLP hands the model
+        # over before the clock starts: 15% of the limit is kept for that, so the search ends in time.
+        return 0.85 * self.opts.time_limit_s - (self._time.perf_counter() - self.t0)
 
     def _solve(self, b: int, M: int, c: Candidates, t_lb: float, cap: float, seconds: float) -> float:
         """Every vendor order at bottleneck cap ``cap``; offers the chains found; returns the bound this proves
@@ -356,12 +376,15 @@ class ShapeSearch:
         vendors = sorted({int(v) for v in sub.vendor})
         cutoff = self.best.objective if self.best is not None else None
         bound = math.inf
-        for perm in itertools.permutations(vendors):
+        perms = list(itertools.permutations(vendors))
+        for n_perm, perm in enumerate(perms):
             if self.left() <= 0.1:
                 return min(bound, self.bounds[b])
             milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb, cap if math.isfinite(cap) else None)
             self.milps += 1
-            chosen, status, milp_bound = milp.solve(self.opts.solver, min(seconds, self.left()), cutoff)
+            share = seconds / (len(perms) - n_perm)  # the orders share this call's seconds
+            chosen, status, milp_bound = milp.solve(self.opts.solver, min(share, self.left()), cutoff)
+            seconds -= share
             bound = min(bound, milp_bound)  # infeasible: inf, or the cutoff when nothing beats it
             if chosen:
                 res = order_chain(sub, chosen, milp.bridged, perm, self.n, self.counts, M)

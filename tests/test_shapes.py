@@ -1,6 +1,7 @@
 """The shape MILP (layer-granular planning for models of identical blocks) against the brute-force chain
 reference on random small instances, and when the planner chooses it."""
 import pytest
+import numpy as np
 
 from hethub.partitioner import InfeasibleError, builtin_model
 from hethub.partitioner.costmodel import CostModel
@@ -53,3 +54,17 @@ def test_long_models_of_identical_blocks_plan_at_layer_granularity():
     assert not _layer_granular_shapes(cm, PlannerOptions(solver="brute-force"))
     small = CostModel(TWO_TYPE, builtin_model("gpt-1.3b"))  # 26 planner layers: the chain MILP is exact and fast
     assert not _layer_granular_shapes(small, PlannerOptions())
+
+
+def test_unbounded_knapsack_step_equals_the_loop_it_replaces():
+    """``_take_any_number`` (vectorised per residue) against the plain loop g[x] = max(g[x], g[x-d] + m)."""
+    from hethub.partitioner.shapes import _take_any_number
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        g = rng.integers(0, 20, n).astype(np.int64)
+        d, m = int(rng.integers(1, n + 1)), int(rng.integers(0, 9))
+        ref = g.copy()
+        for x in range(d, n):
+            ref[x] = max(ref[x], ref[x - d] + m)
+        assert (_take_any_number(g, d, m) == ref).all(), (g, d, m)
