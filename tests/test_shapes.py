@@ -52,7 +52,9 @@ def test_long_models_of_identical_blocks_plan_at_layer_granularity():
     assert _layer_granular_shapes(cm, PlannerOptions())
     assert not _layer_granular_shapes(cm, PlannerOptions(max_units=48))  # chunks only when asked
     assert not _layer_granular_shapes(cm, PlannerOptions(solver="brute-force"))
-    small = CostModel(TWO_TYPE, builtin_model("gpt-1.3b"))  # 26 planner layers: the chain MILP is exact and fast
+    assert _layer_granular_shapes(CostModel(TWO_TYPE, builtin_model("gpt-1.3b")), PlannerOptions())  # 26 layers
+    small = CostModel(TWO_TYPE, builtin_model("gpt-tiny"))  # few layers: the chain MILP, exact over vendor orders
+    assert small.model.num_planner_layers <= 16
     assert not _layer_granular_shapes(small, PlannerOptions())
 
 
