@@ -777,6 +777,9 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         sizes = micro_batch_sizes(global_batch, opts)
         shape = ShapeSearch(cm, global_batch, opts, progress, types, counts, sizes)
         shape.run()
+        if shape.best is None and shape.ran_out():
+            raise InfeasibleError("--time-limit", f"no plan found within {opts.time_limit_s:g} s (some micro-batch "
+                                                  f"sizes were not searched to the end); raise it")
         if shape.best is None:
             raise _infeasible(cm, global_batch, types, counts, sizes)
         return shape.best, shape.stats()

@@ -363,6 +363,7 @@ class ShapeSearch:
         self.jobs.sort(key=lambda j: j[0])
         self.candidates = sum(len(j[3]) for j in self.jobs)
         self.milps = 0
+        self.timeouts = 0  # MILPs stopped by their time limit (none: every size was searched to the end)
 
     def left(self) -> float:
         # HiGHS may run past its time limit (it checks the clock between phases) and PuLP hands the model
@@ -385,6 +386,7 @@ class ShapeSearch:
             share = seconds / (len(perms) - n_perm)  # the orders share this call's seconds
             chosen, status, milp_bound = milp.solve(self.opts.solver, min(share, self.left()), cutoff)
             seconds -= share
+            self.timeouts += status == "timeout"
             bound = min(bound, milp_bound)  # infeasible: inf, or the cutoff when nothing beats it
             if chosen:
                 res = order_chain(sub, chosen, milp.bridged, perm, self.n, self.counts, M)
@@ -397,6 +399,10 @@ class ShapeSearch:
                     if self.best is None or obj < self.best.objective:
                         self.best, cutoff = sol, obj
         return min(bound, M * cap)
+
+    def ran_out(self) -> bool:
+        """Whether the time limit cut the search short (a MILP stopped by it, or too little time left to start one)."""
+        return self.timeouts > 0 or self.left() <= 0.2
 
     def beaten(self, bound: float) -> bool:
         return self.best is not None and bound >= self.best.objective * (1 - 1e-9)

@@ -70,3 +70,14 @@ def test_unbounded_knapsack_step_equals_the_loop_it_replaces():
         for x in range(d, n):
             ref[x] = max(ref[x], ref[x - d] + m)
         assert (_take_any_number(g, d, m) == ref).all(), (g, d, m)
+
+
+def test_a_search_cut_short_by_the_time_limit_says_so_not_memory():
+    """No plan found because the time ran out is not "does not fit": the error names --time-limit."""
+    from hethub.partitioner.records import Cluster
+    cluster = Cluster.model_validate({
+        "name": "big", "nodes": [{"host": f"a{i}", "device_type": "A100-80GB", "count": 8} for i in range(32)],
+        "network": {"intra_node_gbps": 2400, "inter_node_gbps": 200}})
+    cm = CostModel(cluster, builtin_model("llama-140b"))
+    with pytest.raises(InfeasibleError, match=r"--time-limit: no plan found within 0.3 s"):
+        search(cm, 1024, PlannerOptions(time_limit_s=0.3))
