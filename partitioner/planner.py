@@ -778,6 +778,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         shape = ShapeSearch(cm, global_batch, opts, progress, types, counts, sizes)
         shape.run()
         if shape.best is None and shape.ran_out():
+            shape.fallback()
+        if shape.best is None and shape.ran_out():
             raise InfeasibleError("--time-limit", f"no plan found within {opts.time_limit_s:g} s (some micro-batch "
                                                   f"sizes were not searched to the end); raise it")
         if shape.best is None:

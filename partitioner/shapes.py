@@ -319,6 +319,62 @@ def order_chain(c: Candidates, chosen: dict[int, int], bridged: Sequence[int], v
     return best
 
 
+def greedy_shapes(c: Candidates, n: int, counts: Sequence[int], M: int, vendor_order: Sequence[int], cap: float
+                  ) -> Optional[tuple[dict[int, int], list[int]]]:
+    """A plan of shapes costing <= ``cap`` built from the last stage backwards, one run per vendor in
+    ``vendor_order``: at each position the shape holding the most blocks per device among those that fit the
+    devices left and 1F1B's in-flight count there (min(position from the end, M)); a run followed by a later
+    one ends with a stage that pays the bridge; the first stage takes the blocks left as soon as one can.
+    (counts per shape, bridged shapes) or None. Why: the search's fallback when its time limit ends before
+    any capped MILP found a plan (on the 768-device cluster such MILPs take 1-4 s to find their first)."""
+    L = n - 2
+    first, end = c.first_unit, c.end_unit
+    is_first, is_last = (first == 0) & (end < n), (end == n) & (first > 0)
+    is_mid = (first > 0) & (end < n)
+    blocks = np.where(first == 0, end - 1, np.where(is_last, n - 1 - first, end - first))
+    devices = c.devices
+    left = np.asarray(counts, dtype=np.int64).copy()
+    chosen: dict[int, int] = {}
+    bridged: list[int] = []
+
+    def pick(mask: np.ndarray, p: int, bridge: bool) -> Optional[int]:
+        cost = c.cost_s + (c.bridge_s if bridge else 0.0)
+        ok = mask & (cost <= cap * (1 + 1e-9)) & (c.in_flight >= min(p, M)) & (devices <= left[c.type_idx])
+        idx = np.flatnonzero(ok)
+        if not len(idx):
+            return None
+        return int(idx[np.lexsort((devices[idx], -blocks[idx] / devices[idx]))[0]])
+
+    def take(k: int, bridge: bool) -> None:
+        chosen[k] = chosen.get(k, 0) + 1
+        left[c.type_idx[k]] -= devices[k]
+        if bridge:
+            bridged.append(k)
+
+    runs = [int(v) for v in vendor_order if (c.vendor == v).any()]
+    if not runs:
+        return None
+    k = pick(is_last & (c.vendor == runs[-1]), 1, False)
+    if k is None:
+        return None
+    take(k, False)
+    rest, p = L - int(blocks[k]), 2
+    for r in range(len(runs) - 1, -1, -1):  # runs from the last; earlier ones may stay empty
+        mine = c.vendor == runs[r]
+        bridge = r < len(runs) - 1  # the last run always holds the last stage
+        while True:
+            k = pick(is_first & mine & (blocks == rest), p, bridge)
+            if k is not None:
+                take(k, bridge)
+                return chosen, bridged
+            k = pick(is_mid & mine & (blocks <= rest), p, bridge) if rest > 0 else None
+            if k is None:
+                break
+            take(k, bridge)
+            bridge, rest, p = False, rest - int(blocks[k]), p + 1
+    return None
+
+
 def _keep(c: Candidates, mask: np.ndarray) -> Candidates:
     idx = np.flatnonzero(mask)
     return Candidates(*(getattr(c, f)[idx] for f in FIELDS))
@@ -399,6 +455,23 @@ class ShapeSearch:
                     if self.best is None or obj < self.best.objective:
                         self.best, cutoff = sol, obj
         return min(bound, M * cap)
+
+    def fallback(self) -> None:
+        """When the time limit ended the MILPs before any plan: the best greedy plan (``greedy_shapes``) over the
+        sizes and a few caps, so a short limit gives a plan rather than an error (its gap says how good)."""
+        for _, b, M, c, t_lb in self.jobs:
+            if not math.isfinite(t_lb):
+                continue
+            vendors = sorted({int(v) for v in c.vendor})
+            for f in self.CAPS:
+                for perm in itertools.permutations(vendors):
+                    got = greedy_shapes(c, self.n, self.counts, M, perm, t_lb * f)
+                    res = order_chain(c, *got, perm, self.n, self.counts, M) if got else None
+                    if res is not None and (self.best is None or res[1] < self.best.objective):
+                        self.best = self._Solution(b, M, list(range(len(res[0]))), res[1], 0.0, "feasible", res[0])
+                        self.best.units = [(l, l + 1) for l in range(self.n)]
+        if self.best is not None:  # the one plan the simulator replays
+            self.pool = {(self.best.b,): self.best}
 
     def ran_out(self) -> bool:
         """Whether the time limit cut the search short (a MILP stopped by it, or too little time left to start one)."""

@@ -1,13 +1,15 @@
 """The shape MILP (layer-granular planning for models of identical blocks) against the brute-force chain
 reference on random small instances, and when the planner chooses it."""
-import pytest
+import itertools
+
 import numpy as np
+import pytest
 
 from hethub.partitioner import InfeasibleError, builtin_model
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.planner import (PlannerOptions, _layer_granular_shapes, chain_is_feasible, micro_batch_sizes,
                                         objective_of, search)
-from hethub.partitioner.shapes import ShapeSearch, identical_blocks
+from hethub.partitioner.shapes import ShapeSearch, greedy_shapes, identical_blocks, order_chain
 from test_planner import TWO_TYPE, random_instance
 
 
@@ -43,6 +45,16 @@ def test_shapes_match_brute_force(seed):
     ref_vendors = [int(ref.cands.vendor[k]) for k in ref.chosen]
     if one_run_per_vendor(ref_vendors):
         assert got.objective == pytest.approx(ref.objective, rel=1e-6)
+    # the time-limit fallback: every greedy plan is a feasible chain, never better than the optimum
+    n = cm.model.num_planner_layers
+    for _, b, M, c, t_lb in shapes.jobs:
+        for perm in itertools.permutations(sorted({int(v) for v in c.vendor})):
+            for f in ShapeSearch.CAPS:
+                plan = greedy_shapes(c, n, counts, M, perm, t_lb * f)
+                res = order_chain(c, *plan, perm, n, counts, M) if plan else None
+                if res is not None:
+                    assert chain_is_feasible(res[0], list(range(len(res[0]))), counts, M)
+                    assert res[1] >= ref.objective * (1 - 1e-6)
         assert shapes.stats()["gap"] <= 1e-4  # HiGHS stops within its relative MIP gap (1e-4)
 
 
@@ -72,12 +84,16 @@ def test_unbounded_knapsack_step_equals_the_loop_it_replaces():
         assert (_take_any_number(g, d, m) == ref).all(), (g, d, m)
 
 
-def test_a_search_cut_short_by_the_time_limit_says_so_not_memory():
-    """No plan found because the time ran out is not "does not fit": the error names --time-limit."""
+def test_a_search_cut_short_by_the_time_limit_falls_back_or_says_so(monkeypatch):
+    """No plan found because the time ran out is not "does not fit": the greedy fallback gives a plan, and
+    without one the error names --time-limit."""
     from hethub.partitioner.records import Cluster
     cluster = Cluster.model_validate({
         "name": "big", "nodes": [{"host": f"a{i}", "device_type": "A100-80GB", "count": 8} for i in range(32)],
         "network": {"intra_node_gbps": 2400, "inter_node_gbps": 200}})
     cm = CostModel(cluster, builtin_model("llama-140b"))
+    sol, stats = search(cm, 1024, PlannerOptions(time_limit_s=0.3))
+    assert sol.cands is not None and 0 < stats["gap"] < 1
+    monkeypatch.setattr("hethub.partitioner.shapes.greedy_shapes", lambda *a: None)
     with pytest.raises(InfeasibleError, match=r"--time-limit: no plan found within 0.3 s"):
         search(cm, 1024, PlannerOptions(time_limit_s=0.3))
