@@ -447,14 +447,19 @@ class ShapeSearch:
             if chosen:
                 res = order_chain(sub, chosen, milp.bridged, perm, self.n, self.counts, M)
                 if res is not None:
-                    chain, obj = res
-                    sol = self._Solution(b, M, list(range(len(chain))), obj, milp_bound, status, chain)
-                    sol.units = [(l, l + 1) for l in range(self.n)]
+                    sol, obj = self._chain(b, M, res, milp_bound, status), res[1]
                     if (b,) not in self.pool or obj < self.pool[(b,)].objective:
                         self.pool[(b,)] = sol
                     if self.best is None or obj < self.best.objective:
                         self.best, cutoff = sol, obj
         return min(bound, M * cap)
+
+    def _chain(self, b: int, M: int, res: tuple[Candidates, float], bound: float, status: str):
+        """An ordered chain (``order_chain``'s result) as the planner's Solution, at layer granularity."""
+        chain, obj = res
+        sol = self._Solution(b, M, list(range(len(chain))), obj, bound, status, chain)
+        sol.units = [(l, l + 1) for l in range(self.n)]
+        return sol
 
     def fallback(self) -> None:
         """When the time limit ended the MILPs before any plan: the best greedy plan (``greedy_shapes``) over the
@@ -468,8 +473,7 @@ class ShapeSearch:
                     got = greedy_shapes(c, self.n, self.counts, M, perm, t_lb * f)
                     res = order_chain(c, *got, perm, self.n, self.counts, M) if got else None
                     if res is not None and (self.best is None or res[1] < self.best.objective):
-                        self.best = self._Solution(b, M, list(range(len(res[0]))), res[1], 0.0, "feasible", res[0])
-                        self.best.units = [(l, l + 1) for l in range(self.n)]
+                        self.best = self._chain(b, M, res, 0.0, "feasible")
         if self.best is not None:  # the one plan the simulator replays
             self.pool = {(self.best.b,): self.best}
 
