@@ -505,6 +505,8 @@ class ShapeSearch:
             proven = self._solve(b, M, c, t_lb, cap, self.left() / max(1, todo))
             self.bounds[b] = max(self.bounds[b], min(proven, self.best.objective) if self.best else proven)
             self._report(b)
+        if self.best is None and self.ran_out():
+            self.fallback()
 
     def _report(self, b: int) -> None:
         if self.progress is not None:
