@@ -116,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
                           max_units=args.max_units, equal_widths=args.equal_widths,
-                          max_tensor_parallel=args.max_tensor_parallel)
+                          max_tensor_parallel=args.max_tensor_parallel, mixed_types=not args.no_mixed_stages)
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="group blocks into at most this many cut points (default: every layer is one)")
     sp.add_argument("--max-tensor-parallel", type=_int_in(1, 1024), default=8,
                     help="largest tensor-parallel degree a stage may use (1, 2, 4, 8 within one node; 1: off)")
+    sp.add_argument("--no-mixed-stages", action="store_true",
+                    help="one device type per stage (default: a stage may mix two types of one vendor, "
+                         "speed-proportional splits)")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

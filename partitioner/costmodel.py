@@ -468,7 +468,8 @@ class CostModel:
             return np.zeros_like(np.asarray(tied_params, dtype=float)) if np.ndim(tied_params) else 0.0
         nbytes = np.asarray(tied_params, dtype=float) * BYTES_PER_ACT
         volume, hops = ring_allreduce(nbytes, ranks)
-        out = max(hops * lat + volume * 8 / (gbps * 1e9) for gbps, lat in (self._link_gbps(t, t, False) for t in types))
+        out = np.max([hops * lat + volume * 8 / (gbps * 1e9) for gbps, lat in (self._link_gbps(t, t, False)
+                                                                            for t in types)], axis=0)
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(tied_params) else float(out)
 
@@ -492,8 +493,8 @@ class CostModel:
             gbps, lat = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
             out = hops * lat + volume * 8 / (gbps * 1e9) + copies / (PCIE_GBPS * 1e9)
         else:
-            out = max(hops * lat + volume * 8 / (gbps * 1e9)
-                      for gbps, lat in (self._link_gbps(t, t, one_node) for t in types))
+            out = np.max([hops * lat + volume * 8 / (gbps * 1e9)
+                          for gbps, lat in (self._link_gbps(t, t, one_node) for t in types)], axis=0)
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(params) else float(out)
 

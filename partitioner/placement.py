@@ -21,6 +21,10 @@ class StageLayout:
     samples: tuple[int, ...]  # per replica, of each micro-batch
     recompute: bool = False
     tensor_parallel: int = 1
+    replica_types: tuple[str, ...] = ()  # per replica, for a stage that mixes types (empty: all device_type)
+
+    def type_of(self, replica: int) -> str:
+        return self.replica_types[replica] if self.replica_types else self.device_type
 
 
 def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[str, int]]]:
@@ -36,29 +40,34 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
     out: list[list[tuple[str, int]]] = [[] for _ in layouts]
     for i in sorted(range(len(layouts)), key=lambda k: -layouts[k].tensor_parallel):
         lay = layouts[i]
-        nodes = [n for n in cluster.nodes if n.device_type == lay.device_type]
-        need = len(lay.samples)
-        slots: list[tuple[str, int]] = []
-        while len(slots) < need:
-            # Prefer a node that holds all the remaining replicas; else the emptiest node.
-            rest = need - len(slots)
-            fitting = [n for n in nodes if len(free[n.host]) >= rest * lay.tensor_parallel]
-            pool = sorted(fitting, key=lambda n: len(free[n.host])) or \
-                sorted(nodes, key=lambda n: -len(free[n.host]))
-            if not pool or len(free[pool[0].host]) < lay.tensor_parallel:
-                have = sum(len(free[n.host]) for n in nodes)
-                if have >= rest * lay.tensor_parallel:
-                    raise InfeasibleError(f"stages[{i}]", f"its tensor-parallel groups need {lay.tensor_parallel} "
-                                                          f"free {lay.device_type} slots on one node; the {have} "
-                                                          f"left are spread over nodes")
-                raise InfeasibleError(f"stages[{i}]", f"needs {need * lay.tensor_parallel} {lay.device_type} devices, "
-                                                      f"only {have} left")
-            host = pool[0].host
-            first = free[host][0]
-            slots.append((host, first))
-            del free[host][:lay.tensor_parallel]
-        out[i] = slots
+        slots = {}
+        for t in dict.fromkeys(lay.type_of(r) for r in range(len(lay.samples))):  # a mixed stage: type by type
+            mine = [r for r in range(len(lay.samples)) if lay.type_of(r) == t]
+            slots.update(zip(mine, _take_slots(cluster, free, i, t, len(mine), lay.tensor_parallel)))
+        out[i] = [slots[r] for r in range(len(lay.samples))]
     return out
+
+
+def _take_slots(cluster: Cluster, free: dict[str, list[int]], i: int, device_type: str, need: int, tp: int
+                ) -> list[tuple[str, int]]:
+    """(host, first slot) for ``need`` replicas (groups of ``tp``) of stage i on nodes of ``device_type``."""
+    nodes = [n for n in cluster.nodes if n.device_type == device_type]
+    slots: list[tuple[str, int]] = []
+    while len(slots) < need:
+        # Prefer a node that holds all the remaining replicas; else the emptiest node.
+        rest = need - len(slots)
+        fitting = [n for n in nodes if len(free[n.host]) >= rest * tp]
+        pool = sorted(fitting, key=lambda n: len(free[n.host])) or sorted(nodes, key=lambda n: -len(free[n.host]))
+        if not pool or len(free[pool[0].host]) < tp:
+            have = sum(len(free[n.host]) for n in nodes)
+            if have >= rest * tp:
+                raise InfeasibleError(f"stages[{i}]", f"its tensor-parallel groups need {tp} free {device_type} "
+                                                      f"slots on one node; the {have} left are spread over nodes")
+            raise InfeasibleError(f"stages[{i}]", f"needs {need * tp} {device_type} devices, only {have} left")
+        host = pool[0].host
+        slots.append((host, free[host][0]))
+        del free[host][:tp]
+    return slots
 
 
 def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayout], micro_batch_size: int,
@@ -82,13 +91,16 @@ def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayo
     stages = []
     for i, (lay, slots) in enumerate(zip(layouts, placement)):
         reps = []
-        for (host, slot), n in zip(sorted(slots, key=lambda hs: rank_of[hs]), lay.samples):
+        for r in sorted(range(len(slots)), key=lambda r: rank_of[slots[r]]):
+            (host, slot), n = slots[r], lay.samples[r]
             if lay.tensor_parallel == 1:
-                reps.append({"rank": rank_of[(host, slot)], "host": host, "slot": slot, "samples": int(n)})
+                rep = {"rank": rank_of[(host, slot)], "host": host, "slot": slot, "samples": int(n)}
             else:  # a tensor-parallel group: consecutive slots of one host
                 group = [slot + k for k in range(lay.tensor_parallel)]
-                reps.append({"ranks": [rank_of[(host, g)] for g in group], "host": host, "slots": group,
-                             "samples": int(n)})
+                rep = {"ranks": [rank_of[(host, g)] for g in group], "host": host, "slots": group, "samples": int(n)}
+            if lay.type_of(r) != lay.device_type:
+                rep["device_type"] = lay.type_of(r)
+            reps.append(rep)
         stages.append({"index": i, "layers": list(lay.layers), "device_type": lay.device_type,
                        "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "replicas": reps})
     boundaries = [{"after_stage": i, "transport": "host"} for i in range(len(layouts) - 1)

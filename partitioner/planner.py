@@ -25,6 +25,7 @@ Models with more than ``max_units`` planner layers have their blocks grouped int
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,8 @@ class PlannerOptions:
     # Tensor-parallel degrees a stage may use: 1, 2, 4, 8 up to this (only those that fit in one node of the
     # type and divide heads, KV heads and the FFN size). 1 turns tensor parallelism off.
     max_tensor_parallel: int = 8
+    # Stages may mix two device types of one vendor (``mixed_splits``: speed-proportional integer splits).
+    mixed_types: bool = True
 
 
 @dataclass
@@ -73,18 +76,31 @@ class Candidates:
     vendor: np.ndarray  # vendor id of the device type
     bridge_s: np.ndarray  # extra per-micro-batch seconds when the next stage is another vendor's (host bridge)
     tp: np.ndarray  # tensor-parallel degree: each replica is a group of tp devices on one node
+    # A mixed-type stage adds width2 replicas of a second type (same vendor, same degree) taking samples2 samples
+    # each; the width replicas of type_idx share the rest. Pure stages: type2_idx -1, width2 0.
+    type2_idx: np.ndarray
+    width2: np.ndarray
+    samples2: np.ndarray
 
     def __len__(self) -> int:
         return len(self.cost_s)
 
     @property
     def devices(self) -> np.ndarray:
-        """Devices a candidate stage occupies: width x tensor-parallel degree."""
-        return self.width * self.tp
+        """Devices a candidate stage occupies, all types together: replicas x tensor-parallel degree."""
+        return (self.width + self.width2) * self.tp
+
+    def uses(self, ti: int) -> np.ndarray:
+        """Devices of type ``ti`` each candidate occupies."""
+        return (np.where(self.type_idx == ti, self.width, 0) + np.where(self.type2_idx == ti, self.width2, 0)) * self.tp
+
+    def uses_matrix(self, n_types: int) -> np.ndarray:
+        """(candidates, types) devices used."""
+        return np.stack([self.uses(ti) for ti in range(n_types)], axis=1) if len(self) else np.zeros((0, n_types), int)
 
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "allreduce_s", "optimizer_s",
-          "in_flight", "vendor", "bridge_s", "tp")
+          "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
 
 
 @dataclass
@@ -151,87 +167,178 @@ def _range_max(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return m
 
 
-def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
-               counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
-               max_tp: int = 1, pairs: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Candidates:
-    """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
+@dataclass(frozen=True)
+class _Part:
+    """The replicas of one device type in a candidate stage, priced over every unit range at once (arrays):
+    what a pure stage is, and each of the two halves of a mixed-type stage."""
 
-    ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths).
-    ``max_tp``: largest tensor-parallel degree (``tensor_parallel_degrees``); a candidate's devices are w x tp.
-    ``pairs``: only these (first unit, end unit) ranges (default: all).
-    """
-    bounds = np.array([u[0] for u in units] + [units[-1][1]])
-    I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
+    cm: CostModel
+    t: str
+    tp: int
+    rc: bool
+    per_sample: np.ndarray  # seconds per sample of the range (forward + backward [+ recompute])
+    fixed: np.ndarray  # seconds per call
+    params: np.ndarray  # per rank of a tp group
+    act: np.ndarray  # activation bytes kept per in-flight sample
+    act_max: np.ndarray  # largest layer's full activations per sample (recompute replays one at a time)
+    in_bytes: np.ndarray
+    out_bytes: np.ndarray
+    per_node: int  # replicas (tp groups) one node of the type holds
+
+    def compute_s(self, s: int) -> np.ndarray:
+        return self.fixed + self.per_sample * s
+
+    def comm_s(self, w: int, s: int, cross: bool) -> np.ndarray:
+        """Output boundary per micro-batch: this part's share crosses to the next stage and the gradient comes
+        back. Intra-node when the type's largest node holds the part and an equal neighbour. Inter-node: the
+        replicas sharing a node share its NIC (as the evaluator and simulator model it), so a node's share
+        queues on one link; a tp group's lead sends its replica's rows once. ``cross``: the next stage is
+        another vendor's (host copies both ways, cross-vendor link)."""
+        if cross:
+            net = self.cm.cluster.network
+            gbps, lat = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
+            per_x = min(w, self.per_node) * s
+            return np.where(self.out_bytes > 0, 2 * (lat + per_x * self.out_bytes * 8 / (gbps * 1e9)
+                                                     + 2 * s * self.out_bytes / (PCIE_GBPS * 1e9)), 0.0)
+        intra = 2 * w <= self.per_node
+        gbps, lat = self.cm._link_gbps(self.t, self.t, same_host=intra)
+        per_link = s if intra else min(w, self.per_node) * s
+        return np.where(self.out_bytes > 0, 2 * (lat + per_link * self.out_bytes * 8 / (gbps * 1e9)), 0.0)
+
+    def in_flight(self, width: int, s: int, M: int) -> np.ndarray:
+        """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
+        optimizer state over all of them) and a share of s samples."""
+        cap = (self.cm.memory_limit_bytes(self.t) - self.cm.state_bytes_of(self.params, width)
+               - 2.0 * self.in_bytes * s - (self.act_max * s if self.rc else 0.0))
+        k = np.floor(np.where(cap > 0, cap / np.maximum(self.act * s, 1.0), 0.0))
+        return np.minimum(k, M)
+
+
+def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.ndarray, I: np.ndarray, J: np.ndarray
+           ) -> list[_Part]:
     a, e = bounds[I], bounds[J]
     lay = cm.layers
     cum = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
-    tied = cm.tied_params(a, e)  # a tied embedding/head weight shared with another stage
-    act_rc = cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]
-    out_bytes = lay.out_bytes[e - 1]  # 0 for the last layer
-    in_bytes = lay.out_bytes[np.maximum(a - 1, 0)]
-    node_max = {t: max(n.count for n in cm.cluster.nodes if n.device_type == t) for t in types}
+    full_act = cm.act_bytes(tp)
+    act = {False: cum(full_act)[e] - cum(full_act)[a], True: cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]}
+    act_max = _range_max(full_act, bounds)[I, J]
+    params = cm.range_params(a, e, tp)
+    per_node = max(n.count for n in cm.cluster.nodes if n.device_type == t) // tp
+    return [_Part(cm, t, tp, rc, cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a],
+                  cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], params, act[rc], act_max,
+                  lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node)
+            for rc in ((False, True) if allow_recompute else (False,))]
+
+
+# Mixed-type stages: at most this many (primary width, secondary width, split) per pair of types, degree and
+# recompute setting, the ones closest to the pair's combined compute (see ``mixed_splits``).
+MIXED_SPLITS = 8
+
+
+def mixed_splits(fixed_a: float, per_a: float, fixed_b: float, per_b: float, b: int, avail_a: int, avail_b: int,
+                 keep: int = MIXED_SPLITS) -> list[tuple[int, int, int]]:
+    """(w_a, w_b, s_b) for mixed stages of a faster type a and a slower type b of one vendor: w_b replicas of b
+    take s_b samples each, the w_a replicas of a share the rest (ceil); s_b is the speed-proportional integer
+    split (the one that minimises the slower side on the whole model's per-sample and per-call seconds).
+
+    Why only some: a mixed stage is worth a candidate only when it beats both pure stages made of its parts
+    (w_a of a alone, w_b of b alone) and no mixed stage with no more devices of either type is as fast; of
+    those, the ``keep`` that waste least of their devices' combined speed to integer rounding."""
+    wa = np.arange(1, min(avail_a, b - 1) + 1)[:, None, None]
+    wb = np.arange(1, min(avail_b, b - 1) + 1)[None, :, None]
+    if not wa.size or not wb.size:
+        return []
+    sb = np.arange(1, b)[None, None, :]
+    rest = b - wb * sb
+    sa = -(-rest // wa)
+    tau = np.where(rest >= wa, np.maximum(fixed_a + per_a * sa, fixed_b + per_b * sb), np.inf)
+    best_s = tau.argmin(axis=2) + 1
+    tau = tau.min(axis=2)
+    wa2, wb2 = wa[:, :, 0], wb[:, :, 0]
+    pure = np.minimum(fixed_a + per_a * -(-b // wa2), fixed_b + per_b * -(-b // wb2))
+    lower_left = np.minimum.accumulate(np.minimum.accumulate(tau, axis=0), axis=1)
+    shifted = np.full((tau.shape[0] + 1, tau.shape[1] + 1), np.inf)
+    shifted[1:, 1:] = lower_left
+    dominated = np.minimum(shifted[:-1, 1:], shifted[1:, :-1]) <= tau  # another with <= devices of each, as fast
+    ok = np.isfinite(tau) & (tau < pure * (1 - 1e-9)) & ~dominated
+    i, j = np.nonzero(ok)
+    if not len(i):
+        return []
+    speed = b / tau[i, j] / (wa2[i, 0] / per_a + wb2[0, j] / per_b)  # share of the parts' combined speed
+    order = np.lexsort((wa2[i, 0] + wb2[0, j], -speed))[:keep]
+    return [(int(wa2[i[k], 0]), int(wb2[0, j[k]]), int(best_s[i[k], j[k]])) for k in order]
+
+
+def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
+               counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
+               max_tp: int = 1, pairs: Optional[tuple[np.ndarray, np.ndarray]] = None,
+               mixed: bool = True) -> Candidates:
+    """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
+
+    ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths; no mixed types).
+    ``max_tp``: largest tensor-parallel degree (``tensor_parallel_degrees``); a candidate's devices are w x tp.
+    ``pairs``: only these (first unit, end unit) ranges (default: all).
+    ``mixed``: also stages that mix two device types of one vendor (``mixed_splits``), both at one degree.
+    """
+    bounds = np.array([u[0] for u in units] + [units[-1][1]])
+    I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
+    tied = cm.tied_params(bounds[I], bounds[J])  # a tied embedding/head weight shared with another stage
+    vendor_of = {t: cm.cluster.device_type(t).vendor for t in types}
+    vendor_ids = {v: n for n, v in enumerate(sorted(set(vendor_of.values())))}
     cols: dict[str, list] = {k: [] for k in FIELDS}
-    vendor_ids = {v: n for n, v in enumerate(sorted({cm.cluster.device_type(t).vendor for t in types}))}
-    net = cm.cluster.network
-    gx, lx = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
-    for ti, t in enumerate(types):
-        dt = cm.cluster.device_type(t)
-        limit = cm.memory_limit_bytes(t)
+    index = {t: ti for ti, t in enumerate(types)}
+
+    def add(pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0) -> None:
+        w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
+        comp, comm, cross = pa.compute_s(sa), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
+        k = pa.in_flight(w, sa, M)
+        if pb is not None:  # the slower half paces the stage; both halves' memory must hold
+            comp, comm = np.maximum(comp, pb.compute_s(sb)), np.maximum(comm, pb.comm_s(wb, sb, False))
+            cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M))
+        # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
+        ar = cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node) + cm.tie_sync_s(tied, ts, 2 * w)
+        opt = np.max([cm.optimizer_s_of(pa.params, t, w) for t in ts], axis=0)
+        keep = k >= 1
+        n = int(keep.sum())
+        for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, index[pa.t])),
+                             ("width", np.full(n, wa)), ("recompute", np.full(n, pa.rc)),
+                             ("cost_s", (comp + comm)[keep]), ("allreduce_s", ar[keep]), ("optimizer_s", opt[keep]),
+                             ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[vendor_of[pa.t]])),
+                             ("bridge_s", np.maximum(cross - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
+                             ("type2_idx", np.full(n, index[pb.t] if pb is not None else -1)),
+                             ("width2", np.full(n, wb)), ("samples2", np.full(n, sb))):
+            cols[name].append(values)
+
+    parts: dict[tuple[str, int], list[_Part]] = {}
+    for t in types:
+        avail_of = lambda tp: counts[t] // tp  # noqa: E731
         for tp in tensor_parallel_degrees(cm, t, max_tp):
-            params = cm.range_params(a, e, tp)  # per rank of a tp group
-            full_act = cm.act_bytes(tp)
-            act = {False: cum(full_act)[e] - cum(full_act)[a], True: act_rc}
-            act_max = _range_max(full_act, bounds)[I, J]
-            per_node = node_max[t] // tp  # replicas (tp groups) one node of the type holds
-            for rc in ((False, True) if allow_recompute else (False,)):
-                per_sample = cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a]
-                fixed = cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a]
-                avail = counts[t] // tp
-                for w in (widths_for(b, avail) if width is None else ([width] if width <= avail else [])):
-                    s = -(-b // w)
-                    # Output boundary: this stage's share crosses to the next stage and the gradient comes
-                    # back. Intra-node when the type's largest node holds this stage and an equal neighbour.
-                    intra = 2 * w <= per_node
-                    gbps, lat = cm._link_gbps(t, t, same_host=intra)
-                    # Inter-node: the replicas sharing a node also share its NIC (as the evaluator and simulator
-                    # model it), so a node's share of the micro-batch queues on one link. A tp group's lead
-                    # sends its replica's rows once.
-                    per_link = s if intra else min(w, per_node) * s
-                    comm = np.where(out_bytes > 0, 2 * (lat + per_link * out_bytes * 8 / (gbps * 1e9)), 0.0)
-                    c = fixed + per_sample * s + comm
-                    # ... and when the next stage is another vendor's: host copies both ways, cross-vendor link
-                    per_x = min(w, per_node) * s
-                    cross = np.where(out_bytes > 0, 2 * (lx + per_x * out_bytes * 8 / (gx * 1e9)
-                                                         + 2 * s * out_bytes / (PCIE_GBPS * 1e9)), 0.0)
-                    pen = np.maximum(cross - comm, 0.0)
-                    one_node = w <= per_node
-                    # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
-                    ar = cm.sync_s(params, [t], w, one_node) + cm.tie_sync_s(tied, [t], 2 * w)
-                    state = cm.state_bytes_of(params, w)
-                    opt = cm.optimizer_s_of(params, t, w)
-                    cap = limit - state - 2.0 * in_bytes * s - (act_max * s if rc else 0.0)
-                    per_flight = np.maximum(act[rc] * s, 1.0)
-                    k = np.floor(np.where(cap > 0, cap / per_flight, 0.0))
-                    k = np.minimum(k, M)
-                    keep = k >= 1
-                    n = int(keep.sum())
-                    for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, ti)),
-                                         ("width", np.full(n, w)), ("recompute", np.full(n, rc)), ("cost_s", c[keep]),
-                                         ("allreduce_s", ar[keep]), ("optimizer_s", opt[keep]),
-                                         ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[dt.vendor])),
-                                         ("bridge_s", pen[keep]), ("tp", np.full(n, tp))):
-                        cols[name].append(values)
+            parts[t, tp] = _parts(cm, t, tp, allow_recompute, bounds, I, J)
+            for part in parts[t, tp]:
+                widths = widths_for(b, avail_of(tp)) if width is None else ([width] if width <= avail_of(tp) else [])
+                for w in widths:
+                    add(part, w, -(-b // w))
+    if mixed and width is None:
+        speed = {t: cm.sample_s(t) for t in types}
+        for ta, tb in itertools.permutations(types, 2):
+            if vendor_of[ta] != vendor_of[tb] or (speed[ta], index[ta]) > (speed[tb], index[tb]):
+                continue  # one vendor (a cross-vendor stage would all-reduce through the host); ta the faster
+            for tp in sorted(set(tensor_parallel_degrees(cm, ta, max_tp)) & set(tensor_parallel_degrees(cm, tb, max_tp))):
+                for pa, pb in zip(parts[ta, tp], parts[tb, tp]):  # the same recompute setting
+                    rep = [(float(cm.prefix_fixed(t, pa.rc, tp)[-1]), float(cm.prefix(t, pa.rc, tp)[-1])) for t in (ta, tb)]
+                    for wa, wb, sb in mixed_splits(*rep[0], *rep[1], b, counts[ta] // tp, counts[tb] // tp):
+                        add(pa, wa, -(-(b - wb * sb) // wa), pb, wb, sb)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
     cand = Candidates(**{k: cat[k] for k in cols})
-    for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp"):
+    for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp", "type2_idx", "width2", "samples2"):
         setattr(cand, name, getattr(cand, name).astype(int))
     cand.recompute = cand.recompute.astype(bool)
     return _prune_dominated(cand)
 
 
 def _prune_dominated(c: Candidates) -> Candidates:
-    """Drop a candidate when another over the same layers and device type uses no more devices and is no
-    worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, bridge penalty, and
+    """Drop a candidate when another over the same layers and first device type uses no more devices of any
+    type and is no worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, bridge penalty, and
     micro-batches in flight): swapping it in keeps any chain feasible and its objective no larger, so the
     optimum is unchanged. This is what keeps tensor-parallel and recompute variants from multiplying the
     MILP: most are dominated by a plain stage of the same devices."""
@@ -241,7 +348,9 @@ def _prune_dominated(c: Candidates) -> Candidates:
     order = np.argsort(group, kind="stable")
     starts = np.flatnonzero(np.r_[True, group[order][1:] != group[order][:-1]])
     ends = np.r_[starts[1:], len(order)]
-    better = np.stack([-c.devices, -c.cost_s, -c.allreduce_s, -c.optimizer_s, -c.bridge_s, c.in_flight], axis=1)
+    n_types = int(max(c.type_idx.max(), c.type2_idx.max())) + 1
+    better = np.concatenate([-c.uses_matrix(n_types), np.stack([-c.cost_s, -c.allreduce_s, -c.optimizer_s,
+                                                                 -c.bridge_s, c.in_flight], axis=1)], axis=1)
     keep = np.ones(len(c), dtype=bool)
     for a, b in zip(starts, ends):
         idx = order[a:b]
@@ -279,7 +388,9 @@ def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int
     used = np.zeros(len(counts), dtype=int)
     S = len(chosen)
     for pos, idx in enumerate(chosen):
-        used[c.type_idx[idx]] += c.devices[idx]
+        used[c.type_idx[idx]] += c.width[idx] * c.tp[idx]
+        if c.type2_idx[idx] >= 0:
+            used[c.type2_idx[idx]] += c.width2[idx] * c.tp[idx]
         if c.in_flight[idx] < min(S - pos, M):
             return False
     return bool((used <= np.asarray(counts)).all())
@@ -357,7 +468,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
                     ) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
     the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
-    dp, arg = chain_dp(c, U, M, weights[c.type_idx] * c.devices, c.cost_s <= T)
+    dp, arg = chain_dp(c, U, M, c.uses_matrix(len(counts)) @ weights, c.cost_s <= T)
     r = int(dp[0].argmin())
     if not np.isfinite(dp[0, r]):
         return None
@@ -482,9 +593,10 @@ class _Milp:
 
     def device_rows(self, counts: Sequence[int]) -> None:
         for ti, cnt in enumerate(counts):
-            ks = np.flatnonzero(self.c.type_idx == ti)
+            use = self.c.uses(ti)
+            ks = np.flatnonzero(use)
             if len(ks):
-                self.prob += self.affine([(k, float(self.c.devices[k])) for k in ks]) <= cnt
+                self.prob += self.affine([(k, float(use[k])) for k in ks]) <= cnt
 
 
 def _milp_solver(solver: str, time_limit_s: float, cutoff: Optional[float]):
@@ -574,7 +686,8 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     for k in np.argsort(c.cost_s, kind="stable"):
         starts[c.first_unit[k]].append(int(k))
     cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
-    w, t = c.devices.tolist(), c.type_idx.tolist()
+    w, t = (c.width * c.tp).tolist(), c.type_idx.tolist()
+    w2, t2 = (c.width2 * c.tp).tolist(), c.type2_idx.tolist()  # a mixed stage's second type (-1: none)
     vend, pen = c.vendor.tolist(), c.bridge_s.tolist()
     used = [0] * len(counts)
     best: list = [None, math.inf]
@@ -596,9 +709,10 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
                 best[0], best[1] = list(chain), (M - 1) * mx + sm + mar + mop
             return
         for k in starts[u]:
-            if used[t[k]] + w[k] > counts[t[k]]:
+            if used[t[k]] + w[k] > counts[t[k]] or (t2[k] >= 0 and used[t2[k]] + w2[k] > counts[t2[k]]):
                 continue
             used[t[k]] += w[k]
+            used[t2[k]] += w2[k]  # 0 (on the last type) for a pure stage
             extra = pen[chain[-1]] if chain and vend[chain[-1]] != vend[k] else 0.0
             prev_cost = cc[chain[-1]] + extra if chain else 0.0
             chain.append(k)
@@ -606,6 +720,7 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
                  max(mop, opt[k]))
             chain.pop()
             used[t[k]] -= w[k]
+            used[t2[k]] -= w2[k]
 
     walk(0, [], 0.0, 0.0, 0.0, 0.0)
     return None if best[0] is None else (best[0], objective_of(c, best[0], M))
@@ -673,7 +788,7 @@ class _Search:
         for b, w in keys:
             M = self.global_batch // b
             cand = candidates(self.cm, units, b, M, self.types, dict(zip(self.types, self.counts)),
-                              opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel)
+                              opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel, mixed=opts.mixed_types)
             t_lb = bottleneck_lower_bound(cand, U, N, M) if len(cand) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(cand, U, N, M) if math.isfinite(t_lb) else math.inf
             jobs.append(_Job(lb, (b, w), M, cand, t_lb))
@@ -849,8 +964,12 @@ def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[st
     units = sol.units or units
     out = []
     for k in sol.chosen:
+        wb, sb = int(c.width2[k]), int(c.samples2[k])
+        # a mixed stage: the first type's replicas share what the second's (s_b each) leave
+        samples = even_split(sol.b - wb * sb, int(c.width[k])) + (sb,) * wb
+        second = (types[c.type2_idx[k]],) * wb if wb else ()
         out.append(StageLayout(layers=(units[c.first_unit[k]][0], units[c.end_unit[k] - 1][1]),
-                               device_type=types[c.type_idx[k]],
-                               samples=even_split(sol.b, int(c.width[k])), recompute=bool(c.recompute[k]),
-                               tensor_parallel=int(c.tp[k])))
+                               device_type=types[c.type_idx[k]], samples=samples, recompute=bool(c.recompute[k]),
+                               tensor_parallel=int(c.tp[k]),
+                               replica_types=(types[c.type_idx[k]],) * int(c.width[k]) + second if wb else ()))
     return out

@@ -62,41 +62,51 @@ def shape_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def shape_candidates(cm: CostModel, b: int, M: int, types: Sequence[str], counts: dict[str, int],
-                     allow_recompute: bool, max_tp: int, max_cost_s: float = math.inf) -> Candidates:
+                     allow_recompute: bool, max_tp: int, max_cost_s: float = math.inf, mixed: bool = True
+                     ) -> Candidates:
     n = cm.model.num_planner_layers
     units = [(l, l + 1) for l in range(n)]
-    c = candidates(cm, units, b, M, types, counts, allow_recompute, max_tp=max_tp, pairs=shape_pairs(n))
+    c = candidates(cm, units, b, M, types, counts, allow_recompute, max_tp=max_tp, pairs=shape_pairs(n), mixed=mixed)
     keep = np.flatnonzero(c.cost_s <= max_cost_s)
     return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
 
 
-def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int) -> float:
+def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
+                       sample_s: Optional[Sequence[float]] = None) -> float:
     """Smallest bottleneck T such that stages costing <= T could hold every block with the devices there are
     (per type, ignoring 1F1B position and the embedding/head): a valid lower bound on any plan's bottleneck.
-    Per type an unbounded knapsack: the most blocks ``d`` devices of the type can hold."""
+    Per type an unbounded knapsack: the most blocks ``d`` devices of the type can hold.
+
+    A mixed-type stage is split into one item per type, its blocks shared in proportion to the speed of its
+    devices (``sample_s``: seconds per sample per type; default equal). Any split keeps the bound valid: in a
+    plan, each type's parts use exactly that type's devices, and the parts add up to the stage's blocks."""
     L = n - 2
     mid = (c.first_unit == 1) & (c.end_unit < n)
-    blocks = c.end_unit - c.first_unit
+    blocks = (c.end_unit - c.first_unit).astype(float)
     values = np.unique(c.cost_s[mid])
-    devices = c.devices
+    speed = 1.0 / np.asarray(sample_s if sample_s is not None else np.ones(len(counts)), dtype=float)
+    d_a, d_b = c.width * c.tp, c.width2 * c.tp
+    w_a = d_a * speed[c.type_idx]
+    w_b = np.where(c.type2_idx >= 0, d_b * speed[np.maximum(c.type2_idx, 0)], 0.0)
+    share_a = blocks * w_a / (w_a + w_b)  # the whole stage for a pure one
+    items = [(c.type_idx, d_a, share_a), (c.type2_idx, d_b, blocks - share_a)]
 
     def holds(T: float) -> bool:
-        total = 0
+        total = 0.0
         for ti, cnt in enumerate(counts):
-            sel = np.flatnonzero(mid & (c.type_idx == ti) & (c.cost_s <= T))
-            if not len(sel):
-                continue
-            best_per_dev: dict[int, int] = {}
-            for d, m in zip(devices[sel].tolist(), blocks[sel].tolist()):  # per device count, the longest stage
-                best_per_dev[d] = max(best_per_dev.get(d, 0), m)
-            g = np.zeros(cnt + 1, dtype=np.int64)
+            best_per_dev: dict[int, float] = {}  # per device count, the most blocks one item holds
+            for of, dev, val in items:
+                sel = np.flatnonzero(mid & (of == ti) & (c.cost_s <= T) & (dev > 0))
+                for d, m in zip(dev[sel].tolist(), val[sel].tolist()):
+                    best_per_dev[d] = max(best_per_dev.get(d, 0.0), m)
+            g = np.zeros(cnt + 1)
             for d, m in best_per_dev.items():
                 if d <= cnt:
                     g = _take_any_number(g, d, m)
-            total += int(g[cnt])
-            if total >= L:
+            total += float(g[cnt])
+            if total >= L - 1e-9:
                 return True
-        return total >= L
+        return False
 
     if not len(values) or not holds(values[-1]):
         return math.inf
@@ -110,16 +120,16 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int) -> 
     return float(values[lo])
 
 
-def _take_any_number(g: np.ndarray, d: int, m: int) -> np.ndarray:
+def _take_any_number(g: np.ndarray, d: int, m: float) -> np.ndarray:
     """Unbounded knapsack step: g[x] = max over k >= 0 of g[x - k d] + k m (an item of d devices holding m
     blocks, taken any number of times). Per residue of x mod d a running maximum of g[r + j d] - j m, so
     one vectorised pass instead of a loop over x."""
     n = len(g)
     rows = -(-n // d)
-    padded = np.full(rows * d, -(1 << 40), dtype=np.int64)
+    padded = np.full(rows * d, -np.inf)
     padded[:n] = g
     grid = padded.reshape(rows, d)
-    j = np.arange(rows, dtype=np.int64)[:, None] * m
+    j = np.arange(rows, dtype=float)[:, None] * m
     return (np.maximum.accumulate(grid - j, axis=0) + j).ravel()[:n]
 
 
@@ -161,12 +171,14 @@ class ShapeMilp:
         blocks = np.where(self.is_first, end - 1, np.where(self.is_last, n - 1 - first, end - first))
         blocks = np.where(self.is_whole, L, blocks)
         order = [int(v) for v in vendor_order]
+        use = c.uses_matrix(len(counts))
         self.x, self.u = {}, {}
         for k in range(len(c)):
             if int(c.vendor[k]) not in order:
                 continue
             if self.is_mid[k]:
-                ub = min(L // int(blocks[k]), counts[c.type_idx[k]] // int(c.devices[k]), M + L)
+                ub = min([L // int(blocks[k]), M + L] + [cnt // int(use[k, ti]) for ti, cnt in enumerate(counts)
+                                                          if use[k, ti]])
                 if ub < 1:
                     continue
                 self.x[k] = var(f"n{k}", lowBound=0, upBound=ub, cat=pulp.LpInteger)
@@ -186,7 +198,7 @@ class ShapeMilp:
         prob += lin([(self.x[k], 1.0) for k in ends if self.is_last[k] or self.is_whole[k]]) == 1
         prob += lin([(self.x[k], float(blocks[k])) for k in ks]) == L
         for ti, cnt in enumerate(counts):
-            terms = [(self.x[k], float(c.devices[k])) for k in ks if c.type_idx[k] == ti]
+            terms = [(self.x[k], float(use[k, ti])) for k in ks if use[k, ti]]
             if terms:
                 prob += lin(terms) <= cnt
         self._runs(var, lin, Z, order)
@@ -332,14 +344,14 @@ def greedy_shapes(c: Candidates, n: int, counts: Sequence[int], M: int, vendor_o
     is_first, is_last = (first == 0) & (end < n), (end == n) & (first > 0)
     is_mid = (first > 0) & (end < n)
     blocks = np.where(first == 0, end - 1, np.where(is_last, n - 1 - first, end - first))
-    devices = c.devices
+    devices, use = c.devices, c.uses_matrix(len(counts))
     left = np.asarray(counts, dtype=np.int64).copy()
     chosen: dict[int, int] = {}
     bridged: list[int] = []
 
     def pick(mask: np.ndarray, p: int, bridge: bool) -> Optional[int]:
         cost = c.cost_s + (c.bridge_s if bridge else 0.0)
-        ok = mask & (cost <= cap * (1 + 1e-9)) & (c.in_flight >= min(p, M)) & (devices <= left[c.type_idx])
+        ok = mask & (cost <= cap * (1 + 1e-9)) & (c.in_flight >= min(p, M)) & (use <= left).all(axis=1)
         idx = np.flatnonzero(ok)
         if not len(idx):
             return None
@@ -347,7 +359,7 @@ def greedy_shapes(c: Candidates, n: int, counts: Sequence[int], M: int, vendor_o
 
     def take(k: int, bridge: bool) -> None:
         chosen[k] = chosen.get(k, 0) + 1
-        left[c.type_idx[k]] -= devices[k]
+        left[:] -= use[k]
         if bridge:
             bridged.append(k)
 
@@ -411,8 +423,8 @@ class ShapeSearch:
         for b in sizes:
             M = global_batch // b
             c = shape_candidates(cm, b, M, types, dict(zip(types, counts)), opts.allow_recompute,
-                                 opts.max_tensor_parallel)
-            t_lb = blocks_lower_bound(c, self.n, counts, M) if len(c) else math.inf
+                                 opts.max_tensor_parallel, mixed=opts.mixed_types)
+            t_lb = blocks_lower_bound(c, self.n, counts, M, [cm.sample_s(t) for t in types]) if len(c) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(c, self.n) if math.isfinite(t_lb) else math.inf
             self.jobs.append((lb, b, M, c, t_lb))
             self.bounds[b] = lb

@@ -16,10 +16,10 @@ TWO_TYPE = Cluster.model_validate({
     "network": {"intra_node_gbps": 2400, "inter_node_gbps": 200}})
 
 
-def random_instance(seed: int):
+def random_instance(seed: int, vendors=("nvidia", "amd"), min_types: int = 1):
     rng = random.Random(seed)
-    n_types = rng.randint(1, 3)
-    types = {f"T{k}": {"vendor": rng.choice(["nvidia", "amd"]), "peak_tflops": rng.choice([20, 60, 150, 300]),
+    n_types = rng.randint(min_types, 3)
+    types = {f"T{k}": {"vendor": rng.choice(vendors), "peak_tflops": rng.choice([20, 60, 150, 300]),
                        "memory_gib": rng.choice([3, 4, 6, 16]), "memory_gbps": rng.choice([300, 900, 2000]),
                        "efficiency": rng.choice([0.3, 0.5])} for k in range(n_types)}
     total = rng.randint(n_types, 8)
@@ -57,6 +57,69 @@ def test_milp_equals_brute_force(seed):
     got, stats = search(cm, batch, PlannerOptions(solver="highs", **opts))
     assert stats["status"] == "optimal"
     assert got.objective == pytest.approx(ref.objective, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mixed_type_stages_match_brute_force(seed):
+    """One vendor, two or three types: stages may mix two of them. The MILP over that space (per-type device
+    rows, speed-proportional splits) finds the brute-force optimum, and never loses to the pure-type space."""
+    cluster, model, batch = random_instance(100 + seed, vendors=("nvidia",), min_types=2)
+    cm = CostModel(cluster, model, memory_reserve_gib=0.5)
+    opts = dict(max_micro_batch_size=batch, time_limit_s=60)
+    try:
+        ref, _ = search(cm, batch, PlannerOptions(solver="brute-force", **opts))
+    except InfeasibleError:
+        return
+    got, stats = search(cm, batch, PlannerOptions(solver="highs", **opts))
+    assert stats["status"] == "optimal"
+    assert got.objective == pytest.approx(ref.objective, rel=1e-6)
+    pure, _ = search(cm, batch, PlannerOptions(solver="highs", mixed_types=False, **opts))
+    assert got.objective <= pure.objective * (1 + 1e-9)
+
+
+def test_mixed_type_plans_are_valid_and_some_instances_need_them():
+    """Plans with mixed stages validate (each replica names its type, samples add up to the micro-batch), fit
+    every replica's own memory, and on some instances beat the best pure-type plan."""
+    better = 0
+    for seed in range(100, 112):
+        cluster, model, batch = random_instance(seed, vendors=("nvidia",), min_types=2)
+        try:
+            plan = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch),
+                             with_homogeneous_sum=False, memory_reserve_gib=0.5)
+            pure = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch, mixed_types=False),
+                             with_homogeneous_sum=False, memory_reserve_gib=0.5)
+        except InfeasibleError:
+            continue
+        assert plan.predicted.model_extra["fits_memory"]
+        for st in plan.stages:
+            assert sum(r.samples for r in st.replicas) == plan.micro_batch_size
+            if len(st.types) > 1:
+                assert all(r.samples >= 1 for r in st.replicas)
+        if any(len(st.types) > 1 for st in plan.stages):
+            better += plan.predicted.samples_per_s > pure.predicted.samples_per_s * 1.01
+    assert better >= 2, better
+
+
+def test_mixed_splits_are_speed_proportional_and_undominated():
+    from hethub.partitioner.planner import mixed_splits
+    fixed_a, per_a, fixed_b, per_b, b = 0.01, 0.1, 0.02, 0.3, 16
+    splits = mixed_splits(fixed_a, per_a, fixed_b, per_b, b, 8, 8, keep=100)
+    assert splits
+    pace = {}
+    for wa, wb, sb in splits:
+        sa = -(-(b - wb * sb) // wa)
+        assert sa >= 1 and wa * sa + wb * sb >= b and (wa * (sa - 1) + wb * sb < b)
+        tau = max(fixed_a + per_a * sa, fixed_b + per_b * sb)
+        # better than either part alone, and than any other split of the same replicas
+        assert tau < min(fixed_a + per_a * -(-b // wa), fixed_b + per_b * -(-b // wb))
+        for other in range(1, b):
+            rest = b - wb * other
+            if rest >= wa:
+                assert tau <= max(fixed_a + per_a * -(-rest // wa), fixed_b + per_b * other) + 1e-12
+        pace[wa, wb] = tau
+    for (wa, wb), tau in pace.items():
+        assert not any(a <= wa and c <= wb and (a, c) != (wa, wb) and t <= tau for (a, c), t in pace.items())
+    assert len(mixed_splits(fixed_a, per_a, fixed_b, per_b, b, 8, 8, keep=3)) == 3
 
 
 def test_cbc_matches_highs():
