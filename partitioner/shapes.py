@@ -74,8 +74,12 @@ def shape_candidates(cm: CostModel, b: int, M: int, types: Sequence[str], counts
 def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
                        sample_s: Optional[Sequence[float]] = None) -> float:
     """Smallest bottleneck T such that stages costing <= T could hold every block with the devices there are
-    (per type, ignoring 1F1B position and the embedding/head): a valid lower bound on any plan's bottleneck.
-    Per type an unbounded knapsack: the most blocks ``d`` devices of the type can hold.
+    (per type, ignoring the embedding/head): a valid lower bound on any plan's bottleneck. Per type a
+    knapsack: the most blocks ``d`` devices of the type can hold. 1F1B position enters through multiplicity:
+    a stage that holds only f < M micro-batches in flight must sit among the last f positions, so a plan has
+    at most f stages of that shape (without this the bound lets every stage be the densest, memory-starved
+    shape, and on the 768-device benchmark the capped MILPs spent their time proving caps up to 1.1x the
+    bound infeasible).
 
     A mixed-type stage is split into one item per type, its blocks shared in proportion to the speed of its
     devices (``sample_s``: seconds per sample per type; default equal). Any split keeps the bound valid: in a
@@ -90,19 +94,19 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
     w_b = np.where(c.type2_idx >= 0, d_b * speed[np.maximum(c.type2_idx, 0)], 0.0)
     share_a = blocks * w_a / (w_a + w_b)  # the whole stage for a pure one
     items = [(c.type_idx, d_a, share_a), (c.type2_idx, d_b, blocks - share_a)]
+    flight = c.in_flight.astype(int)
 
     def holds(T: float) -> bool:
         total = 0.0
         for ti, cnt in enumerate(counts):
-            best_per_dev: dict[int, float] = {}  # per device count, the most blocks one item holds
+            best: dict[tuple[int, int], float] = {}  # per (devices, in-flight count), the most blocks one item holds
             for of, dev, val in items:
-                sel = np.flatnonzero(mid & (of == ti) & (c.cost_s <= T) & (dev > 0))
-                for d, m in zip(dev[sel].tolist(), val[sel].tolist()):
-                    best_per_dev[d] = max(best_per_dev.get(d, 0.0), m)
+                sel = np.flatnonzero(mid & (of == ti) & (c.cost_s <= T) & (dev > 0) & (dev <= cnt))
+                for d, f, m in zip(dev[sel].tolist(), flight[sel].tolist(), val[sel].tolist()):
+                    best[d, f] = max(best.get((d, f), 0.0), m)
             g = np.zeros(cnt + 1)
-            for d, m in best_per_dev.items():
-                if d <= cnt:
-                    g = _take_any_number(g, d, m)
+            for (d, f), m in _undominated(best):
+                g = _take_any_number(g, d, m) if f >= M or f * d >= cnt else _take_up_to(g, d, m, f)
             total += float(g[cnt])
             if total >= L - 1e-9:
                 return True
@@ -118,6 +122,31 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
         else:
             lo = mid_i + 1
     return float(values[lo])
+
+
+def _undominated(best: dict[tuple[int, int], float]) -> list[tuple[tuple[int, int], float]]:
+    """Items (devices, in-flight count) -> blocks without those another item of the same devices beats in both
+    blocks and in-flight count (it could take their place in any plan)."""
+    out = []
+    for (d, f), m in sorted(best.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        if out and out[-1][0][0] == d and out[-1][1] >= m:
+            continue
+        out.append(((d, f), m))
+    return out
+
+
+def _take_up_to(g: np.ndarray, d: int, m: float, f: int) -> np.ndarray:
+    """Bounded knapsack step: g[x] = max over 0 <= k <= f of g[x - k d] + k m, as 0/1 items of 1, 2, 4, ...
+    copies (binary splitting: every k <= f is a sum of a subset of them, and no subset exceeds f)."""
+    left, size = f, 1
+    while left > 0:
+        k = min(size, left)
+        shift = k * d
+        if shift < len(g):
+            g = np.concatenate([g[:shift], np.maximum(g[shift:], g[:-shift] + k * m)])
+        left -= k
+        size *= 2
+    return g
 
 
 def _take_any_number(g: np.ndarray, d: int, m: float) -> np.ndarray:
@@ -451,9 +480,12 @@ class ShapeSearch:
                 return min(bound, self.bounds[b])
             milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb, cap if math.isfinite(cap) else None)
             self.milps += 1
-            share = seconds / (len(perms) - n_perm)  # the orders share this call's seconds
+            # the orders share this call's seconds (what one leaves, the next gets); until a first plan exists,
+            # each may use all that is left of them: a cut-short MILP finds nothing
+            share = seconds / (len(perms) - n_perm) if self.best is not None else seconds
+            started = self._time.perf_counter()
             chosen, status, milp_bound = milp.solve(self.opts.solver, min(share, self.left()), cutoff)
-            seconds -= share
+            seconds -= self._time.perf_counter() - started
             self.timeouts += status == "timeout"
             bound = min(bound, milp_bound)  # infeasible: inf, or the cutoff when nothing beats it
             if chosen:
@@ -498,14 +530,15 @@ class ShapeSearch:
 
     def run(self) -> None:
         quick = max(self.opts.time_limit_s / (2 * max(1, len(self.jobs))), 2.0)
-        # pass 1 visits the sizes with small MILPs first (HiGHS overruns its time limit on large ones)
-        small = lambda j: int((j[3].cost_s <= j[4] * self.CAPS[-1]).sum()) > self.SMALL  # noqa: E731
-        for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (small(j), j[0])):  # pass 1
+        for _, b, M, c, t_lb in self.jobs:  # pass 1, most promising bound first
             for f in self.CAPS:
                 if not math.isfinite(t_lb) or self.beaten(self.bounds[b]) or self.left() <= 0.1:
                     break
                 cap = t_lb * f if self.best is None else min(t_lb * f, self.best.objective / M)
-                self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, cap, quick))
+                # until a first plan exists, a capped MILP may take half the time left: on the 768-device
+                # benchmark the first feasible cap's MILP needs 2-3 s, and a cut-short one finds nothing
+                seconds = quick if self.best is not None else max(quick, self.left() / 2)
+                self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, cap, seconds))
                 if (b,) in self.pool or cap * M >= (self.best.objective if self.best else math.inf):
                     break
             self._report(b)

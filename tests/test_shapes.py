@@ -84,6 +84,18 @@ def test_unbounded_knapsack_step_equals_the_loop_it_replaces():
         assert (_take_any_number(g, d, m) == ref).all(), (g, d, m)
 
 
+def test_bounded_knapsack_step_equals_taking_each_count():
+    """``_take_up_to`` (binary splitting) against max over k <= f of g[x - k d] + k m, computed directly."""
+    from hethub.partitioner.shapes import _take_up_to
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        g = rng.integers(0, 20, n).astype(float)
+        d, m, f = int(rng.integers(1, n + 1)), float(rng.integers(0, 9)), int(rng.integers(1, 12))
+        ref = np.array([max(g[x - k * d] + k * m for k in range(f + 1) if x - k * d >= 0) for x in range(n)])
+        assert (_take_up_to(g, d, m, f) == ref).all(), (g, d, m, f)
+
+
 def test_a_search_cut_short_by_the_time_limit_falls_back_or_says_so(monkeypatch):
     """No plan found because the time ran out is not "does not fit": the greedy fallback gives a plan, and
     without one the error names --time-limit."""
