@@ -2,15 +2,16 @@
 recompute — as a MILP over candidate stages (PuLP; HiGHS by default, CBC as fallback).
 
 Planning objective (1F1B, one iteration), for stages s with per-micro-batch cost c_s (forward +
-backward of its share of the micro-batch, plus the transfer of its output boundary):
+backward of its share of the micro-batch, plus the transfer of its output boundary) and pace
+p_s = max(compute, transfer) (the runtime posts transfers non-blocking, so they overlap the compute):
 
-    T = (M - 1) * max_s c_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
+    T = (M - 1) * max_s p_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
 
 Formulation (for each micro-batch size b, M = G / b, solved separately — decomposition):
 - one binary x_c per candidate stage c = (unit range [i, j), device type t, width w, recompute r);
   a stage's w replicas split the micro-batch evenly (ceil(b / w) samples at most, w <= b);
 - flow over unit boundaries: exactly one chain of candidates from 0 to U;
-- bottleneck rows per unit, written sparsely with a running load (measured before the planner was written: one row per
+- bottleneck (pace) rows per unit, written sparsely with a running load (measured before the planner was written: one row per
   *layer* gives an LP bound of 3.99 vs 0.53 with one row per candidate);
 - device rows: sum of widths of type t <= devices of type t;
 - 1F1B memory, exactly: a stage starting at unit i keeps min(S_i, M) micro-batches in flight,
@@ -70,6 +71,7 @@ class Candidates:
     width: np.ndarray  # replicas
     recompute: np.ndarray  # full activation recompute (bool)
     cost_s: np.ndarray  # per-micro-batch cost: forward + backward of a replica's share + its output transfers
+    compute_s: np.ndarray  # ... of which forward + backward (the transfers, posted non-blocking, overlap it)
     allreduce_s: np.ndarray  # gradient all-reduce over the replicas
     optimizer_s: np.ndarray  # optimizer step
     in_flight: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
@@ -90,6 +92,17 @@ class Candidates:
         """Devices a candidate stage occupies, all types together: replicas x tensor-parallel degree."""
         return (self.width + self.width2) * self.tp
 
+    @property
+    def pace_s(self) -> np.ndarray:
+        """Steady-state seconds per micro-batch: sends are posted non-blocking, so a stage's compute and its
+        transfers overlap and the slower of the two paces the pipeline (fill and drain still pay both)."""
+        return np.maximum(self.compute_s, self.cost_s - self.compute_s)
+
+    @property
+    def bridged_pace_s(self) -> np.ndarray:
+        """``pace_s`` when the next stage is another vendor's (the transfer goes through the host bridge)."""
+        return np.maximum(self.compute_s, self.cost_s - self.compute_s + self.bridge_s)
+
     def uses(self, ti: int) -> np.ndarray:
         """Devices of type ``ti`` each candidate occupies."""
         return (np.where(self.type_idx == ti, self.width, 0) + np.where(self.type2_idx == ti, self.width2, 0)) * self.tp
@@ -99,7 +112,7 @@ class Candidates:
         return np.stack([self.uses(ti) for ti in range(n_types)], axis=1) if len(self) else np.zeros((0, n_types), int)
 
 
-FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "allreduce_s", "optimizer_s",
+FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "compute_s", "allreduce_s", "optimizer_s",
           "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
 
 
@@ -232,7 +245,7 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
 
 # Mixed-type stages: at most this many (primary width, secondary width, split) per pair of types, degree and
 # recompute setting, the ones closest to the pair's combined compute (see ``mixed_splits``).
-MIXED_SPLITS = 8
+MIXED_SPLITS = 3
 
 
 def mixed_splits(fixed_a: float, per_a: float, fixed_b: float, per_b: float, b: int, avail_a: int, avail_b: int,
@@ -302,7 +315,8 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
         n = int(keep.sum())
         for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, index[pa.t])),
                              ("width", np.full(n, wa)), ("recompute", np.full(n, pa.rc)),
-                             ("cost_s", (comp + comm)[keep]), ("allreduce_s", ar[keep]), ("optimizer_s", opt[keep]),
+                             ("cost_s", (comp + comm)[keep]), ("compute_s", comp[keep]), ("allreduce_s", ar[keep]),
+                             ("optimizer_s", opt[keep]),
                              ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[vendor_of[pa.t]])),
                              ("bridge_s", np.maximum(cross - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
                              ("type2_idx", np.full(n, index[pb.t] if pb is not None else -1)),
@@ -349,8 +363,8 @@ def _prune_dominated(c: Candidates) -> Candidates:
     starts = np.flatnonzero(np.r_[True, group[order][1:] != group[order][:-1]])
     ends = np.r_[starts[1:], len(order)]
     n_types = int(max(c.type_idx.max(), c.type2_idx.max())) + 1
-    better = np.concatenate([-c.uses_matrix(n_types), np.stack([-c.cost_s, -c.allreduce_s, -c.optimizer_s,
-                                                                 -c.bridge_s, c.in_flight], axis=1)], axis=1)
+    better = np.concatenate([-c.uses_matrix(n_types), np.stack([-c.cost_s, -c.pace_s, -c.bridged_pace_s, -c.allreduce_s,
+                                                                 -c.optimizer_s, -c.bridge_s, c.in_flight], axis=1)], axis=1)
     keep = np.ones(len(c), dtype=bool)
     for a, b in zip(starts, ends):
         idx = order[a:b]
@@ -377,11 +391,22 @@ def stage_costs_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
     return cost
 
 
+def stage_paces_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
+    """Steady-state seconds per micro-batch of each stage of a chain (``Candidates.pace_s``; bridged where the next
+    stage's vendor differs)."""
+    ch = list(chosen)
+    pace = c.pace_s[ch].astype(float)
+    for n in range(len(ch) - 1):
+        if c.vendor[ch[n]] != c.vendor[ch[n + 1]]:
+            pace[n] = c.bridged_pace_s[ch[n]]
+    return pace
+
+
 def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
     """The planning objective of a chain of candidates (same formula the MILP minimises)."""
     ch = list(chosen)
-    cost = stage_costs_of(c, ch)
-    return float((M - 1) * cost.max() + cost.sum() + c.allreduce_s[ch].max() + c.optimizer_s[ch].max())
+    return float((M - 1) * stage_paces_of(c, ch).max() + stage_costs_of(c, ch).sum() + c.allreduce_s[ch].max()
+                 + c.optimizer_s[ch].max())
 
 
 def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int], M: int) -> bool:
@@ -431,7 +456,7 @@ def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.nd
 
 def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
     """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory."""
-    dp, _ = chain_dp(c, U, M, c.devices.astype(float), c.cost_s <= T)
+    dp, _ = chain_dp(c, U, M, c.devices.astype(float), c.pace_s <= T)
     return float(dp[0].min())
 
 
@@ -450,8 +475,8 @@ def sum_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
 
 
 def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
-    """Smallest stage cost T for which some chain fits the device total (a relaxation: a valid bound on Z)."""
-    values = np.unique(c.cost_s)
+    """Smallest stage pace T for which some chain fits the device total (a relaxation: a valid bound on Z)."""
+    values = np.unique(c.pace_s)
     lo, hi = 0, len(values) - 1
     if min_devices_chain(c, U, values[hi], M) > total_devices:
         return math.inf
@@ -468,7 +493,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
                     ) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
     the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
-    dp, arg = chain_dp(c, U, M, c.uses_matrix(len(counts)) @ weights, c.cost_s <= T)
+    dp, arg = chain_dp(c, U, M, c.uses_matrix(len(counts)) @ weights, c.pace_s <= T)
     r = int(dp[0].argmin())
     if not np.isfinite(dp[0, r]):
         return None
@@ -484,7 +509,7 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float)
     """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound."""
     counts_a = np.asarray(counts, dtype=float)
     best, best_obj = None, math.inf
-    values = np.unique(c.cost_s)
+    values = np.unique(c.pace_s)
     for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
         T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
         for weights in (1.0 / counts_a, np.ones_like(counts_a)):
@@ -543,7 +568,7 @@ class _Milp:
         """Running loads y[u] = value of the stage covering unit u (for c, ar, opt); bottleneck rows per unit."""
         c = self.c
         self.loads: dict[str, list] = {}
-        for top, vals, name in ((self.Z, c.cost_s, "c"), (self.A, c.allreduce_s, "ar"), (self.O, c.optimizer_s, "opt")):
+        for top, vals, name in ((self.Z, c.pace_s, "c"), (self.A, c.allreduce_s, "ar"), (self.O, c.optimizer_s, "opt")):
             prev = None
             self.loads[name] = []
             for u in range(self.U):
@@ -576,8 +601,10 @@ class _Milp:
                 continue
             q = self.var(f"q_{p}", lowBound=0)
             self.prob += q >= self.affine([(k, float(c.bridge_s[k])) for k in self.ends[p]]) - pmax * (1 - z)
-            self.prob += self.Z >= self.loads["c"][p - 1] + q
             self.prob.objective += q
+            # the bottleneck: the ending stage's bridged pace when the vendor changes (vacuous when it does not)
+            bmax = float(max(c.bridged_pace_s[k] for k in self.ends[p]))
+            self.prob += self.Z >= self.affine([(k, float(c.bridged_pace_s[k])) for k in self.ends[p]]) - bmax * (1 - z)
 
     def memory_rows(self) -> None:
         """Stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); a candidate that holds
@@ -686,6 +713,7 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     for k in np.argsort(c.cost_s, kind="stable"):
         starts[c.first_unit[k]].append(int(k))
     cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
+    pc, bpc = c.pace_s.tolist(), c.bridged_pace_s.tolist()
     w, t = (c.width * c.tp).tolist(), c.type_idx.tolist()
     w2, t2 = (c.width2 * c.tp).tolist(), c.type2_idx.tolist()  # a mixed stage's second type (-1: none)
     vend, pen = c.vendor.tolist(), c.bridge_s.tolist()
@@ -713,10 +741,11 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
                 continue
             used[t[k]] += w[k]
             used[t2[k]] += w2[k]  # 0 (on the last type) for a pure stage
-            extra = pen[chain[-1]] if chain and vend[chain[-1]] != vend[k] else 0.0
-            prev_cost = cc[chain[-1]] + extra if chain else 0.0
+            bridged = bool(chain) and vend[chain[-1]] != vend[k]
+            extra = pen[chain[-1]] if bridged else 0.0
+            prev_pace = bpc[chain[-1]] if bridged else 0.0
             chain.append(k)
-            walk(int(c.end_unit[k]), chain, max(mx, cc[k], prev_cost), sm + cc[k] + extra, max(mar, ar[k]),
+            walk(int(c.end_unit[k]), chain, max(mx, pc[k], prev_pace), sm + cc[k] + extra, max(mar, ar[k]),
                  max(mop, opt[k]))
             chain.pop()
             used[t[k]] -= w[k]
@@ -818,7 +847,7 @@ class _Search:
             self.solved[job.key] = True
             return
         cut = self.best.objective if self.best is not None and not self.brute else None
-        sub, back = (restrict(job.cand, job.cand.cost_s <= cut / job.M * (1 + 1e-9)) if cut is not None
+        sub, back = (restrict(job.cand, job.cand.pace_s <= cut / job.M * (1 + 1e-9)) if cut is not None
                      else (job.cand, np.arange(len(job.cand))))
         if self.brute:
             res = solve_brute_force(sub, self.U, self.counts, job.M, deadline=self.t0 + self.opts.time_limit_s,

@@ -62,13 +62,11 @@ def shape_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def shape_candidates(cm: CostModel, b: int, M: int, types: Sequence[str], counts: dict[str, int],
-                     allow_recompute: bool, max_tp: int, max_cost_s: float = math.inf, mixed: bool = True
-                     ) -> Candidates:
+                     allow_recompute: bool, max_tp: int, mixed: bool = True) -> Candidates:
     n = cm.model.num_planner_layers
     units = [(l, l + 1) for l in range(n)]
-    c = candidates(cm, units, b, M, types, counts, allow_recompute, max_tp=max_tp, pairs=shape_pairs(n), mixed=mixed)
-    keep = np.flatnonzero(c.cost_s <= max_cost_s)
-    return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
+    return candidates(cm, units, b, M, types, counts, allow_recompute, max_tp=max_tp, pairs=shape_pairs(n),
+                      mixed=mixed)
 
 
 def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
@@ -87,21 +85,21 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
     L = n - 2
     mid = (c.first_unit == 1) & (c.end_unit < n)
     blocks = (c.end_unit - c.first_unit).astype(float)
-    values = np.unique(c.cost_s[mid])
+    values = np.unique(c.pace_s[mid])
     speed = 1.0 / np.asarray(sample_s if sample_s is not None else np.ones(len(counts)), dtype=float)
     d_a, d_b = c.width * c.tp, c.width2 * c.tp
     w_a = d_a * speed[c.type_idx]
     w_b = np.where(c.type2_idx >= 0, d_b * speed[np.maximum(c.type2_idx, 0)], 0.0)
     share_a = blocks * w_a / (w_a + w_b)  # the whole stage for a pure one
     items = [(c.type_idx, d_a, share_a), (c.type2_idx, d_b, blocks - share_a)]
-    flight = c.in_flight.astype(int)
+    flight, pace = c.in_flight.astype(int), c.pace_s
 
     def holds(T: float) -> bool:
         total = 0.0
         for ti, cnt in enumerate(counts):
             best: dict[tuple[int, int], float] = {}  # per (devices, in-flight count), the most blocks one item holds
             for of, dev, val in items:
-                sel = np.flatnonzero(mid & (of == ti) & (c.cost_s <= T) & (dev > 0) & (dev <= cnt))
+                sel = np.flatnonzero(mid & (of == ti) & (pace <= T) & (dev > 0) & (dev <= cnt))
                 for d, f, m in zip(dev[sel].tolist(), flight[sel].tolist(), val[sel].tolist()):
                     best[d, f] = max(best.get((d, f), 0.0), m)
             g = np.zeros(cnt + 1)
@@ -219,7 +217,7 @@ class ShapeMilp:
         Z, A, O = var("Z", lowBound=z_lower, upBound=z_upper), var("A", lowBound=0), var("O", lowBound=0)
         prob += (M - 1) * Z + lin([(self.x[k], float(c.cost_s[k])) for k in ks]) + A + O
         for k in ks:
-            for top, vals in ((Z, c.cost_s), (A, c.allreduce_s), (O, c.optimizer_s)):
+            for top, vals in ((Z, c.pace_s), (A, c.allreduce_s), (O, c.optimizer_s)):
                 if vals[k] > 0:
                     prob += top >= float(vals[k]) * self.u[k]
         ends = [k for k in ks if not self.is_mid[k]]
@@ -276,7 +274,7 @@ class ShapeMilp:
                     prob += run_mids == lin(mids)
                 for k, b in beta.items():
                     prob += b <= self.x[k]
-                    prob += Z >= float(c.cost_s[k] + c.bridge_s[k]) * b
+                    prob += Z >= float(c.bridged_pace_s[k]) * b
                     if self.is_first[k]:  # the first stage ends its run only when it is all of it
                         if run_mids is not None:
                             prob += run_mids <= big * (1 - b)
@@ -379,8 +377,8 @@ def greedy_shapes(c: Candidates, n: int, counts: Sequence[int], M: int, vendor_o
     bridged: list[int] = []
 
     def pick(mask: np.ndarray, p: int, bridge: bool) -> Optional[int]:
-        cost = c.cost_s + (c.bridge_s if bridge else 0.0)
-        ok = mask & (cost <= cap * (1 + 1e-9)) & (c.in_flight >= min(p, M)) & (use <= left).all(axis=1)
+        pace = c.bridged_pace_s if bridge else c.pace_s
+        ok = mask & (pace <= cap * (1 + 1e-9)) & (c.in_flight >= min(p, M)) & (use <= left).all(axis=1)
         idx = np.flatnonzero(ok)
         if not len(idx):
             return None
@@ -434,7 +432,7 @@ class ShapeSearch:
     """
 
     CAPS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 2.0)
-    SMALL = 2000  # candidates
+    SMALL = 2000  # candidates with a pace within CAPS[-1] x the size's bound
 
     def __init__(self, cm: CostModel, global_batch: int, opts, progress, types: list[str], counts: list[int],
                  sizes: list[int]):
@@ -470,7 +468,7 @@ class ShapeSearch:
     def _solve(self, b: int, M: int, c: Candidates, t_lb: float, cap: float, seconds: float) -> float:
         """Every vendor order at bottleneck cap ``cap``; offers the chains found; returns the bound this proves
         for size b (the best value over Z <= cap, or M * cap beyond it)."""
-        sub = _keep(c, c.cost_s <= cap * (1 + 1e-9))
+        sub = _keep(c, c.pace_s <= cap * (1 + 1e-9))
         vendors = sorted({int(v) for v in sub.vendor})
         cutoff = self.best.objective if self.best is not None else None
         bound = math.inf
@@ -478,11 +476,15 @@ class ShapeSearch:
         for n_perm, perm in enumerate(perms):
             if self.left() <= 0.1:
                 return min(bound, self.bounds[b])
-            milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb, cap if math.isfinite(cap) else None)
-            self.milps += 1
             # the orders share this call's seconds (what one leaves, the next gets); until a first plan exists,
             # each may use all that is left of them: a cut-short MILP finds nothing
             share = seconds / (len(perms) - n_perm) if self.best is not None else seconds
+            if min(share, self.left()) < 0.2:  # too little to solve anything: this order stays unproven
+                self.timeouts += 1
+                bound = min(bound, self.bounds[b])
+                continue
+            milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb, cap if math.isfinite(cap) else None)
+            self.milps += 1
             started = self._time.perf_counter()
             chosen, status, milp_bound = milp.solve(self.opts.solver, min(share, self.left()), cutoff)
             seconds -= self._time.perf_counter() - started
@@ -530,7 +532,10 @@ class ShapeSearch:
 
     def run(self) -> None:
         quick = max(self.opts.time_limit_s / (2 * max(1, len(self.jobs))), 2.0)
-        for _, b, M, c, t_lb in self.jobs:  # pass 1, most promising bound first
+        # pass 1: sizes with few candidates within 2x their bound first (HiGHS may take seconds to find a first
+        # plan in a large MILP), each group in order of its bound
+        small = lambda j: int((j[3].pace_s <= j[4] * self.CAPS[-1]).sum()) <= self.SMALL  # noqa: E731
+        for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (not small(j), j[0])):
             for f in self.CAPS:
                 if not math.isfinite(t_lb) or self.beaten(self.bounds[b]) or self.left() <= 0.1:
                     break
