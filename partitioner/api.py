@@ -33,7 +33,8 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
         plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
                                 solver=solver))
     t0 = time.perf_counter()
-    plan = choose_by_simulation(plans, cm)
+    # the replays count against the time limit too (at least one is made)
+    plan = choose_by_simulation(plans, cm, deadline=t0 + opts.time_limit_s - stats["seconds"])
     return plan.model_copy(update={"zero1": cm.zero1, "solver": plan.solver.model_copy(
         update={"seconds": stats["seconds"] + time.perf_counter() - t0})})
 
