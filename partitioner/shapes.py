@@ -510,12 +510,15 @@ class ShapeSearch:
 
     def fallback(self) -> None:
         """When the time limit ended the MILPs before any plan: the best greedy plan (``greedy_shapes``) over the
-        sizes and a few caps, so a short limit gives a plan rather than an error (its gap says how good)."""
+        sizes and a few caps, so a short limit gives a plan rather than an error (its gap says how good). Sizes in
+        order of their bound; once it has a plan, it stops at the time limit."""
         for _, b, M, c, t_lb in self.jobs:
             if not math.isfinite(t_lb):
                 continue
             vendors = sorted({int(v) for v in c.vendor})
             for f in self.CAPS:
+                if self.best is not None and self._time.perf_counter() - self.t0 >= self.opts.time_limit_s:
+                    break
                 for perm in itertools.permutations(vendors):
                     got = greedy_shapes(c, self.n, self.counts, M, perm, t_lb * f)
                     res = order_chain(c, *got, perm, self.n, self.counts, M) if got else None
