@@ -33,8 +33,10 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
         plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
                                 solver=solver))
     t0 = time.perf_counter()
-    # the replays count against the time limit too (at least one is made)
-    plan = choose_by_simulation(plans, cm, deadline=t0 + opts.time_limit_s - stats["seconds"])
+    # the replays count against the time limit too (at least one is made, and a tenth of the limit is theirs even
+    # when the search used it all: cheap replays of small plans must not depend on how busy the machine was)
+    plan = choose_by_simulation(plans, cm, deadline=t0 + max(opts.time_limit_s - stats["seconds"],
+                                                             0.1 * opts.time_limit_s))
     return plan.model_copy(update={"zero1": cm.zero1, "solver": plan.solver.model_copy(
         update={"seconds": stats["seconds"] + time.perf_counter() - t0})})
 

@@ -11,8 +11,8 @@ Formulation (for each micro-batch size b, M = G / b, solved separately — decom
 - one binary x_c per candidate stage c = (unit range [i, j), device type t, width w, recompute r);
   a stage's w replicas split the micro-batch evenly (ceil(b / w) samples at most, w <= b);
 - flow over unit boundaries: exactly one chain of candidates from 0 to U;
-- bottleneck (pace) rows per unit, written sparsely with a running load (measured before the planner was written: one row per
-  *layer* gives an LP bound of 3.99 vs 0.53 with one row per candidate);
+- bottleneck (pace) rows per unit, written sparsely with a running load (measured before the planner was written:
+  one row per *layer* gives an LP bound of 3.99 vs 0.53 with one row per candidate);
 - device rows: sum of widths of type t <= devices of type t;
 - 1F1B memory, exactly: a stage starting at unit i keeps min(S_i, M) micro-batches in flight,
   where S_i = number of stages from i to the end (a linear recursion r_i = r_{i+1} + sum x_c).
@@ -112,7 +112,8 @@ class Candidates:
         return np.stack([self.uses(ti) for ti in range(n_types)], axis=1) if len(self) else np.zeros((0, n_types), int)
 
 
-FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "compute_s", "allreduce_s", "optimizer_s",
+FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "compute_s", "allreduce_s",
+          "optimizer_s",
           "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
 
 
@@ -233,7 +234,8 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
     lay = cm.layers
     cum = lambda v: np.concatenate([[0.0], np.cumsum(v)])  # noqa: E731
     full_act = cm.act_bytes(tp)
-    act = {False: cum(full_act)[e] - cum(full_act)[a], True: cum(lay.act_bytes_recompute)[e] - cum(lay.act_bytes_recompute)[a]}
+    kept_rc = cum(lay.act_bytes_recompute)
+    act = {False: cum(full_act)[e] - cum(full_act)[a], True: kept_rc[e] - kept_rc[a]}
     act_max = _range_max(full_act, bounds)[I, J]
     params = cm.range_params(a, e, tp)
     per_node = max(n.count for n in cm.cluster.nodes if n.device_type == t) // tp
@@ -337,9 +339,11 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
         for ta, tb in itertools.permutations(types, 2):
             if vendor_of[ta] != vendor_of[tb] or (speed[ta], index[ta]) > (speed[tb], index[tb]):
                 continue  # one vendor (a cross-vendor stage would all-reduce through the host); ta the faster
-            for tp in sorted(set(tensor_parallel_degrees(cm, ta, max_tp)) & set(tensor_parallel_degrees(cm, tb, max_tp))):
+            common = set(tensor_parallel_degrees(cm, ta, max_tp)) & set(tensor_parallel_degrees(cm, tb, max_tp))
+            for tp in sorted(common):
                 for pa, pb in zip(parts[ta, tp], parts[tb, tp]):  # the same recompute setting
-                    rep = [(float(cm.prefix_fixed(t, pa.rc, tp)[-1]), float(cm.prefix(t, pa.rc, tp)[-1])) for t in (ta, tb)]
+                    rep = [(float(cm.prefix_fixed(t, pa.rc, tp)[-1]), float(cm.prefix(t, pa.rc, tp)[-1]))
+                           for t in (ta, tb)]
                     for wa, wb, sb in mixed_splits(*rep[0], *rep[1], b, counts[ta] // tp, counts[tb] // tp):
                         add(pa, wa, -(-(b - wb * sb) // wa), pb, wb, sb)
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
@@ -363,8 +367,9 @@ def _prune_dominated(c: Candidates) -> Candidates:
     starts = np.flatnonzero(np.r_[True, group[order][1:] != group[order][:-1]])
     ends = np.r_[starts[1:], len(order)]
     n_types = int(max(c.type_idx.max(), c.type2_idx.max())) + 1
-    better = np.concatenate([-c.uses_matrix(n_types), np.stack([-c.cost_s, -c.pace_s, -c.bridged_pace_s, -c.allreduce_s,
-                                                                 -c.optimizer_s, -c.bridge_s, c.in_flight], axis=1)], axis=1)
+    scores = np.stack([-c.cost_s, -c.pace_s, -c.bridged_pace_s, -c.allreduce_s, -c.optimizer_s, -c.bridge_s,
+                       c.in_flight], axis=1)
+    better = np.concatenate([-c.uses_matrix(n_types), scores], axis=1)
     keep = np.ones(len(c), dtype=bool)
     for a, b in zip(starts, ends):
         idx = order[a:b]
