@@ -386,25 +386,23 @@ def _prune_dominated(c: Candidates) -> Candidates:
     return Candidates(*(getattr(c, f)[keep] for f in FIELDS))
 
 
+def _bridged(c: Candidates, ch: list[int]) -> np.ndarray:
+    """Per stage of a chain: whether the next stage is another vendor's (the boundary goes through the host)."""
+    v = c.vendor[ch]
+    return np.r_[v[:-1] != v[1:], False] if len(ch) else np.zeros(0, dtype=bool)
+
+
 def stage_costs_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
     """Per-micro-batch cost of each stage of a chain, with the bridge penalty where the next stage's vendor differs."""
     ch = list(chosen)
-    cost = c.cost_s[ch].astype(float)
-    for n in range(len(ch) - 1):
-        if c.vendor[ch[n]] != c.vendor[ch[n + 1]]:
-            cost[n] += c.bridge_s[ch[n]]
-    return cost
+    return c.cost_s[ch] + np.where(_bridged(c, ch), c.bridge_s[ch], 0.0)
 
 
 def stage_paces_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
     """Steady-state seconds per micro-batch of each stage of a chain (``Candidates.pace_s``; bridged where the next
     stage's vendor differs)."""
     ch = list(chosen)
-    pace = c.pace_s[ch].astype(float)
-    for n in range(len(ch) - 1):
-        if c.vendor[ch[n]] != c.vendor[ch[n + 1]]:
-            pace[n] = c.bridged_pace_s[ch[n]]
-    return pace
+    return np.where(_bridged(c, ch), c.bridged_pace_s[ch], c.pace_s[ch])
 
 
 def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
@@ -415,15 +413,14 @@ def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
 
 
 def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int], M: int) -> bool:
-    used = np.zeros(len(counts), dtype=int)
-    S = len(chosen)
-    for pos, idx in enumerate(chosen):
-        used[c.type_idx[idx]] += c.width[idx] * c.tp[idx]
-        if c.type2_idx[idx] >= 0:
-            used[c.type2_idx[idx]] += c.width2[idx] * c.tp[idx]
-        if c.in_flight[idx] < min(S - pos, M):
-            return False
-    return bool((used <= np.asarray(counts)).all())
+    """Devices of every type within the cluster's, and every stage holds 1F1B's in-flight count at its position."""
+    ch = list(chosen)
+    need = np.minimum(len(ch) - np.arange(len(ch)), M)
+    used = np.zeros(len(counts), dtype=int)  # the chain's rows only: brute force asks at every complete chain
+    np.add.at(used, c.type_idx[ch], c.width[ch] * c.tp[ch])
+    two = [k for k in ch if c.type2_idx[k] >= 0]
+    np.add.at(used, c.type2_idx[two], c.width2[two] * c.tp[two])
+    return bool((c.in_flight[ch] >= need).all() and (used <= np.asarray(counts)).all())
 
 
 # ------------------------------------------------------------------------- bounds
