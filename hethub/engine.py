@@ -37,7 +37,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import ds_seams
+from . import ds_seams, split_backward
 from .kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
 from .partitioner.schedule import Action, build_schedule
 from .topology import HeteroGrid
@@ -193,6 +193,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self._losses: dict[int, torch.Tensor] = {}
         self._recvs: dict[tuple[str, int], tuple] = {}  # ("A"|"G", mb) -> posted receive
         self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, buffer) in flight
+        self._wgrad: dict[int, list] = {}  # micro-batch -> where its weight pass resumes (zb-h1)
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, data_iter: Optional[Iterator] = None):
@@ -233,7 +234,10 @@ class HeteroPipelineEngine(PipelineEngine):
         handlers = {"L": self._act_load, "F": self._act_forward, "B": self._act_backward,
                     "SA": self._act_send_activations, "RA": self._act_recv_activations,
                     "SG": self._act_send_grads, "RG": self._act_recv_grads,
-                    "AR": lambda a: self._exec_reduce_grads(), "OPT": lambda a: self._exec_optimizer_step()}
+                    "W": self._act_weight, "AR": lambda a: self._exec_reduce_grads(),
+                    "OPT": lambda a: self._exec_optimizer_step()}
+        self._split_mbs = {a.mb for a in actions if a.kind == "W"}  # their B computes input gradients only
+        self._weights = [p for p in self.module.parameters() if p.requires_grad] if self._split_mbs else []
         for a in actions:
             self._peers_in_flight = tuple(t.peer for t in a.transfers)
             t0, self._waited_s = time.perf_counter(), 0.0
@@ -337,11 +341,23 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def _act_backward(self, a: Action) -> None:
         if self.stage_id == self.num_stages - 1:
-            self._losses.pop(a.mb).backward()
+            roots, grads = [self._losses.pop(a.mb)], None
+        else:
+            roots = [o for o in _as_tuple(self._outputs.pop(a.mb)) if o.is_floating_point() and o.requires_grad]
+            grads = self._take_recv("G", a.mb, like=roots)
+        if a.mb not in self._split_mbs:
+            torch.autograd.backward(tensors=roots, grad_tensors=grads)
             return
-        outputs = [o for o in _as_tuple(self._outputs.pop(a.mb)) if o.is_floating_point() and o.requires_grad]
-        grads = self._take_recv("G", a.mb, like=outputs)
-        torch.autograd.backward(tensors=outputs, grad_tensors=grads)
+        # zb-h1: the input gradients now (SG sends them next), the weights' at this micro-batch's W
+        inputs = [t for t in _as_tuple(self._inputs[a.mb]) if t.is_floating_point() and t.requires_grad]
+        try:
+            self._wgrad[a.mb] = split_backward.backward_input(roots, grads, inputs, self._weights, self.stage_id)
+        except split_backward.SplitBackwardError as exc:  # the model, not a bug: one line (peers see it lost)
+            print(f"error: rank {self.global_rank}: {exc}", file=sys.stderr, flush=True)
+            os._exit(2)  # not SystemExit: gloo's threads may still hold the process
+
+    def _act_weight(self, a: Action) -> None:
+        split_backward.backward_weight(self._weights, self._wgrad.pop(a.mb))
 
     # ------------------------------------------------------------------ boundary transfers (non-blocking)
     @staticmethod

@@ -112,6 +112,18 @@ class LayerCosts:
     params_split: np.ndarray = None
     act_split: np.ndarray = None
     tp_split: np.ndarray = None
+    # The share of a layer's backward that computes weight gradients (the rest computes its input's gradient):
+    # a schedule that splits backward (``zb-h1``) sends the input gradient upstream first and runs this later.
+    wgrad_share: np.ndarray = None
+
+
+def block_matmul_flops(m: ModelConfig) -> float:
+    """The part of ``block_forward_flops`` that multiplies by a weight (QKV, output projection, MLP): each has
+    one weight-gradient matmul of the same size in backward (dW = X^T dY), the rest of backward (dX = dY W^T,
+    and the attention core's gradients, which touch no weight) computes input gradients."""
+    s, h, ffn = m.seq_length, m.hidden_size, m.ffn_hidden_size
+    kv = h * m.kv_heads // m.num_attention_heads
+    return float(2 * s * h * (h + 2 * kv) + 2 * s * h * h + 2 * s * h * ffn * (3 if m.architecture == "llama" else 2))
 
 
 def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
@@ -145,7 +157,10 @@ def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
     split_p[1:-1] = block_params(m) - block_replicated_params(m)
     split_a[1:-1] = block_activation_split(m, flash_attention)[1]
     tp[1:-1] = True
-    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b, split_p, split_a, tp)
+    wshare = np.full(n, 0.5)  # head: dW and dX are one matmul each
+    wshare[0] = 1.0  # embedding: its backward is the weight's gradient alone (token ids have none)
+    wshare[1:-1] = block_matmul_flops(m) / (2.0 * block_forward_flops(m))  # backward = 2 x forward
+    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b, split_p, split_a, tp, wshare)
 
 
 @dataclass
@@ -337,6 +352,16 @@ class CostModel:
         fwd = float(fwd_c[sl].sum()) + float(fwd_s[sl].sum()) * samples
         bwd = float(bwd_c[sl].sum()) + float(bwd_s[sl].sum()) * samples + (fwd if recompute else 0.0)
         return fwd, bwd
+
+    def stage_weight_grad_s(self, t: str, first: int, last: int, samples: float, tp: int = 1) -> float:
+        """The weight-gradient part of ``stage_compute_s``'s backward (``LayerCosts.wgrad_share`` of each layer's
+        backward without its tensor-parallel all-reduces, which carry input gradients; a recomputed forward
+        belongs to the input-gradient pass, which runs first). A measured layer is split with the analytic share."""
+        _, bwd_s, _, bwd_c = self.layer_times(t, tp)
+        ar_s, ar_c = self.tp_allreduce_s(t, tp)
+        sl = slice(first, last)
+        per_layer = (bwd_c[sl] - ar_c[sl]) + (bwd_s[sl] - ar_s[sl]) * samples
+        return float((per_layer * self.layers.wgrad_share[sl]).sum())
 
     def sample_s(self, t: str) -> float:
         """Seconds per sample for one device of type t running the whole model forward+backward (large batches:

@@ -7,8 +7,10 @@ optimises is kept beside it (``closed_form_s``), with the plan's real placement:
 use intra-node links where sender and receiver share a host, cross-vendor transfers pay host copies,
 a stage's all-reduce is intra-node only when all its replicas share a host.
 
-    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s)
+    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s - wgrad_s)
                     + max_s allreduce_s + max_s optimizer_s
+
+(wgrad_s: under schedule zb-h1, the weight-gradient part of a stage's backward, s > 0; 0 under 1f1b.)
 
 In the steady state a stage's transfers (posted non-blocking) overlap its compute, so the slower of the
 two paces the pipeline; the fill and drain pay both. (Charging compute + transfers per micro-batch put
@@ -25,7 +27,7 @@ from typing import Optional, Sequence
 
 from .costmodel import WIRE_FACTOR, CostModel
 from .records import Plan, Predicted
-from .schedule import overlaps
+from .schedule import overlaps, peak_in_flight
 from .simulator import simulate
 
 
@@ -38,6 +40,7 @@ class StageCost:
     allreduce_s: float
     optimizer_s: float
     memory_bytes: float  # peak on the replica with the largest share
+    weight_grad_s: float = 0.0  # the part of backward_s a zb-h1 stage runs as W, off the path upstream
 
     @property
     def per_micro_batch_s(self) -> float:
@@ -83,13 +86,18 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         ar = cm.stage_sync_s(plan, s)
         opt = max(cm.optimizer_s(t, first, last, st.width, tp) for t in st.types)
-        mem = cm.stage_memory_bytes(first, last, samples, min(S - s, M), st.recompute, st.width, tp)
-        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem))
+        mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
+                                    st.width, tp)
+        split = plan.schedule == "zb-h1" and s > 0
+        wgrad = max(cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas)
+        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0))
     return out
 
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int) -> float:
-    return ((num_micro_batches - 1) * max(c.pace_s for c in costs) + sum(c.per_micro_batch_s for c in costs)
+    """The closed form; a zb-h1 stage's weight gradients leave the drain's path (its B sends before its W)."""
+    return ((num_micro_batches - 1) * max(c.pace_s for c in costs)
+            + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs)
             + max(c.allreduce_s for c in costs) + max(c.optimizer_s for c in costs))
 
 
@@ -98,9 +106,10 @@ def closed_form_s(plan: Plan, cm: CostModel) -> float:
 
 
 def fits_memory(plan: Plan, cm: CostModel) -> bool:
-    """Every replica's peak (its share, 1F1B in-flight count) within its own type's memory."""
+    """Every replica's peak (its share, its schedule's in-flight count) within its own type's memory."""
     S, M = plan.num_stages, plan.num_micro_batches
-    return all(cm.stage_memory_bytes(*st.layers, r.samples, min(S - s, M), st.recompute, st.width, st.tensor_parallel)
+    return all(cm.stage_memory_bytes(*st.layers, r.samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
+                                     st.width, st.tensor_parallel)
                <= cm.memory_limit_bytes(st.type_of(r)) for s, st in enumerate(plan.stages) for r in st.replicas)
 
 

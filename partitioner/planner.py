@@ -38,6 +38,7 @@ from .costmodel import PCIE_GBPS, CostModel
 from .errors import InfeasibleError, InputError
 from .placement import StageLayout, even_split
 from .records import MAX_MICRO_BATCHES, ModelConfig
+from .schedule import SCHEDULES, peak_in_flight
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class PlannerOptions:
     max_tensor_parallel: int = 8
     # Stages may mix two device types of one vendor (``mixed_splits``: speed-proportional integer splits).
     mixed_types: bool = True
+    # The pipeline schedule plans are written for (``schedule.SCHEDULES``): its memory (the last stage holds
+    # two micro-batches under zb-h1) bounds the candidates, the replay that picks the plan runs it.
+    schedule: str = "zb-h1"
 
 
 @dataclass
@@ -287,13 +291,15 @@ def mixed_splits(fixed_a: float, per_a: float, fixed_b: float, per_b: float, b: 
 def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
                counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
                max_tp: int = 1, pairs: Optional[tuple[np.ndarray, np.ndarray]] = None,
-               mixed: bool = True) -> Candidates:
+               mixed: bool = True, schedule: str = "1f1b") -> Candidates:
     """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
 
     ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths; no mixed types).
     ``max_tp``: largest tensor-parallel degree (``tensor_parallel_degrees``); a candidate's devices are w x tp.
     ``pairs``: only these (first unit, end unit) ranges (default: all).
     ``mixed``: also stages that mix two device types of one vendor (``mixed_splits``), both at one degree.
+    ``schedule``: a stage ending the pipeline must hold that schedule's in-flight count there (two under zb-h1
+    when M >= 2; 1F1B's other counts are the chain's, checked by the solvers).
     """
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
@@ -302,6 +308,8 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     vendor_ids = {v: n for n, v in enumerate(sorted(set(vendor_of.values())))}
     cols: dict[str, list] = {k: [] for k in FIELDS}
     index = {t: ti for ti, t in enumerate(types)}
+    ends_pipeline = (J == len(bounds) - 1) & (I > 0)  # the last of two or more stages
+    last_need = peak_in_flight(schedule, 2, 1, M)  # the last stage of any pipeline of two or more
 
     def add(pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0) -> None:
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
@@ -313,6 +321,7 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
         # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
         ar = cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node) + cm.tie_sync_s(tied, ts, 2 * w)
         opt = np.max([cm.optimizer_s_of(pa.params, t, w) for t in ts], axis=0)
+        k = np.where(ends_pipeline & (k < last_need), 0, k)
         keep = k >= 1
         n = int(keep.sum())
         for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, index[pa.t])),
@@ -819,7 +828,8 @@ class _Search:
         for b, w in keys:
             M = self.global_batch // b
             cand = candidates(self.cm, units, b, M, self.types, dict(zip(self.types, self.counts)),
-                              opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel, mixed=opts.mixed_types)
+                              opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel, mixed=opts.mixed_types,
+                              schedule=opts.schedule)
             t_lb = bottleneck_lower_bound(cand, U, N, M) if len(cand) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(cand, U, N, M) if math.isfinite(t_lb) else math.inf
             jobs.append(_Job(lb, (b, w), M, cand, t_lb))
@@ -910,6 +920,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     """
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
+    if opts.schedule not in SCHEDULES:
+        raise InputError("--schedule", f"expected one of {', '.join(SCHEDULES)}, got {opts.schedule!r}"[:120])
     if opts.equal_widths:  # what Megatron-core can run: one width, and (here) no tensor parallelism
         opts = replace(opts, max_tensor_parallel=1)
     if _layer_granular_shapes(cm, opts):

@@ -522,6 +522,9 @@ class Plan(Record):
     boundaries: list[Boundary] = Field(default_factory=list)
     # The plan's memory assumes ZeRO-1 (optimizer state sharded over each stage's replicas): it must run with it.
     zero1: bool = False
+    # The pipeline schedule the runtime runs (partitioner.schedule): "1f1b", or "zb-h1", which splits each
+    # backward into input and weight gradients so that gradients reach the previous stage sooner.
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
 

@@ -7,7 +7,9 @@ Each action prints as short text and parses back (``Action.parse(str(a)) == a``)
     F3                  forward of micro-batch 3 on this rank's rows; first waits for RA3's data
     SA3>r5[0:2]>r6[2:4] post the send of micro-batch 3's activations: rows 0..2 to rank 5, 2..4 to rank 6
     RG3<r5[0:2]<r6[2:4] post the receive of micro-batch 3's output gradients from downstream
-    B3                  backward of micro-batch 3; first waits for RG3's data
+    B3                  backward of micro-batch 3; first waits for RG3's data (with a W3 later on the
+                        rank: the input gradients only, so that SG3 leaves before the weights' share)
+    W3                  the weight gradients of micro-batch 3 (schedule ``zb-h1``)
     SG3>r1[0:4]         post the send of micro-batch 3's input gradients upstream
     AR                  all-reduce gradients within the stage's replicas
     OPT                 optimizer step
@@ -36,6 +38,24 @@ from .errors import InputError
 from .records import Plan
 
 
+SCHEDULES = {
+    "1f1b": "PipeDream-flush: each backward in one pass",
+    "zb-h1": "1F1B whose stages after the first split each backward into B (input gradients, sent upstream at "
+             "once) and W (weight gradients) right after it; the last stage runs its last B before its "
+             "second-to-last W (Qi et al. 2023, ZB-H1's memory: one micro-batch more on the last stage only)",
+}
+
+
+def peak_in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at its peak: 1F1B's S - s (capped at M); under
+    zb-h1 the last stage holds two at its end (its last B runs before the W of the one before)."""
+    S, M = num_stages, num_micro_batches
+    k = min(S - stage, M)
+    if schedule == "zb-h1" and stage == S - 1 and S > 1:
+        k = min(2, M)
+    return k
+
+
 @dataclass(frozen=True)
 class Transfer:
     peer: int
@@ -55,7 +75,7 @@ class Action:
         arrow = ">" if self.kind in ("SA", "SG") else "<"
         return f"{self.kind}{self.mb}" + "".join(f"{arrow}r{t.peer}[{t.start}:{t.stop}]" for t in self.transfers)
 
-    _RE = re.compile(r"^(OPT|AR|SA|RA|SG|RG|L|F|B)(\d*)((?:[<>]r\d+\[\d+:\d+\])*)$")
+    _RE = re.compile(r"^(OPT|AR|SA|RA|SG|RG|L|F|B|W)(\d*)((?:[<>]r\d+\[\d+:\d+\])*)$")
     _T = re.compile(r"([<>])r(\d+)\[(\d+):(\d+)\]")
 
     @classmethod
@@ -78,7 +98,7 @@ class Action:
             transfers.append(Transfer(int(peer), int(a), int(b)))
         if kind in ("SA", "RA", "SG", "RG") and not transfers:
             raise ValueError(f"{kind} needs at least one peer: {text!r}")
-        if kind in ("L", "F", "B") and transfers:
+        if kind in ("L", "F", "B", "W") and transfers:
             raise ValueError(f"{kind} takes no peers: {text!r}")
         return cls(kind, int(mb), tuple(transfers))
 
@@ -91,17 +111,24 @@ def parse_schedule(text: str) -> list[Action]:
     return [Action.parse(tok) for tok in text.split()]
 
 
-def stage_order(num_micro_batches: int, num_stages: int, stage: int, train: bool = True
+def stage_order(num_micro_batches: int, num_stages: int, stage: int, train: bool = True, split: bool = False
                 ) -> list[tuple[str, Optional[int]]]:
     """1F1B for one stage as (action kind, micro-batch) pairs, in execution order (``train=False``:
-    forwards only, for evaluation)."""
+    forwards only, for evaluation). ``split`` (schedule ``zb-h1``): every stage but the first splits each
+    backward into B (input gradients, sent at once) and W (weight gradients) right after it; the last stage
+    also runs its last B before the W of the micro-batch before it (``SCHEDULES``)."""
     M, S, s = num_micro_batches, num_stages, stage
     first, last = s == 0, s == S - 1
     warm = min(S - s - 1, M) if train else M
-    compute = [("F", j) for j in range(warm)]
+    split = split and train and not first
+    compute: list[tuple[str, Optional[int]]] = [("F", j) for j in range(warm)]
     for i in range(M - warm):
-        compute += [("F", warm + i), ("B", i)]
-    compute += [("B", j) for j in range(M - warm, M)] if train else []
+        compute += [("F", warm + i), ("B", i)] + ([("W", i)] if split else [])
+    for j in range(M - warm, M) if train else ():
+        compute += [("B", j)] + ([("W", j)] if split else [])
+    if split and last and M >= 2:  # ... F(M-1) B(M-1) W(M-2) W(M-1): the last gradient leaves one W sooner
+        compute.remove(("W", M - 2))
+        compute.insert(compute.index(("B", M - 1)) + 1, ("W", M - 2))
     out: list[tuple[str, Optional[int]]] = []
     next_ra = 0  # the next micro-batch whose activations' receive is not posted yet
     for kind, mb in compute:
@@ -116,10 +143,12 @@ def stage_order(num_micro_batches: int, num_stages: int, stage: int, train: bool
                 out.append(("SA", mb))
                 if train:
                     out.append(("RG", mb))
-        else:
+        elif kind == "B":
             out.append(("B", mb))
             if not first:
                 out.append(("SG", mb))
+        else:
+            out.append((kind, mb))
     if train:
         out += [("AR", None), ("OPT", None)]
     return out
@@ -147,7 +176,7 @@ def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[i
     M = num_micro_batches or plan.num_micro_batches
     out: dict[int, list[Action]] = {}
     for s, st in enumerate(plan.stages):
-        order = stage_order(M, plan.num_stages, s, train)
+        order = stage_order(M, plan.num_stages, s, train, split=plan.schedule == "zb-h1")
         for j, rep in enumerate(st.replicas):
             nxt, prv = overlaps(plan, s, j, "next"), overlaps(plan, s, j, "prev")
             peers = {"SA": nxt, "RG": nxt, "RA": prv, "SG": prv}

@@ -109,7 +109,8 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
                 raise ScheduleError(where, f"{act}: micro-batch {act.mb} is outside 0..{M - 1}")
             need = {"F": [("RA", not first), ("L", first or last)], "B": [("F", True), ("RG", not last)],
                     "SA": [("F", not last)], "RG": [("F", not last)], "SG": [("B", not first)],
-                    "RA": [("RA", False)], "L": [("L", False)], "OPT": [("AR", train)], "AR": [("AR", False)]}
+                    "RA": [("RA", False)], "L": [("L", False)], "OPT": [("AR", train)], "AR": [("AR", False)],
+                    "W": [("B", True)]}
             for before, required in need[act.kind]:
                 if required and (before, act.mb) not in seen:
                     raise ScheduleError(where, f"{act} needs {before}{'' if act.mb is None else act.mb} "
@@ -123,7 +124,17 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
                     raise ScheduleError(where, f"{act} must receive exactly this rank's rows {a}:{b}")
             if any(not (a <= t.start < t.stop <= b) for t in act.transfers if act.kind in ("SA", "SG")):
                 raise ScheduleError(where, f"{act} sends rows outside this rank's {a}:{b}")
-        kinds = ["F"] + (["B"] if train else [])
+        if not train and any(act.kind == "W" for act in acts):
+            raise ScheduleError(f"rank {rank}", "an evaluation schedule has no W (weight-gradient) actions")
+        if any(act.kind == "W" for act in acts) and first:
+            raise ScheduleError(f"rank {rank}", "stage 0 has no input gradients to split from its weights': "
+                                                "its B runs the whole backward, with no W")
+        kinds = ["F"] + (["B"] if train else []) + (["W"] if any(act.kind == "W" for act in acts) else [])
+        ar = seen.get(("AR", None))
+        late = [mb for (kind, mb), step in seen.items() if kind == "W" and ar is not None and step > ar]
+        if late:
+            raise ScheduleError(f"rank {rank} step {seen[('W', late[0])]}",
+                                f"W{late[0]} comes after AR: weight gradients must be complete before the all-reduce")
         for kind in kinds:
             missing = [mb for mb in range(M) if (kind, mb) not in seen]
             if missing:
@@ -201,8 +212,11 @@ class _Replay:
             tp = st.tensor_parallel
             fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, tp)
             tp_f, tp_b = self.cm.stage_tp_allreduce_s(t, first, last, rep.samples, st.recompute, tp)
-            self.durations[rank] = {"F": fwd, "B": bwd, "OPT": self.cm.optimizer_s(t, first, last, st.width, tp),
-                                    "TPF": tp_f, "TPB": tp_b}
+            # a rank whose list has W actions runs each backward in two: input gradients (B), weights' (W)
+            wgrad = (self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp)
+                     if any(a.kind == "W" for a in self.sched[rank]) else 0.0)
+            self.durations[rank] = {"F": fwd, "B": bwd - wgrad, "W": wgrad,
+                                    "OPT": self.cm.optimizer_s(t, first, last, st.width, tp), "TPF": tp_f, "TPB": tp_b}
         return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
 
     def transfer_s(self, src: int, dst: int, kind: str, rows: int) -> tuple[float, bool]:
@@ -285,6 +299,8 @@ class _Replay:
                 begin = max(begin, ready)
             d = self.duration(r, a)
             self.events.append(Event(r, str(a), a.kind, a.mb, begin, begin + d))
+            if a.kind == "W":
+                self.compute[r] += d
             if a.kind in ("F", "B"):
                 self.compute[r] += d
                 comm = self.durations[r]["TP" + a.kind]
@@ -352,7 +368,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     for e in result.events:
         y = n - 1 - row[e.rank]
         x, w = e.start_s * scale, max((e.end_s - e.start_s) * scale, 0.0)
-        if e.kind in ("F", "B"):
+        if e.kind in ("F", "B", "W"):
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(e.mb), edgecolor="black", linewidth=0.3,
                            hatch="///" if e.kind == "B" else None, alpha=1.0 if e.kind == "F" else 0.75)
         elif e.kind == "transfer":

@@ -98,6 +98,16 @@ def test_equivalence_with_single_process(tmp_path, name):
     _run_and_compare(tmp_path, stack_plan(*CASES[name]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["1to2to1", "uneven2to3"])
+def test_zb_h1_split_backward_trains_like_one_process(tmp_path, name):
+    """Schedule zb-h1: every stage after the first runs each backward as an input-gradient pass (B, whose
+    result it sends at once) and a weight-gradient pass (W) later; the run still trains like one process."""
+    plan = stack_plan(*CASES[name]).model_copy(update={"schedule": "zb-h1"})
+    sched = build_schedule(plan)
+    assert all(any(a.kind == "W" for a in sched[r.rank]) == (st.index > 0) for st in plan.stages for r in st.replicas)
+    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("wire,rtol", [("bf16", 2e-2), ("fp8", 0.15)])
 def test_lossy_wire_dtype_through_the_bridge(tmp_path, wire, rtol):
     """A bf16/fp8 wire (cast in pack, up-cast in unpack) trains close to, but not exactly like, one process."""

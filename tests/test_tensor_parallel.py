@@ -189,6 +189,23 @@ def test_user_layers_split_by_a_tp_plan_train_like_one_process(tmp_path):
     assert not torch.allclose(ref16["losses"], ref["losses"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.dist
+def test_zb_h1_splits_tensor_parallel_and_gpt_stages_and_trains_like_one_process(tmp_path):
+    """Schedule zb-h1 on tensor-parallel stages (the weights are DTensors, ZeRO-1 over the replicas) and on
+    hethub's GPT blocks (attention, a head tied to the embedding): B sends input gradients, W adds the
+    weights' later, and the run equals one process in float64."""
+    m = ModelConfig(name="stack", architecture="gpt", num_layers=3, hidden_size=16, num_attention_heads=2,
+                    ffn_hidden_size=32, vocab_size=8, seq_length=1)
+    plan = _cpu_plan(m, [((0, 1), (6,), 1), ((1, 4), (4, 2), 2), ((4, 5), (6,), 1)], M=3)
+    plan = plan.model_copy(update={"schedule": "zb-h1"})
+    ref = _reference(tmp_path, plan, 4, "user")
+    _compare(_run(tmp_path, plan, "u", 4, "user", "zero1"), ref, ref["losses"])
+    gpt = _cpu_plan(TINY, [((0, 2), (3, 3), 1), ((2, 4), (6,), 2), ((4, 6), (3, 2, 1), 1)], M=3)
+    gpt = gpt.model_copy(update={"schedule": "zb-h1"})
+    ref = _reference(tmp_path, gpt, 4, "gpt")
+    _compare(_run(tmp_path, gpt, "g", 4, "gpt"), ref, ref["losses"])
+
+
 BAD_TP_PLANS = [
     ({"*.0": "colwise", "*.2": "diagonal"}, "tp_plan['*.2']: expected 'colwise' or 'rowwise', got 'diagonal'"),
     ({"*.0": "colwise", "*.9": "rowwise"}, "tp_plan['*.9']: matches no submodule of a stage with tensor_parallel > 1"),
