@@ -116,7 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
                           max_units=args.max_units, equal_widths=args.equal_widths,
-                          max_tensor_parallel=args.max_tensor_parallel, mixed_types=not args.no_mixed_stages)
+                          max_tensor_parallel=args.max_tensor_parallel, mixed_types=not args.no_mixed_stages,
+                          schedule=args.schedule)
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
@@ -207,6 +208,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"{max(plan.num_stages + 1, m // 2)}, extrapolated linearly; busy and timeline show {m}")
     pred = (f"predicted {plan.predicted.iteration_s * 1e3:.3f} ms, {plan.predicted.iteration_s / it - 1:+.1%}"
             if plan.predicted is not None else "the plan holds no prediction")
+    print(f"schedule: {args.schedule if args.schedule else plan.schedule}")
     print(f"iteration {it * 1e3:.3f} ms, {plan.global_batch_size / it:.4g} samples/s, "
           f"bubble {res.bubble_fraction:.1%} ({pred}; closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
     for st in plan.stages:
@@ -304,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-mixed-stages", action="store_true",
                     help="one device type per stage (default: a stage may mix two types of one vendor, "
                          "speed-proportional splits)")
+    sp.add_argument("--schedule", choices=["zb-h1", "1f1b"], default="zb-h1",
+                    help="pipeline schedule the plan runs: zb-h1 (default) sends each input gradient before "
+                         "computing the weights' (same memory but one micro-batch on the last stage), or 1f1b")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

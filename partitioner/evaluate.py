@@ -7,10 +7,18 @@ optimises is kept beside it (``closed_form_s``), with the plan's real placement:
 use intra-node links where sender and receiver share a host, cross-vendor transfers pay host copies,
 a stage's all-reduce is intra-node only when all its replicas share a host.
 
-    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s - wgrad_s)
-                    + max_s allreduce_s + max_s optimizer_s
+    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s)
+                    + max_s allreduce_s + max_s optimizer_s                                  (1f1b)
 
-(wgrad_s: under schedule zb-h1, the weight-gradient part of a stage's backward, s > 0; 0 under 1f1b.)
+Under zb-h1 a stage s > 0 sends its input gradient before computing its weights' (wgrad_s), so the
+drain's path skips them; each such stage still runs its last W (the last stage its last two: tail_s)
+before its all-reduce, while the drain goes on below it (drain_s: the input-gradient backwards and
+gradient transfers of stages < s):
+
+    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s - wgrad_s)
+                    + max_s (tail_s + allreduce_s + optimizer_s - drain_s)                    (zb-h1)
+
+(The MILP ranks chains by the 1f1b form; the replay, which picks among the best, runs the plan's.)
 
 In the steady state a stage's transfers (posted non-blocking) overlap its compute, so the slower of the
 two paces the pipeline; the fill and drain pay both. (Charging compute + transfers per micro-batch put
@@ -41,6 +49,7 @@ class StageCost:
     optimizer_s: float
     memory_bytes: float  # peak on the replica with the largest share
     weight_grad_s: float = 0.0  # the part of backward_s a zb-h1 stage runs as W, off the path upstream
+    tail_s: float = 0.0  # W's a zb-h1 stage still runs after its last B
 
     @property
     def per_micro_batch_s(self) -> float:
@@ -90,15 +99,24 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                                     st.width, tp)
         split = plan.schedule == "zb-h1" and s > 0
         wgrad = max(cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas)
-        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0))
+        # after its last B a split stage still runs its last W (the last stage: its last two)
+        tail = wgrad * (min(2, M) if s == S - 1 else 1) if split else 0.0
+        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail))
     return out
 
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int) -> float:
-    """The closed form; a zb-h1 stage's weight gradients leave the drain's path (its B sends before its W)."""
+    """The closed form. Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its
+    W), and its last W's come before its all-reduce instead."""
+    if not any(c.weight_grad_s for c in costs):
+        return ((num_micro_batches - 1) * max(c.pace_s for c in costs) + sum(c.per_micro_batch_s for c in costs)
+                + max(c.allreduce_s for c in costs) + max(c.optimizer_s for c in costs))
+    below, ends = 0.0, []
+    for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
+        ends.append(c.tail_s + c.allreduce_s + c.optimizer_s - below)
+        below += c.backward_s - c.weight_grad_s + c.comm_s / 2
     return ((num_micro_batches - 1) * max(c.pace_s for c in costs)
-            + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs)
-            + max(c.allreduce_s for c in costs) + max(c.optimizer_s for c in costs))
+            + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends))
 
 
 def closed_form_s(plan: Plan, cm: CostModel) -> float:

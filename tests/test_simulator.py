@@ -42,11 +42,11 @@ def _random_split(rng, mb, w):
 
 
 def test_actions_print_and_parse_back():
-    text = "L0 F0 SA0>r5[0:2]>r6[2:4] RA1<r1[0:4] SG1>r1[0:4] RG0<r5[0:2]<r6[2:4] B0 AR OPT"
+    text = "L0 F0 SA0>r5[0:2]>r6[2:4] RA1<r1[0:4] SG1>r1[0:4] RG0<r5[0:2]<r6[2:4] B0 W0 AR OPT"
     acts = parse_schedule(text)
     assert format_schedule(acts) == text
     assert acts[2].transfers[1].peer == 6 and acts[2].transfers[1].start == 2
-    for bad in ["X1", "F", "SA1", "SA1<r2[0:1]", "AR3", "F1>r2[0:1]"]:
+    for bad in ["X1", "F", "SA1", "SA1<r2[0:1]", "AR3", "F1>r2[0:1]", "W", "W1>r2[0:1]"]:
         with pytest.raises(ValueError):
             Action.parse(bad)
 
@@ -146,6 +146,66 @@ def test_closed_form_is_pessimistic_by_what_decoupled_stages_overlap():
                 assert closed - sim <= overlappable + 1e-9
 
 
+def _zb(plan):
+    return plan.model_copy(update={"schedule": "zb-h1"})
+
+
+def test_zb_h1_order_splits_every_backward_but_stage_zeros():
+    """zb-h1: 1F1B's forwards and backwards in 1F1B's order; on stages s > 0 each B is followed (after its
+    SG) by its W, except that the last stage runs B(M-1) before W(M-2)."""
+    for M, S in itertools.product([1, 2, 3, 5], [1, 2, 3, 4]):
+        for s in range(S):
+            zb, base = stage_order(M, S, s, split=True), stage_order(M, S, s)
+            assert [k for k in zb if k[0] != "W"] == base
+            ws = [mb for k, mb in zb if k == "W"]
+            if s == 0:
+                assert ws == []
+                continue
+            assert sorted(ws) == list(range(M)) and zb.index(("W", M - 1)) == len(zb) - 3  # then AR, OPT
+            for j in range(M - (2 if s == S - 1 and M >= 2 else 1)):
+                assert zb.index(("W", j)) == zb.index(("SG", j)) + 1
+            if s == S - 1 and M >= 2:
+                assert zb.index(("B", M - 1)) < zb.index(("W", M - 2)) < zb.index(("W", M - 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
+    """Random plans (1-5 stages, mixed types, uneven splits, 1-16 micro-batches): the zb-h1 replay is never
+    longer than 1F1B's, splitting a backward only moves time (B + W = 1F1B's B), and the zb-h1 closed form is
+    an upper bound of its replay, as 1F1B's is of its own."""
+    from hethub.partitioner.evaluate import closed_form_s
+    cm = CostModel(CLUSTER, MODEL)
+    rng = random.Random(seed)
+    for _ in range(8):
+        plan = grid_plan(rng, rng.randint(1, 5), rng.choice([4, 8]), rng.choice([1, 2, 3, 8, 16]))
+        base, zb = simulate(plan, cm), simulate(_zb(plan), cm)
+        assert zb.iteration_s <= base.iteration_s * (1 + 1e-12)
+        assert zb.iteration_s <= closed_form_s(_zb(plan), cm) * (1 + 1e-12)
+        dur = lambda res, kind: sum(e.end_s - e.start_s for e in res.events if e.kind == kind)  # noqa: E731
+        assert dur(zb, "W") > 0 or plan.num_stages == 1
+        assert abs(dur(zb, "B") + dur(zb, "W") - dur(base, "B")) <= 1e-9 * dur(base, "B")
+
+
+def test_zb_h1_speeds_up_a_deep_pipeline_and_holds_one_more_micro_batch_on_the_last_stage():
+    """Six equal stages, 12 micro-batches: zb-h1's replay is shorter than 1F1B's by at least a stage's weight
+    gradients per stage of drain; memory is 1F1B's except on the last stage, which holds two micro-batches."""
+    from hethub.partitioner.evaluate import stage_costs
+    from hethub.partitioner.schedule import peak_in_flight
+    cm = CostModel(CLUSTER, MODEL)
+    bounds = [0, 3, 5, 7, 9, 10, MODEL.num_planner_layers]
+    plan = build_plan(MODEL, CLUSTER, [StageLayout((bounds[s], bounds[s + 1]), "A100-80GB", (2, 2))
+                                       for s in range(6)], 4, 12)
+    base, zb = simulate(plan, cm).iteration_s, simulate(_zb(plan), cm).iteration_s
+    wgrad = [c.weight_grad_s for c in stage_costs(_zb(plan), cm)]
+    assert wgrad[0] == 0 and min(wgrad[1:]) > 0
+    assert base - zb >= 0.5 * sum(wgrad[1:-1])
+    assert [peak_in_flight("1f1b", 6, s, 12) for s in range(6)] == [6, 5, 4, 3, 2, 1]
+    assert [peak_in_flight("zb-h1", 6, s, 12) for s in range(6)] == [6, 5, 4, 3, 2, 2]
+    assert peak_in_flight("zb-h1", 6, 5, 1) == 1 and peak_in_flight("zb-h1", 1, 0, 12) == 1
+    mem = lambda p: [c.memory_bytes for c in stage_costs(p, cm)]  # noqa: E731
+    assert mem(_zb(plan))[:5] == mem(plan)[:5] and mem(_zb(plan))[5] > mem(plan)[5]
+
+
 def test_predicted_is_the_replay():
     """One objective: a plan's predicted iteration is its simulated iteration; the closed form rides along."""
     cm = CostModel(CLUSTER, MODEL)
@@ -169,6 +229,28 @@ def test_unmatched_send_and_deadlock_are_reported_with_rank_and_step():
     with pytest.raises(ScheduleError, match=r"rank 0 step 4: deadlock: B0 waits for data from rank.*"
                                             r"F1 waits for data from rank\(s\) 0"):
         simulate(plan, cm, deadlocking(plan))
+
+
+def test_misplaced_weight_passes_are_refused_with_rank_and_step():
+    plan = _zb(grid_plan(random.Random(1), 2, 4, 3))
+    cm = CostModel(CLUSTER, MODEL)
+    sched = build_schedule(plan)
+    r1, r0 = plan.stages[1].replicas[0].rank, plan.stages[0].replicas[0].rank
+    early = {r: list(a) for r, a in sched.items()}
+    w0 = next(a for a in early[r1] if a.kind == "W" and a.mb == 0)
+    early[r1].remove(w0)
+    early[r1].insert(0, w0)
+    with pytest.raises(ScheduleError, match=rf"rank {r1} step 0: W0 needs B0 earlier"):
+        simulate(plan, cm, early)
+    late = {r: list(a) for r, a in sched.items()}
+    late[r1].remove(w0)
+    late[r1].append(w0)
+    with pytest.raises(ScheduleError, match=rf"rank {r1} step \d+: W0 comes after AR"):
+        simulate(plan, cm, late)
+    first = {r: list(a) for r, a in sched.items()}
+    first[r0].insert(first[r0].index(next(a for a in first[r0] if a.kind == "AR")), Action("W", 0))
+    with pytest.raises(ScheduleError, match=rf"rank {r0}: stage 0 has no input gradients"):
+        simulate(plan, cm, first)
 
 
 def bad_structure(sched, rank):
