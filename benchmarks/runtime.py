@@ -5,7 +5,8 @@
 (c) hethub plan: predicted vs measured iteration time;
 (d) schedule fidelity: hand-made plans of 2, 4 and 6 stages, equal and alternating widths, M from 8 to 24,
     each measured, simulated (= predicted) and compared with decoupled 1F1B from the same profiles,
-    (M - 1) * max_s c_s + sum_s c_s with c_s the slowest replica's forward + backward.
+    (M - 1) * max_s c_s + sum_s c_s with c_s the slowest replica's forward + backward;
+(e) the same plans under schedule zb-h1: measured and predicted speed-up over 1F1B.
 Median of the iterations after warm-up. Writes benchmarks/results/runtime.md.
 Run: python benchmarks/runtime.py [--steps N] [--only-fidelity]
 """
@@ -88,16 +89,26 @@ def fidelity(steps: int, tmp: str) -> list[str]:
     profiles = [profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False)
                 for t, k in (("FAST", FID_FAST), ("SLOW", FID_SLOW)) for mb in (1, 2, 4)]
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
-    rows = []
-    for k, (name, b, M, stages) in enumerate(FID_PLANS):
-        plan = build_plan(model, cluster, [StageLayout(l, t, s) for l, t, s in stages], b, M)
-        path = os.path.join(tmp, f"fid{k}.json")
+    rows, zb_rows = [], []
+
+    def measure(plan, tag: str, port: int) -> float:
+        path = os.path.join(tmp, f"fid-{tag}.json")
         with open(path, "w") as f:
             f.write(plan.to_json())
-        measured = run(plan.world_size, ["--mode", "hethub", "--hetero-plan", path, "--model-json", model_json,
-                                          "--emulate", f"FAST={FID_FAST:g},SLOW={FID_SLOW:g}", "--steps", str(steps)],
-                       os.path.join(tmp, f"fid{k}-out.json"), 29710 + k)
+        return run(plan.world_size, ["--mode", "hethub", "--hetero-plan", path, "--model-json", model_json,
+                                     "--emulate", f"FAST={FID_FAST:g},SLOW={FID_SLOW:g}", "--steps", str(steps)],
+                   os.path.join(tmp, f"fid-{tag}-out.json"), port)
+
+    for k, (name, b, M, stages) in enumerate(FID_PLANS):
+        plan = build_plan(model, cluster, [StageLayout(l, t, s) for l, t, s in stages], b, M)
+        measured = measure(plan, f"{k}", 29710 + k)
+        zb = plan.model_copy(update={"schedule": "zb-h1"})
+        measured_zb, pred_zb = measure(zb, f"{k}-zb", 29730 + k), predict(zb, cm).iteration_s
         pred = predict(plan, cm)
+        zb_rows.append(f"| {name} | {b} x {M} | {measured * 1e3:.0f} | {measured_zb * 1e3:.0f} | "
+                       f"{measured / measured_zb:.3f}x | {pred.iteration_s / pred_zb:.3f}x | {pred_zb * 1e3:.0f} | "
+                       f"{pred_zb / measured_zb - 1:+.1%} |")
+        print(zb_rows[-1], flush=True)
         bound = decoupled_1f1b_s(plan, cm)
         rows.append(f"| {name} | {plan.world_size} | {b} x {M} | {measured * 1e3:.0f} | {bound * 1e3:.0f} | "
                     f"{measured / bound:.2f}x | {pred.iteration_s * 1e3:.0f} | {pred.iteration_s / measured - 1:+.1%} | "
@@ -111,7 +122,12 @@ def fidelity(steps: int, tmp: str) -> list[str]:
             f"objective. Targets: measured <= 1.15x decoupled 1F1B, predicted within 10% of measured.", "",
             "| plan | ranks | micro-batch x M | measured ms | decoupled 1F1B ms | measured / 1F1B | predicted ms "
             "| predicted vs measured | closed form ms | closed form vs measured |",
-            "|---|---|---|---|---|---|---|---|---|---|", *rows]
+            "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+            "## (e) Schedule zb-h1 vs 1F1B: the same plans, measured side by side", "",
+            "Each plan run twice in this benchmark, once per schedule (the emulation slows the weight pass as it "
+            "slows a whole backward). Speed-up = 1F1B ms / zb-h1 ms.", "",
+            "| plan | micro-batch x M | 1F1B measured ms | zb-h1 measured ms | measured speed-up | predicted speed-up "
+            "| zb-h1 predicted ms | zb-h1 predicted vs measured |", "|---|---|---|---|---|---|---|---|", *zb_rows]
 
 
 def main():

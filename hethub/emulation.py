@@ -7,7 +7,8 @@ forward has taken k x its *reference* forward time, and likewise after its backw
 is the fastest time seen so far for that layer and row count: when several emulated ranks share a
 few cores and one's real compute is slowed by another's, the emulated time stays k x the uncontended
 time instead of growing k-fold with the contention (sleeping (k - 1) x the time just measured
-would). Where the layer's input carries no gradient (token ids into an embedding), the backward
+would). Under schedule zb-h1 the wrappers see the input-gradient pass only; the engine idles the
+weight pass (``W``) the same way. Where the layer's input carries no gradient (token ids into an embedding), the backward
 time cannot be observed and twice the reference forward time stands for it.
 """
 from __future__ import annotations
@@ -48,11 +49,11 @@ class _End(torch.autograd.Function):
     def backward(ctx, g):
         st = ctx.state
         took = time.perf_counter() - st.get("bwd_start", time.perf_counter())
-        _idle_to(st["factor"], st["ref"], "bwd", took)
+        idle_to(st["factor"], st["ref"], "bwd", took)
         return g, None
 
 
-def _idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
+def idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
     """Sleep until this phase has taken ``factor`` x its fastest time seen (the reference), updated first.
     The first call only sets the reference: it carries one-time costs (allocations, a tensor-parallel
     layer's sharding set-up: seconds), which k x would turn into minutes of idling."""
@@ -84,7 +85,7 @@ class SlowDown(nn.Module):
             x = _End.apply(x, state)
         t0 = time.perf_counter()
         y = self.module(x)
-        _idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
+        idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
         if torch.is_tensor(y) and y.requires_grad:
             y = _Start.apply(y, state)
         return y

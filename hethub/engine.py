@@ -164,6 +164,8 @@ class HeteroPipelineEngine(PipelineEngine):
         self._meta_sent = False
         self._global_batch = plan.global_batch_size
         self.autocast_dtype = None  # torch.bfloat16 under "bf16": {"enabled": true} (set by hethub.initialize)
+        self.emulate_slowdown = 1.0  # emulated heterogeneity (hethub.emulation), set by hethub.initialize
+        self._emulated_w_ref: dict[str, float] = {}  # the fastest weight pass seen
         # ZeRO-1 (hethub.zero): this replica's flat shards of the optimizer's groups; None without it
         self.zero1 = None
         self.ties: tuple = ()  # every tied weight of the layer list (hethub.ties), set by hethub.initialize
@@ -357,7 +359,11 @@ class HeteroPipelineEngine(PipelineEngine):
             os._exit(2)  # not SystemExit: gloo's threads may still hold the process
 
     def _act_weight(self, a: Action) -> None:
+        t0 = time.perf_counter()
         split_backward.backward_weight(self._weights, self._wgrad.pop(a.mb))
+        if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
+            from .emulation import idle_to
+            idle_to(self.emulate_slowdown, self._emulated_w_ref, "w", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ boundary transfers (non-blocking)
     @staticmethod

@@ -323,6 +323,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
                                   optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                                   schedule=schedule)
     engine.autocast_dtype = torch.bfloat16 if bf16 else None
+    engine.emulate_slowdown = slowdown_for(grid.device_type, hetero.get("emulate_slowdown"))
     engine.ties = ties
     if zero1 and grid.data_parallel_size > 1:
         try:

@@ -214,3 +214,33 @@ def test_cli_plan_writes_a_plan_and_bad_input_is_one_line(tmp_path):
                 "64", "-o", str(tmp_path / "x.json"))
     assert r.returncode == 2 and r.stderr.startswith("error: memory: model 'llama-140b' needs")
     assert r.stderr.count("\n") == 1
+
+
+def test_zb_h1_plans_fit_its_memory_and_are_not_slower_than_1f1b_plans():
+    """The default schedule zb-h1: its plans fit memory with the last stage holding two micro-batches (the
+    candidates are priced so), and where the 1F1B plan would fit that memory too, the zb-h1 plan is at
+    least as fast; `schedule` names what the plan runs."""
+    from hethub.partitioner.evaluate import fits_memory
+    faster = compared = 0
+    for seed in range(40, 56):
+        cluster, model, batch = random_instance(seed)
+        try:
+            zb = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch),
+                           with_homogeneous_sum=False, memory_reserve_gib=0.5)
+            base = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch, schedule="1f1b"),
+                             with_homogeneous_sum=False, memory_reserve_gib=0.5)
+        except InfeasibleError:
+            continue
+        assert (zb.schedule, base.schedule) == ("zb-h1", "1f1b")
+        assert zb.predicted.model_extra["fits_memory"] and base.predicted.model_extra["fits_memory"]
+        cm = CostModel(cluster, model, memory_reserve_gib=0.5)
+        if fits_memory(base.model_copy(update={"schedule": "zb-h1"}), cm):
+            compared += 1
+            assert zb.predicted.samples_per_s >= base.predicted.samples_per_s * (1 - 1e-9), seed
+            faster += zb.predicted.samples_per_s > base.predicted.samples_per_s * (1 + 1e-9)
+    assert compared >= 8 and faster >= 3, (compared, faster)
+
+
+def test_unknown_schedule_is_refused_naming_the_flag():
+    with pytest.raises(InputError, match="--schedule: expected one of 1f1b, zb-h1, got 'gpipe'"):
+        search(CostModel(TWO_TYPE, builtin_model("gpt-1.3b")), 64, PlannerOptions(schedule="gpipe"))
