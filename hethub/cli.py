@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
                           max_units=args.max_units, equal_widths=args.equal_widths,
                           max_tensor_parallel=args.max_tensor_parallel, mixed_types=not args.no_mixed_stages,
-                          schedule=args.schedule)
+                          schedule=args.schedule, zero1_stages=not args.no_zero1_stages)
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
@@ -303,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="group blocks into at most this many cut points (default: every layer is one)")
     sp.add_argument("--max-tensor-parallel", type=_int_in(1, 1024), default=8,
                     help="largest tensor-parallel degree a stage may use (1, 2, 4, 8 within one node; 1: off)")
+    sp.add_argument("--no-zero1-stages", action="store_true",
+                    help="never shard one stage's optimizer state alone (default: a stage may use ZeRO-1 where that "
+                         "lets it hold more micro-batches in flight; --zero1 shards every stage)")
     sp.add_argument("--no-mixed-stages", action="store_true",
                     help="one device type per stage (default: a stage may mix two types of one vendor, "
                          "speed-proportional splits)")

@@ -26,7 +26,8 @@ def plan_table(plan: Plan) -> Table:
     pred = plan.predicted
     t = Table(title=f"{plan.model.name} on {plan.cluster.name}: {plan.num_stages} stages, "
                     f"{plan.world_size} ranks")
-    for col in ("stage", "layers", "device", "width", "tp", "samples/replica", "ranks", "hosts:slots", "recompute"):
+    for col in ("stage", "layers", "device", "width", "tp", "samples/replica", "ranks", "hosts:slots", "recompute",
+                "zero1"):
         t.add_column(col)
     if pred and pred.stage_s:
         t.add_column("stage ms", justify="right")
@@ -35,7 +36,7 @@ def plan_table(plan: Plan) -> Table:
     for st in plan.stages:
         row = [str(st.index), f"[{st.layers[0]}, {st.layers[1]})",
                "+".join(st.types), str(st.width), str(st.tensor_parallel), "+".join(str(r.samples) for r in st.replicas),
-               _ranks(st), _hosts(st), "yes" if st.recompute else "no"]
+               _ranks(st), _hosts(st), "yes" if st.recompute else "no", "yes" if st.zero1 or plan.zero1 else "no"]
         if pred and pred.stage_s:
             row.append(f"{pred.stage_s[st.index] * 1e3:.2f}" if st.index < len(pred.stage_s) else "")
         if pred and pred.memory_gib:

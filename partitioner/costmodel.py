@@ -353,15 +353,21 @@ class CostModel:
         bwd = float(bwd_c[sl].sum()) + float(bwd_s[sl].sum()) * samples + (fwd if recompute else 0.0)
         return fwd, bwd
 
-    def stage_weight_grad_s(self, t: str, first: int, last: int, samples: float, tp: int = 1) -> float:
-        """The weight-gradient part of ``stage_compute_s``'s backward (``LayerCosts.wgrad_share`` of each layer's
-        backward without its tensor-parallel all-reduces, which carry input gradients; a recomputed forward
-        belongs to the input-gradient pass, which runs first). A measured layer is split with the analytic share."""
+    def wgrad_prefix(self, t: str, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Cumulative (per-sample, per-call) weight-gradient seconds over layers (layout of ``prefix``): each
+        layer's ``LayerCosts.wgrad_share`` of its backward without its tensor-parallel all-reduces, which carry
+        input gradients (a recomputed forward belongs to the input-gradient pass, which runs first). A measured
+        layer is split with the analytic share."""
         _, bwd_s, _, bwd_c = self.layer_times(t, tp)
         ar_s, ar_c = self.tp_allreduce_s(t, tp)
-        sl = slice(first, last)
-        per_layer = (bwd_c[sl] - ar_c[sl]) + (bwd_s[sl] - ar_s[sl]) * samples
-        return float((per_layer * self.layers.wgrad_share[sl]).sum())
+        share = self.layers.wgrad_share
+        return (np.concatenate([[0.0], np.cumsum((bwd_s - ar_s) * share)]),
+                np.concatenate([[0.0], np.cumsum((bwd_c - ar_c) * share)]))
+
+    def stage_weight_grad_s(self, t: str, first: int, last: int, samples: float, tp: int = 1) -> float:
+        """The weight-gradient part of ``stage_compute_s``'s backward for ``samples`` samples (``wgrad_prefix``)."""
+        per_sample, per_call = self.wgrad_prefix(t, tp)
+        return float(per_call[last] - per_call[first] + (per_sample[last] - per_sample[first]) * samples)
 
     def sample_s(self, t: str) -> float:
         """Seconds per sample for one device of type t running the whole model forward+backward (large batches:
@@ -410,32 +416,38 @@ class CostModel:
     def stage_params(self, first: int, last: int, tp: int = 1) -> float:
         return float(self.range_params(first, last, tp))
 
-    def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1) -> float:
+    def sharded(self, zero1: Optional[bool]) -> bool:
+        """Whether a stage's optimizer state is sharded: plan-wide ZeRO-1 (``zero1`` here) or the stage's own."""
+        return bool(self.zero1 or zero1)
+
+    def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1,
+                              zero1: Optional[bool] = None) -> float:
         """Adam's state for layers [first, last) on one replica. With ZeRO-1 a replica of a stage of width w
         holds ceil(n / w) of the stage's n parameters' state (hethub.zero splits the flattened parameters
         element by element), so this is the figure a rank measures, not an average."""
-        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width))
+        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width, zero1))
 
-    def _optimizer_state_of(self, params, width: int):
+    def _optimizer_state_of(self, params, width: int, zero1: Optional[bool] = None):
         """``params`` a count or an array of counts (the planner prices many layer ranges at once)."""
-        owned = np.ceil(np.asarray(params, dtype=float) / width) if self.zero1 and width > 1 else params
+        owned = np.ceil(np.asarray(params, dtype=float) / width) if self.sharded(zero1) and width > 1 else params
         return owned * ADAM_STATE_BYTES.get(self.dtype, ADAM_STATE_BYTES["bf16"])
 
-    def state_bytes_of(self, params, width: int = 1):
-        """Weights, gradients and optimizer state of ``params`` parameters on one replica of a stage of ``width``."""
+    def state_bytes_of(self, params, width: int = 1, zero1: Optional[bool] = None):
+        """Weights, gradients and optimizer state of ``params`` parameters on one replica of a stage of ``width``
+        (``zero1``: the stage shards its optimizer state over its replicas)."""
         weights_grads = WEIGHT_GRAD_BYTES.get(self.dtype, WEIGHT_GRAD_BYTES["bf16"])
-        return params * weights_grads + self._optimizer_state_of(params, width)
+        return params * weights_grads + self._optimizer_state_of(params, width, zero1)
 
-    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1) -> float:
+    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1, zero1: Optional[bool] = None) -> float:
         """Weights, gradients and optimizer state of layers [first, last) on one rank of a replica."""
-        return float(self.state_bytes_of(self.stage_params(first, last, tp), width))
+        return float(self.state_bytes_of(self.stage_params(first, last, tp), width, zero1))
 
     def act_bytes(self, tp: int = 1) -> np.ndarray:
         """Per layer, per sample: bytes kept for backward without recompute on one rank of a tp group."""
         return self.layers.act_bytes - self.layers.act_split * (1.0 - 1.0 / tp)
 
     def stage_memory_bytes(self, first: int, last: int, samples: int, in_flight: int, recompute: bool,
-                           width: int = 1, tp: int = 1) -> float:
+                           width: int = 1, tp: int = 1, zero1: Optional[bool] = None) -> float:
         """Peak bytes on one rank of a replica under 1F1B: state + activations of the micro-batches in flight.
 
         With recompute, each in-flight micro-batch keeps only layer inputs, plus one layer's full
@@ -447,7 +459,7 @@ class CostModel:
         if recompute:
             kept += float(full[first:last].max()) * samples
         boundary = 2.0 * float(self.layers.out_bytes[max(first - 1, 0)]) * samples  # send/recv buffers
-        return self.state_bytes(first, last, width, tp) + kept + boundary
+        return self.state_bytes(first, last, width, tp, zero1) + kept + boundary
 
     def memory_limit_bytes(self, t: str) -> float:
         return (self.cluster.device_type(t).memory_gib - self.memory_reserve_gib) * 2 ** 30
@@ -479,7 +491,8 @@ class CostModel:
         st = plan.stages[s]
         first, last = st.layers
         one_node = len({r.host for r in st.replicas}) == 1
-        out = self.sync_s(self.range_params(first, last, st.tensor_parallel), st.types, st.width, one_node)
+        out = self.sync_s(self.range_params(first, last, st.tensor_parallel), st.types, st.width, one_node,
+                          plan.zero1 or st.zero1)
         tied = self.tied_params(first, last)
         if tied:
             ends = [plan.stages[0], plan.stages[-1]]
@@ -498,7 +511,7 @@ class CostModel:
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(tied_params) else float(out)
 
-    def sync_s(self, params, types: Sequence[str], width: int, one_node: bool):
+    def sync_s(self, params, types: Sequence[str], width: int, one_node: bool, zero1: Optional[bool] = None):
         """A stage's synchronisation after its last backward: the gradient all-reduce (16-bit gradients), and
         with ZeRO-1 the all-gather of the updated parameters (one more (w-1)/w of them, w-1 more hops).
 
@@ -510,7 +523,7 @@ class CostModel:
             return np.zeros_like(np.asarray(params, dtype=float)) if np.ndim(params) else 0.0
         nbytes = np.asarray(params, dtype=float) * BYTES_PER_ACT
         (volume, hops), copies = ring_allreduce(nbytes, width), 2 * nbytes
-        if self.zero1:
+        if self.sharded(zero1):
             volume, hops, copies = volume + (width - 1) / width * nbytes, hops + width - 1, copies + 2 * nbytes
         vendors = {self.cluster.device_type(t).vendor for t in types}
         if len(vendors) > 1:
@@ -523,13 +536,15 @@ class CostModel:
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(params) else float(out)
 
-    def optimizer_s(self, t: str, first: int, last: int, width: int = 1, tp: int = 1) -> float:
+    def optimizer_s(self, t: str, first: int, last: int, width: int = 1, tp: int = 1,
+                    zero1: Optional[bool] = None) -> float:
         """Optimizer step: memory-bound pass over this rank's state."""
-        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width))
+        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width, zero1))
 
-    def optimizer_s_of(self, params, t: str, width: int = 1):
+    def optimizer_s_of(self, params, t: str, width: int = 1, zero1: Optional[bool] = None):
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
-        return self.state_bytes_of(params, width) * OPTIMIZER_PASSES / (self.cluster.device_type(t).memory_gbps * 1e9)
+        return (self.state_bytes_of(params, width, zero1) * OPTIMIZER_PASSES
+                / (self.cluster.device_type(t).memory_gbps * 1e9))
 
 
 def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:

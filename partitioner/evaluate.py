@@ -94,9 +94,10 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                     per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         ar = cm.stage_sync_s(plan, s)
-        opt = max(cm.optimizer_s(t, first, last, st.width, tp) for t in st.types)
+        z = plan.zero1 or st.zero1
+        opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
         mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
-                                    st.width, tp)
+                                    st.width, tp, z)
         split = plan.schedule == "zb-h1" and s > 0
         wgrad = max(cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas)
         # after its last B a split stage still runs its last W (the last stage: its last two)
@@ -127,11 +128,14 @@ def fits_memory(plan: Plan, cm: CostModel) -> bool:
     """Every replica's peak (its share, its schedule's in-flight count) within its own type's memory."""
     S, M = plan.num_stages, plan.num_micro_batches
     return all(cm.stage_memory_bytes(*st.layers, r.samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
-                                     st.width, st.tensor_parallel)
+                                     st.width, st.tensor_parallel, plan.zero1 or st.zero1)
                <= cm.memory_limit_bytes(st.type_of(r)) for s, st in enumerate(plan.stages) for r in st.replicas)
 
 
-def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, within: float = 1.05,
+REPLAY_WITHIN = 1.05  # plans whose closed form is within this factor of the best one's are replayed
+
+
+def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, within: float = REPLAY_WITHIN,
                          deadline: Optional[float] = None) -> Plan:
     """Of plans (any order), the one the simulator finds fastest among the ``keep`` best by closed form
     (and within ``within`` x the best closed form): the closed form ranks, the replay decides. (The closed

@@ -21,6 +21,7 @@ class StageLayout:
     samples: tuple[int, ...]  # per replica, of each micro-batch
     recompute: bool = False
     tensor_parallel: int = 1
+    zero1: bool = False  # the stage shards its optimizer state over its replicas
     replica_types: tuple[str, ...] = ()  # per replica, for a stage that mixes types (empty: all device_type)
 
     def type_of(self, replica: int) -> str:
@@ -102,7 +103,8 @@ def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayo
                 rep["device_type"] = lay.type_of(r)
             reps.append(rep)
         stages.append({"index": i, "layers": list(lay.layers), "device_type": lay.device_type,
-                       "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "replicas": reps})
+                       "tensor_parallel": lay.tensor_parallel, "recompute": lay.recompute, "zero1": lay.zero1,
+                       "replicas": reps})
     boundaries = [{"after_stage": i, "transport": "host"} for i in range(len(layouts) - 1)
                   if cluster.device_type(layouts[i].device_type).vendor
                   != cluster.device_type(layouts[i + 1].device_type).vendor]

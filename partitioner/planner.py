@@ -7,6 +7,10 @@ p_s = max(compute, transfer) (the runtime posts transfers non-blocking, so they 
 
     T = (M - 1) * max_s p_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
 
+Under schedule zb-h1 (the default) every stage after the first sends its input gradient before computing
+its weights' (w_s): c_s is charged without w_s, and allreduce_s waits for the W's after its last B (w_s; the
+last stage 2 w_s): the plan-time form of ``evaluate.iteration_s``, which the replay then checks.
+
 Formulation (for each micro-batch size b, M = G / b, solved separately — decomposition):
 - one binary x_c per candidate stage c = (unit range [i, j), device type t, width w, recompute r);
   a stage's w replicas split the micro-batch evenly (ceil(b / w) samples at most, w <= b);
@@ -37,6 +41,7 @@ import numpy as np
 from .costmodel import PCIE_GBPS, CostModel
 from .errors import InfeasibleError, InputError
 from .placement import StageLayout, even_split
+from .evaluate import REPLAY_WITHIN
 from .records import MAX_MICRO_BATCHES, ModelConfig
 from .schedule import SCHEDULES, peak_in_flight
 
@@ -63,6 +68,9 @@ class PlannerOptions:
     # The pipeline schedule plans are written for (``schedule.SCHEDULES``): its memory (the last stage holds
     # two micro-batches under zb-h1) bounds the candidates, the replay that picks the plan runs it.
     schedule: str = "zb-h1"
+    # A stage may shard its optimizer state over its replicas (ZeRO-1) where that lets it hold more micro-batches
+    # in flight; --zero1 (the cost model's) shards every stage instead.
+    zero1_stages: bool = True
 
 
 @dataclass
@@ -74,9 +82,13 @@ class Candidates:
     type_idx: np.ndarray  # index into the planner's device types
     width: np.ndarray  # replicas
     recompute: np.ndarray  # full activation recompute (bool)
-    cost_s: np.ndarray  # per-micro-batch cost: forward + backward of a replica's share + its output transfers
-    compute_s: np.ndarray  # ... of which forward + backward (the transfers, posted non-blocking, overlap it)
-    allreduce_s: np.ndarray  # gradient all-reduce over the replicas
+    zero1: np.ndarray  # optimizer state sharded over the replicas (bool)
+    # What a stage adds to the fill and drain: forward + backward of a replica's share + its output transfers (under
+    # zb-h1, less its weight gradients on every stage but the first: its B sends before its W)
+    cost_s: np.ndarray
+    compute_s: np.ndarray  # forward + backward per micro-batch (the transfers, posted non-blocking, overlap it)
+    comm_s: np.ndarray  # output transfers per micro-batch
+    allreduce_s: np.ndarray  # gradient all-reduce over the replicas (under zb-h1: after the W's that follow its last B)
     optimizer_s: np.ndarray  # optimizer step
     in_flight: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
     vendor: np.ndarray  # vendor id of the device type
@@ -100,12 +112,12 @@ class Candidates:
     def pace_s(self) -> np.ndarray:
         """Steady-state seconds per micro-batch: sends are posted non-blocking, so a stage's compute and its
         transfers overlap and the slower of the two paces the pipeline (fill and drain still pay both)."""
-        return np.maximum(self.compute_s, self.cost_s - self.compute_s)
+        return np.maximum(self.compute_s, self.comm_s)
 
     @property
     def bridged_pace_s(self) -> np.ndarray:
         """``pace_s`` when the next stage is another vendor's (the transfer goes through the host bridge)."""
-        return np.maximum(self.compute_s, self.cost_s - self.compute_s + self.bridge_s)
+        return np.maximum(self.compute_s, self.comm_s + self.bridge_s)
 
     def uses(self, ti: int) -> np.ndarray:
         """Devices of type ``ti`` each candidate occupies."""
@@ -116,7 +128,8 @@ class Candidates:
         return np.stack([self.uses(ti) for ti in range(n_types)], axis=1) if len(self) else np.zeros((0, n_types), int)
 
 
-FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "cost_s", "compute_s", "allreduce_s",
+FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "zero1", "cost_s", "compute_s", "comm_s",
+          "allreduce_s",
           "optimizer_s",
           "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
 
@@ -196,6 +209,8 @@ class _Part:
     rc: bool
     per_sample: np.ndarray  # seconds per sample of the range (forward + backward [+ recompute])
     fixed: np.ndarray  # seconds per call
+    wgrad_per_sample: np.ndarray  # ... of which weight gradients (``CostModel.wgrad_prefix``)
+    wgrad_fixed: np.ndarray
     params: np.ndarray  # per rank of a tp group
     act: np.ndarray  # activation bytes kept per in-flight sample
     act_max: np.ndarray  # largest layer's full activations per sample (recompute replays one at a time)
@@ -205,6 +220,9 @@ class _Part:
 
     def compute_s(self, s: int) -> np.ndarray:
         return self.fixed + self.per_sample * s
+
+    def wgrad_s(self, s: int) -> np.ndarray:
+        return self.wgrad_fixed + self.wgrad_per_sample * s
 
     def comm_s(self, w: int, s: int, cross: bool) -> np.ndarray:
         """Output boundary per micro-batch: this part's share crosses to the next stage and the gradient comes
@@ -223,13 +241,26 @@ class _Part:
         per_link = s if intra else min(w, self.per_node) * s
         return np.where(self.out_bytes > 0, 2 * (lat + per_link * self.out_bytes * 8 / (gbps * 1e9)), 0.0)
 
-    def in_flight(self, width: int, s: int, M: int) -> np.ndarray:
+    def in_flight(self, width: int, s: int, M: int, zero1: bool = False) -> np.ndarray:
         """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
         optimizer state over all of them) and a share of s samples."""
-        cap = (self.cm.memory_limit_bytes(self.t) - self.cm.state_bytes_of(self.params, width)
+        cap = (self.cm.memory_limit_bytes(self.t) - self.cm.state_bytes_of(self.params, width, zero1)
                - 2.0 * self.in_bytes * s - (self.act_max * s if self.rc else 0.0))
         k = np.floor(np.where(cap > 0, cap / np.maximum(self.act * s, 1.0), 0.0))
         return np.minimum(k, M)
+
+
+def _zero1_helps(parts: list[_Part], w: int, s: int, M: int) -> np.ndarray:
+    """Unit ranges where a stage of ``w`` replicas should also be offered with ZeRO-1: sharding its optimizer
+    state lets it hold more micro-batches in flight, and (where recompute is allowed) at least as many as
+    recompute would, so that it replaces recompute's second forward by an all-gather. (Offering every range
+    where it holds more doubled the 768-device benchmark's candidates and its gap at 60 s, for the same plan.)"""
+    plain = parts[0].in_flight(w, s, M)
+    sharded = parts[0].in_flight(w, s, M, True)
+    helps = sharded > plain
+    if len(parts) > 1:  # the recompute variant
+        helps &= sharded >= parts[1].in_flight(w, s, M)
+    return helps
 
 
 def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.ndarray, I: np.ndarray, J: np.ndarray
@@ -243,8 +274,10 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
     act_max = _range_max(full_act, bounds)[I, J]
     params = cm.range_params(a, e, tp)
     per_node = max(n.count for n in cm.cluster.nodes if n.device_type == t) // tp
+    w_sample, w_call = cm.wgrad_prefix(t, tp)
     return [_Part(cm, t, tp, rc, cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a],
-                  cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], params, act[rc], act_max,
+                  cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], w_sample[e] - w_sample[a],
+                  w_call[e] - w_call[a], params, act[rc], act_max,
                   lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node)
             for rc in ((False, True) if allow_recompute else (False,))]
 
@@ -291,7 +324,7 @@ def mixed_splits(fixed_a: float, per_a: float, fixed_b: float, per_b: float, b: 
 def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
                counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
                max_tp: int = 1, pairs: Optional[tuple[np.ndarray, np.ndarray]] = None,
-               mixed: bool = True, schedule: str = "1f1b") -> Candidates:
+               mixed: bool = True, schedule: str = "1f1b", zero1: bool = False) -> Candidates:
     """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
 
     ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths; no mixed types).
@@ -300,6 +333,8 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     ``mixed``: also stages that mix two device types of one vendor (``mixed_splits``), both at one degree.
     ``schedule``: a stage ending the pipeline must hold that schedule's in-flight count there (two under zb-h1
     when M >= 2; 1F1B's other counts are the chain's, checked by the solvers).
+    ``zero1``: also pure stages of two or more replicas that shard their optimizer state (ZeRO-1), for the unit
+    ranges where that lets them hold more micro-batches in flight (like recompute: never where it cannot help).
     """
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
@@ -310,23 +345,33 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     index = {t: ti for ti, t in enumerate(types)}
     ends_pipeline = (J == len(bounds) - 1) & (I > 0)  # the last of two or more stages
     last_need = peak_in_flight(schedule, 2, 1, M)  # the last stage of any pipeline of two or more
+    # zb-h1: a stage after the first sends its input gradient before its weights' (the fill and drain skip them)
+    # and runs its last W (the last stage: its last two) before its all-reduce (``evaluate.iteration_s``)
+    split = (I > 0) if schedule == "zb-h1" else np.zeros(len(I), dtype=bool)
+    tail_ws = np.where(split, np.where(ends_pipeline, min(2, M), 1), 0)
 
-    def add(pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0) -> None:
+    def add(pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0, z: bool = False,
+            only: Optional[np.ndarray] = None) -> None:
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
         comp, comm, cross = pa.compute_s(sa), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
-        k = pa.in_flight(w, sa, M)
+        k, wg = pa.in_flight(w, sa, M, z), pa.wgrad_s(sa)
+        tail = wg
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
             comp, comm = np.maximum(comp, pb.compute_s(sb)), np.maximum(comm, pb.comm_s(wb, sb, False))
             cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M))
+            # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
+            wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
         # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
-        ar = cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node) + cm.tie_sync_s(tied, ts, 2 * w)
-        opt = np.max([cm.optimizer_s_of(pa.params, t, w) for t in ts], axis=0)
+        ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z) + cm.tie_sync_s(tied, ts, 2 * w)
+              + tail_ws * tail)
+        opt = np.max([cm.optimizer_s_of(pa.params, t, w, z) for t in ts], axis=0)
         k = np.where(ends_pipeline & (k < last_need), 0, k)
-        keep = k >= 1
+        keep = (k >= 1) & (only if only is not None else True)
         n = int(keep.sum())
         for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, index[pa.t])),
-                             ("width", np.full(n, wa)), ("recompute", np.full(n, pa.rc)),
-                             ("cost_s", (comp + comm)[keep]), ("compute_s", comp[keep]), ("allreduce_s", ar[keep]),
+                             ("width", np.full(n, wa)), ("recompute", np.full(n, pa.rc)), ("zero1", np.full(n, z)),
+                             ("cost_s", (comp + comm - np.where(split, wg, 0.0))[keep]), ("compute_s", comp[keep]),
+                             ("comm_s", comm[keep]), ("allreduce_s", ar[keep]),
                              ("optimizer_s", opt[keep]),
                              ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[vendor_of[pa.t]])),
                              ("bridge_s", np.maximum(cross - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
@@ -342,7 +387,10 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
             for part in parts[t, tp]:
                 widths = widths_for(b, avail_of(tp)) if width is None else ([width] if width <= avail_of(tp) else [])
                 for w in widths:
-                    add(part, w, -(-b // w))
+                    s = -(-b // w)
+                    add(part, w, s)
+                    if zero1 and w > 1 and not cm.zero1 and not part.rc:
+                        add(part, w, s, z=True, only=_zero1_helps(parts[t, tp], w, s, M))
     if mixed and width is None:
         speed = {t: cm.sample_s(t) for t in types}
         for ta, tb in itertools.permutations(types, 2):
@@ -359,7 +407,7 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     cand = Candidates(**{k: cat[k] for k in cols})
     for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp", "type2_idx", "width2", "samples2"):
         setattr(cand, name, getattr(cand, name).astype(int))
-    cand.recompute = cand.recompute.astype(bool)
+    cand.recompute, cand.zero1 = cand.recompute.astype(bool), cand.zero1.astype(bool)
     return _prune_dominated(cand)
 
 
@@ -829,7 +877,7 @@ class _Search:
             M = self.global_batch // b
             cand = candidates(self.cm, units, b, M, self.types, dict(zip(self.types, self.counts)),
                               opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel, mixed=opts.mixed_types,
-                              schedule=opts.schedule)
+                              schedule=opts.schedule, zero1=opts.zero1_stages)
             t_lb = bottleneck_lower_bound(cand, U, N, M) if len(cand) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(cand, U, N, M) if math.isfinite(t_lb) else math.inf
             jobs.append(_Job(lb, (b, w), M, cand, t_lb))
@@ -842,7 +890,14 @@ class _Search:
             self.best = sol
 
     def beaten(self, bound: float) -> bool:
-        return self.best is not None and bound >= self.best.objective * (1 - 1e-9)
+        """No chain of that job could be replayed: its bound is past the replay window of the incumbent."""
+        return self.best is not None and bound >= self.cutoff() * (1 - 1e-9)
+
+    def cutoff(self) -> Optional[float]:
+        """Each job's MILP looks for its best chain within ``REPLAY_WITHIN`` of the incumbent, not only below it:
+        the closed form ranks, the replay decides (``choose_by_simulation``), and a chain a little above the
+        incumbent by the closed form can replay faster (under zb-h1 the drain's overlap is not in the MILP)."""
+        return None if self.best is None or self.brute else self.best.objective * REPLAY_WITHIN
 
     def seed_incumbents(self) -> None:
         """Heuristic chains for every job: the MILPs then only look below the best."""
@@ -858,7 +913,7 @@ class _Search:
         if not self.brute and (not math.isfinite(job.lower_bound_s) or self.beaten(job.lower_bound_s)):
             self.solved[job.key] = True
             return
-        cut = self.best.objective if self.best is not None and not self.brute else None
+        cut = self.cutoff()
         sub, back = (restrict(job.cand, job.cand.pace_s <= cut / job.M * (1 + 1e-9)) if cut is not None
                      else (job.cand, np.arange(len(job.cand))))
         if self.brute:
@@ -922,8 +977,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
     if opts.schedule not in SCHEDULES:
         raise InputError("--schedule", f"expected one of {', '.join(SCHEDULES)}, got {opts.schedule!r}"[:120])
-    if opts.equal_widths:  # what Megatron-core can run: one width, and (here) no tensor parallelism
-        opts = replace(opts, max_tensor_parallel=1)
+    if opts.equal_widths:  # what Megatron-core can run: one width, (here) no tensor parallelism, no per-stage ZeRO
+        opts = replace(opts, max_tensor_parallel=1, zero1_stages=False)
     if _layer_granular_shapes(cm, opts):
         from .shapes import ShapeSearch
         types = list(opts.device_types or cm.cluster.type_names)
@@ -1013,6 +1068,7 @@ def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[st
         second = (types[c.type2_idx[k]],) * wb if wb else ()
         out.append(StageLayout(layers=(units[c.first_unit[k]][0], units[c.end_unit[k] - 1][1]),
                                device_type=types[c.type_idx[k]], samples=samples, recompute=bool(c.recompute[k]),
+                               zero1=bool(c.zero1[k]),
                                tensor_parallel=int(c.tp[k]),
                                replica_types=(types[c.type_idx[k]],) * int(c.width[k]) + second if wb else ()))
     return out

@@ -453,6 +453,9 @@ class Stage(Record):
     device_type: str = Name
     tensor_parallel: int = Field(default=1, gt=0, le=1024)
     recompute: bool = False
+    # ZeRO-1 on this stage alone: its optimizer state is sharded over its replicas (the plan's memory and all-
+    # reduce assume it; the runtime shards it whatever the ds_config says). Plan-wide: Plan.zero1.
+    zero1: bool = False
     replicas: list[Replica] = Field(min_length=1)
 
     @property

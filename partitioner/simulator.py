@@ -216,7 +216,8 @@ class _Replay:
             wgrad = (self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp)
                      if any(a.kind == "W" for a in self.sched[rank]) else 0.0)
             self.durations[rank] = {"F": fwd, "B": bwd - wgrad, "W": wgrad,
-                                    "OPT": self.cm.optimizer_s(t, first, last, st.width, tp), "TPF": tp_f, "TPB": tp_b}
+                                    "OPT": self.cm.optimizer_s(t, first, last, st.width, tp, self.plan.zero1 or st.zero1),
+                                    "TPF": tp_f, "TPB": tp_b}
         return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
 
     def transfer_s(self, src: int, dst: int, kind: str, rows: int) -> tuple[float, bool]:

@@ -181,3 +181,23 @@ def run_cli_profile(tmp_path):
                 str(tmp_path / "p1.json"))
     assert r.returncode == 0, r.stderr
     return load_profile(str(tmp_path / "p1.json"))
+
+
+def test_a_stage_marked_zero1_is_priced_as_sharded_and_the_others_are_not():
+    """A plan's stage with ``zero1``: its memory, all-reduce (+ all-gather) and optimizer step are plan-wide
+    ZeRO-1's figures; the other stages keep unsharded ones; the weight-gradient share splits backward."""
+    from hethub.partitioner.evaluate import stage_costs
+    from hethub.partitioner.placement import StageLayout, build_plan
+    two = Cluster.model_validate({"name": "two", "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 8}]})
+    model = builtin_model("gpt-1.3b")
+    lay = [StageLayout((0, 10), "A100-80GB", (2, 2)), StageLayout((10, 26), "A100-80GB", (2, 2), zero1=True)]
+    plan = build_plan(model, two, lay, 4, 8)
+    assert [st.zero1 for st in plan.stages] == [False, True]
+    plain, shard = CostModel(two, model), CostModel(two, model, zero1=True)
+    unmarked = plan.model_copy(update={"stages": [st.model_copy(update={"zero1": False}) for st in plan.stages]})
+    got, none, every = stage_costs(plan, plain), stage_costs(unmarked, plain), stage_costs(unmarked, shard)
+    assert got[0] == none[0] and got[1] == every[1] and got[1] != none[1]
+    assert got[1].memory_bytes < none[1].memory_bytes and got[1].allreduce_s > none[1].allreduce_s
+    assert got[1].optimizer_s < none[1].optimizer_s
+    fwd, bwd = plain.stage_compute_s("A100-80GB", 10, 26, 2)
+    assert 0.3 * bwd < plain.stage_weight_grad_s("A100-80GB", 10, 26, 2) < 0.6 * bwd

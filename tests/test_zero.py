@@ -118,3 +118,20 @@ def test_unsupported_zero_is_refused_on_every_rank(tmp_path, zero, plan_zero1, f
             "                  optimizer=lambda ps: torch.optim.Adam(ps))\n")
     for rc, _out, err in spawn(3, ["-c", code], timeout=60):
         assert rc == 2 and err.strip().splitlines()[-1].startswith(fragment), err[-1500:]
+
+
+def test_a_stage_of_its_own_shards_only_itself_and_trains_like_one_process(tmp_path):
+    """A plan that marks one stage zero1 (no ZeRO in ds_config): that stage's optimizer state is split over
+    its replicas, the other stages of width > 1 keep whole state, and the run equals one process."""
+    plan = stack_plan(*PLANS["2to1to3"])
+    stages = [st.model_copy(update={"zero1": st.index == 2}) for st in plan.stages]
+    plan = plan.model_copy(update={"stages": stages})
+    got = _run(tmp_path, plan, "s", 0, K)
+    ref = _reference(tmp_path, K)
+    _compare(got, ref, ref["losses"])
+    sharded = plan.model_copy(update={"stages": [plan.stages[2]]})
+    _check_shards(sharded, got, ref)
+    first = plan.stages[0]
+    params = [p for i in range(*first.layers) for p in ref["params"] if p.startswith(f"{i}.")]
+    n = sum(ref["params"][p].numel() for p in params)
+    assert [got[r.rank]["opt_bytes"] for r in first.replicas] == [2 * 4 * n + 4 * len(params)] * first.width
