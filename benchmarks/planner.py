@@ -3,6 +3,7 @@
 Writes benchmarks/results/planner.md. Run: python benchmarks/planner.py [--quick]
 Every number comes from this one run, on this machine.
 """
+import itertools
 import os
 import sys
 import time
@@ -48,27 +49,30 @@ SUITE = [
 def main():
     quick = "--quick" in sys.argv
     rows = []
-    for name, cluster, model_name, batch, *limit in SUITE[:2] if quick else SUITE:
+    for (name, cluster, model_name, batch, *limit), schedule in itertools.product(SUITE[:2] if quick else SUITE,
+                                                                                 ("1f1b", "zb-h1")):
         model = builtin_model(model_name)
         cm = CostModel(cluster, model)
-        opts = PlannerOptions(time_limit_s=limit[0] if limit else 60)
+        opts = PlannerOptions(time_limit_s=limit[0] if limit else 60, schedule=schedule)
         t0 = time.perf_counter()
         plan = make_plan(cluster, model, batch, opts=opts, cost_model=cm, with_homogeneous_sum=False)
         solve_s = time.perf_counter() - t0
         # the homogeneous sub-cluster sum is a comparison figure, timed apart from the solve
         from hethub.partitioner.api import homogeneous_sum
-        hs = homogeneous_sum(cm, batch, PlannerOptions(time_limit_s=30))  # per type
+        hs = homogeneous_sum(cm, batch, PlannerOptions(time_limit_s=30, schedule=schedule))  # per type
         p = plan.predicted
         sim = simulate(plan, cm).iteration_s  # `hethub simulate`'s full replay of the written plan
         speedups = []
         for kind in BASELINES:
             try:
-                base = make_baseline(kind, cluster, model, batch, cost_model=cm, opts=PlannerOptions(time_limit_s=30))
+                base = make_baseline(kind, cluster, model, batch, cost_model=cm,
+                                     opts=PlannerOptions(time_limit_s=30, schedule=schedule))
                 speedups.append(f"{p.samples_per_s / base.predicted.samples_per_s:.2f}x")
             except InfeasibleError:
                 speedups.append("infeasible")
-        rows.append(f"| {name} | {cluster.num_devices} | {model_name} | {batch} | {solve_s:.2f} | "
-                    f"{plan.solver.gap:.2%} | {plan.solver.status} | {plan.num_stages} | {plan.world_size} | "
+        rows.append(f"| {name} | {cluster.num_devices} | {model_name} | {batch} | {schedule} | {solve_s:.2f} | "
+                    f"{plan.solver.gap:.2%} | {plan.solver.status} | {plan.num_stages} | "
+                    f"{sum(s.zero1 for s in plan.stages)} | {plan.world_size} | "
                     f"{p.efficiency:.3f} | {p.samples_per_s / hs:.3f} | {p.iteration_s / sim - 1:+.1%} | "
                     f"{p.model_extra['closed_form_s'] / sim - 1:+.1%} | " + " | ".join(speedups) + " |")
         print(rows[-1], flush=True)
@@ -79,10 +83,13 @@ def main():
         "/ pure-compute upper bound. vs homog.: samples/s / sum of the best single-type sub-cluster plans "
         "(HETHUB's comparable figure). predicted vs sim: the plan's predicted iteration vs `hethub simulate`'s "
         "replay of the written plan (target within 5%); closed form vs sim: the MILP objective's view of the same "
-        "plan. Speed-ups: predicted samples/s over each baseline (same cost model).", "",
-        "| cluster | devices | model | global batch | solve s | gap | status | stages | devices used | efficiency "
-        "| vs homog. | predicted vs sim | closed form vs sim | vs uniform | vs parameters | vs fastest-only |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""])
+        "plan. Speed-ups: predicted samples/s over each baseline (same cost model; DeepSpeed's partitions run "
+        "1F1B). schedule: what the plan (and its homogeneous sub-cluster plans) is planned for and replayed "
+        "under (`--schedule`; 1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state.", "",
+        "| cluster | devices | model | global batch | schedule | solve s | gap | status | stages | ZeRO-1 stages "
+        "| devices used | efficiency | vs homog. | predicted vs sim | closed form vs sim | vs uniform | vs parameters "
+        "| vs fastest-only |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""])
     os.makedirs("benchmarks/results", exist_ok=True)
     with open("benchmarks/results/planner.md", "w") as f:
         f.write(text)

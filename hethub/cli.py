@@ -309,9 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-mixed-stages", action="store_true",
                     help="one device type per stage (default: a stage may mix two types of one vendor, "
                          "speed-proportional splits)")
-    sp.add_argument("--schedule", choices=["zb-h1", "1f1b"], default="zb-h1",
-                    help="pipeline schedule the plan runs: zb-h1 (default) sends each input gradient before "
-                         "computing the weights' (same memory but one micro-batch on the last stage), or 1f1b")
+    sp.add_argument("--schedule", choices=["1f1b", "zb-h1"], default="1f1b",
+                    help="pipeline schedule the plan runs: 1f1b (default), or zb-h1, which sends each input gradient "
+                         "before computing the weights' (1F1B's memory but one micro-batch more on the last stage)")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

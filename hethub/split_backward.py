@@ -116,19 +116,29 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Optional[Sequence[
     """Input gradients of ``roots`` (the stage's outputs with their received gradients, or the loss with
     ``root_grads=None``), added to each input's ``.grad``; returns what ``backward_weight`` resumes from."""
     groups = _groups([r.grad_fn for r in roots], inputs, weights, stage)
-    handles = []
-    for g in groups:
-        for n in g.frontier:
-            handles.append(n.register_prehook(lambda grads, g=g, n=n: g.grads.__setitem__(n, grads)))
-    try:
-        dinputs = torch.autograd.grad(list(roots), list(inputs), root_grads, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for x, dx in zip(inputs, dinputs):
-        if dx is not None:
-            x.grad = dx if x.grad is None else x.grad + dx
+    records = [n.register_prehook(lambda grads, g=g, n=n: g.grads.__setitem__(n, grads))
+               for g in groups for n in g.frontier]
+    _accumulate(inputs, _grad(records, list(roots), list(inputs), root_grads, retain_graph=True))
     return groups
+
+
+def _grad(hooks: list, outputs, inputs, grads, **kw):
+    """``torch.autograd.grad`` with ``hooks`` (pre-hook handles) in place for it, removed after it."""
+    try:
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _accumulate(tensors: Sequence[torch.Tensor], grads) -> None:
+    """Add each gradient to its tensor's ``.grad``, as autograd's accumulation would."""
+    for t, g in zip(tensors, grads):
+        if g is not None:
+            if t.grad is None:
+                t.grad = g
+            else:
+                t.grad.add_(g)
 
 
 def backward_weight(weights: Sequence[torch.Tensor], groups: list[_Group]) -> None:
@@ -146,12 +156,5 @@ def backward_weight(weights: Sequence[torch.Tensor], groups: list[_Group]) -> No
         # it recorded: it takes exactly the recorded one.
         clamps = [n.register_prehook(lambda _grads, saved=g.grads[n]: saved) for n in g.frontier
                   if n in g.grads] if len(g.frontier) > 1 else []
-        try:
-            ws = [weights[i] for i in g.weights]
-            dws = torch.autograd.grad(edges, [GradientEdge(_accumulator(w), 0) for w in ws], grads, allow_unused=True)
-        finally:
-            for h in clamps:
-                h.remove()
-        for w, dw in zip(ws, dws):
-            if dw is not None:
-                w.grad = dw if w.grad is None else w.grad + dw
+        ws = [weights[i] for i in g.weights]
+        _accumulate(ws, _grad(clamps, edges, [GradientEdge(_accumulator(w), 0) for w in ws], grads))

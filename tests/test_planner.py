@@ -217,17 +217,17 @@ def test_cli_plan_writes_a_plan_and_bad_input_is_one_line(tmp_path):
 
 
 def test_zb_h1_plans_fit_its_memory_and_are_not_slower_than_1f1b_plans():
-    """The default schedule zb-h1: its plans fit memory with the last stage holding two micro-batches (the
-    candidates are priced so), and where the 1F1B plan would fit that memory too, the zb-h1 plan is at
-    least as fast; `schedule` names what the plan runs."""
+    """Schedule zb-h1: its plans fit memory with the last stage holding two micro-batches (the candidates are
+    priced so), and where the 1F1B plan would fit that memory too, the zb-h1 plan is at least as fast;
+    `schedule` names what the plan runs."""
     from hethub.partitioner.evaluate import fits_memory
     faster = compared = 0
     for seed in range(40, 56):
         cluster, model, batch = random_instance(seed)
         try:
-            zb = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch),
+            zb = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch, schedule="zb-h1"),
                            with_homogeneous_sum=False, memory_reserve_gib=0.5)
-            base = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch, schedule="1f1b"),
+            base = make_plan(cluster, model, batch, opts=PlannerOptions(max_micro_batch_size=batch),
                              with_homogeneous_sum=False, memory_reserve_gib=0.5)
         except InfeasibleError:
             continue
