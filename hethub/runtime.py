@@ -246,7 +246,7 @@ def _emulated(layers: Sequence[Any], grid, hetero: dict) -> Sequence[Any]:
     return layers
 
 
-def grid_stage_zero1(plan: Plan, rank: int) -> bool:
+def _stage_zero1(plan: Plan, rank: int) -> bool:
     """Whether the plan shards the optimizer state of this rank's stage (the stage's own ``zero1``)."""
     return plan.stages[plan.locate(rank)[0]].zero1
 
@@ -303,7 +303,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     bf16 = bool((cfg.pop("bf16", None) or {}).get("enabled"))
     # ZeRO-1: hethub shards the optimizer itself (hethub.zero); DeepSpeed's engine sees plain data parallelism.
     zero1 = (cfg.pop("zero_optimization", None) or {}).get("stage", 0) == 1
-    zero1 = zero1 or grid_stage_zero1(the_plan, rank)  # a stage the plan shards (its memory assumes it)
+    zero1 = zero1 or _stage_zero1(the_plan, rank)  # a stage the plan shards (its memory assumes it)
     _fix_local_rank(the_plan, rank)
     _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
     _register_clean_shutdown()
