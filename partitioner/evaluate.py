@@ -18,7 +18,8 @@ gradient transfers of stages < s):
     closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s - wgrad_s)
                     + max_s (tail_s + allreduce_s + optimizer_s - drain_s)                    (zb-h1)
 
-(The MILP ranks chains by the 1f1b form; the replay, which picks among the best, runs the plan's.)
+(The MILP's zb-h1 form leaves out the drain credit, which is not linear in the chain; the replay, which
+picks among the best, runs the plan's schedule.)
 
 In the steady state a stage's transfers (posted non-blocking) overlap its compute, so the slower of the
 two paces the pipeline; the fill and drain pay both. (Charging compute + transfers per micro-batch put
@@ -35,7 +36,7 @@ from typing import Optional, Sequence
 
 from .costmodel import WIRE_FACTOR, CostModel
 from .records import Plan, Predicted
-from .schedule import overlaps, peak_in_flight
+from .schedule import overlaps, peak_in_flight, trailing_weight_passes
 from .simulator import simulate
 
 
@@ -100,8 +101,7 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                                     st.width, tp, z)
         split = plan.schedule == "zb-h1" and s > 0
         wgrad = max(cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas)
-        # after its last B a split stage still runs its last W (the last stage: its last two)
-        tail = wgrad * (min(2, M) if s == S - 1 else 1) if split else 0.0
+        tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail))
     return out
 

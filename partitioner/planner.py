@@ -7,7 +7,7 @@ p_s = max(compute, transfer) (the runtime posts transfers non-blocking, so they 
 
     T = (M - 1) * max_s p_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
 
-Under schedule zb-h1 (the default) every stage after the first sends its input gradient before computing
+Under schedule zb-h1 (``--schedule zb-h1``) every stage after the first sends its input gradient before computing
 its weights' (w_s): c_s is charged without w_s, and allreduce_s waits for the W's after its last B (w_s; the
 last stage 2 w_s): the plan-time form of ``evaluate.iteration_s``, which the replay then checks.
 
@@ -43,7 +43,7 @@ from .errors import InfeasibleError, InputError
 from .placement import StageLayout, even_split
 from .evaluate import REPLAY_WITHIN
 from .records import MAX_MICRO_BATCHES, ModelConfig
-from .schedule import SCHEDULES, peak_in_flight
+from .schedule import SCHEDULES, peak_in_flight, trailing_weight_passes
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,7 @@ class Candidates:
 
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "zero1", "cost_s", "compute_s", "comm_s",
-          "allreduce_s",
-          "optimizer_s",
-          "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
+          "allreduce_s", "optimizer_s", "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
 
 
 @dataclass
@@ -350,7 +348,9 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     # zb-h1: a stage after the first sends its input gradient before its weights' (the fill and drain skip them)
     # and runs its last W (the last stage: its last two) before its all-reduce (``evaluate.iteration_s``)
     split = (I > 0) if schedule == "zb-h1" else np.zeros(len(I), dtype=bool)
-    tail_ws = np.where(split, np.where(ends_pipeline, min(2, M), 1), 0)
+    # (a middle stage as stage 1 of 3, the last as stage 1 of 2; the first never splits)
+    tail_ws = np.where(I > 0, np.where(ends_pipeline, trailing_weight_passes(schedule, 2, 1, M),
+                                       trailing_weight_passes(schedule, 3, 1, M)), 0)
 
     def add(pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0, z: bool = False,
             only: Optional[np.ndarray] = None) -> None:

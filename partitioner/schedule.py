@@ -56,6 +56,14 @@ def peak_in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches
     return k
 
 
+def trailing_weight_passes(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
+    """W actions a stage runs after its last B (before its all-reduce): none under 1F1B or on stage 0; under
+    zb-h1 one, and two on the last stage (its last B comes before its second-to-last W)."""
+    if schedule != "zb-h1" or stage == 0:
+        return 0
+    return min(2, num_micro_batches) if stage == num_stages - 1 else 1
+
+
 @dataclass(frozen=True)
 class Transfer:
     peer: int
