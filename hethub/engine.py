@@ -24,6 +24,7 @@ optimizer and LR scheduler wiring, the optimizer step); the pipeline itself runs
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -195,7 +196,8 @@ class HeteroPipelineEngine(PipelineEngine):
         self._losses: dict[int, torch.Tensor] = {}
         self._recvs: dict[tuple[str, int], tuple] = {}  # ("A"|"G", mb) -> posted receive
         self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, buffer) in flight
-        self._wgrad: dict[int, list] = {}  # micro-batch -> where its weight pass resumes (zb-h1)
+        self._wgrad: dict[int, split_backward.Pending] = {}  # micro-batch -> where its weight pass resumes (zb-h1)
+        self._linear_calls: dict[int, list] = {}  # micro-batch -> its forward's plain Linear calls (zb-h1)
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, data_iter: Optional[Iterator] = None):
@@ -240,6 +242,8 @@ class HeteroPipelineEngine(PipelineEngine):
                     "OPT": lambda a: self._exec_optimizer_step()}
         self._split_mbs = {a.mb for a in actions if a.kind == "W"}  # their B computes input gradients only
         self._weights = [p for p in self.module.parameters() if p.requires_grad] if self._split_mbs else []
+        if self._split_mbs and getattr(self, "_linears", None) is None:
+            self._linears = split_backward.LinearCalls(self.module)
         for a in actions:
             self._peers_in_flight = tuple(t.peer for t in a.transfers)
             t0, self._waited_s = time.perf_counter(), 0.0
@@ -321,9 +325,13 @@ class HeteroPipelineEngine(PipelineEngine):
         if isinstance(inputs, tuple):
             inputs = tuple(t.clone() if not t.is_floating_point() else t for t in inputs)
         last = self.stage_id == self.num_stages - 1
+        capture = (self._linears.capturing() if a.mb in self._split_mbs and torch.is_grad_enabled()
+                   else contextlib.nullcontext())
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
-                            enabled=self.autocast_dtype is not None):
+                            enabled=self.autocast_dtype is not None), capture as calls:
             outputs = self.module(inputs)
+            if calls is not None:
+                self._linear_calls[a.mb] = calls
             if last:
                 labels = self._labels.pop(a.mb)
                 loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None else outputs
@@ -353,7 +361,8 @@ class HeteroPipelineEngine(PipelineEngine):
         # zb-h1: the input gradients now (SG sends them next), the weights' at this micro-batch's W
         inputs = [t for t in _as_tuple(self._inputs[a.mb]) if t.is_floating_point() and t.requires_grad]
         try:
-            self._wgrad[a.mb] = split_backward.backward_input(roots, grads, inputs, self._weights, self.stage_id)
+            self._wgrad[a.mb] = split_backward.backward_input(roots, grads, inputs, self._weights, self.stage_id,
+                                                              self._linear_calls.pop(a.mb, ()))
         except split_backward.SplitBackwardError as exc:  # the model, not a bug: one line (peers see it lost)
             print(f"error: rank {self.global_rank}: {exc}", file=sys.stderr, flush=True)
             os._exit(2)  # not SystemExit: gloo's threads may still hold the process

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from hethub.split_backward import SplitBackwardError, backward_input, backward_weight
+from hethub.split_backward import LinearCalls, SplitBackwardError, backward_input, backward_weight
 
 
 class Stage(nn.Module):
@@ -26,16 +26,26 @@ def _pair():
     return ref, split
 
 
-def test_input_pass_leaves_weights_alone_and_weight_pass_completes_one_backward():
+@pytest.mark.parametrize("direct", [False, True], ids=["graph", "direct-linears"])
+def test_input_pass_leaves_weights_alone_and_weight_pass_completes_one_backward(direct):
     ref, split = _pair()
+    linears = LinearCalls(split) if direct else None
     x_ref = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     x = x_ref.detach().clone().requires_grad_()
     dy = torch.randn(4, 5, dtype=torch.float64)
     for _ in range(2):  # two micro-batches accumulate, as in a pipeline
         ref(x_ref).backward(dy)
         weights = list(split.parameters())
-        state = backward_input([split(x)], [dy], [x], weights, stage=1)
+        if direct:
+            with linears.capturing() as calls:
+                out = split(x)
+        else:
+            out, calls = split(x), ()
+        state = backward_input([out], [dy], [x], weights, stage=1, calls=calls)
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+        # the Linears (b called twice) skip the graph; only the LayerNorm's weights resume from it
+        assert len(state.calls) == (3 if direct else 0)
+        assert sum(len(g.weights) for g in state.groups) == (2 if direct else 6)
         backward_weight(weights, state)
     for (name, p), q in zip(split.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=1e-15, msg=name)
@@ -71,3 +81,49 @@ def test_a_weight_independent_of_the_input_is_refused_with_the_schedule_to_use()
     torch.testing.assert_close(bias.grad, 2 * bias.detach().exp())
     with pytest.raises(SplitBackwardError, match="stage 3 do not depend on the stage's input.*--schedule 1f1b"):
         backward_input([x.sum(), bias.exp().sum()], None, [x], [bias], stage=3)  # an output without the input
+
+
+def test_a_linear_weight_used_outside_its_calls_is_left_to_the_graph():
+    """A weight the Linear's calls do not alone consume (here also used directly) must not skip the graph:
+    dY^T X would miss the other use's gradient."""
+    torch.manual_seed(1)
+    lin = nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(t):
+        return lin(t) + t @ lin.weight  # the weight twice: once by the call, once directly
+
+    f(x.detach().clone().requires_grad_()).sum().backward()
+    want = {n: p.grad.clone() for n, p in lin.named_parameters()}
+    lin.zero_grad(set_to_none=True)
+    linears = LinearCalls(lin)
+    with linears.capturing() as calls:
+        out = f(x)
+    assert len(calls) == 1
+    state = backward_input([out.sum()], None, [x], list(lin.parameters()), stage=1, calls=calls)
+    assert state.calls == [] and sum(len(g.weights) for g in state.groups) == 2  # weight and bias via the graph
+    backward_weight(list(lin.parameters()), state)
+    for n, p in lin.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-13, atol=1e-15, msg=n)
+    linears.remove()
+
+
+def test_direct_linears_under_bf16_autocast_match_the_graph():
+    """Under autocast the Linear runs in bf16; the direct product casts X as autocast did and returns the
+    weight's dtype, like the cast's backward."""
+    torch.manual_seed(2)
+    grads = []
+    for direct in (False, True):
+        torch.manual_seed(2)
+        stage = Stage()
+        x = torch.randn(8, 6, requires_grad=True)
+        linears = LinearCalls(stage)
+        with torch.autocast("cpu", dtype=torch.bfloat16), (linears.capturing() if direct else
+                                                            __import__("contextlib").nullcontext()) as calls:
+            out = stage(x)
+        weights = list(stage.parameters())
+        backward_weight(weights, backward_input([out.float().sum()], None, [x], weights, 1, calls=calls or ()))
+        grads.append([p.grad for p in weights])
+        assert all(g.dtype == torch.float32 for g in grads[-1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16 products, summed in another order
