@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .emulation import SlowDown
 from .models import Block, Embedding, Head
 from .partitioner.errors import InputError
 from .partitioner.records import LayerProfile, ModelConfig, Profile, check_tensor_parallel
@@ -33,11 +34,9 @@ def local_device() -> torch.device:
 
 
 def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device,
-                  warmup: int = 2, reps: int = 7, agree: Callable[[int], int] = lambda n: n,
-                  measure_s: float = 0.05) -> dict:
-    """Median (and fastest) forward and backward milliseconds of one layer, activation bytes it keeps, and peak
-    memory. ``agree`` makes the ranks of a tensor-parallel group run the same number of repetitions (the
-    largest); short layers repeat until about ``measure_s`` seconds of measurements (at most 200)."""
+                  warmup: int = 2, reps: int = 7, agree: Callable[[int], int] = lambda n: n) -> dict:
+    """Median forward and backward milliseconds of one layer, activation bytes it keeps, and peak memory.
+    ``agree`` makes the ranks of a tensor-parallel group run the same number of repetitions (the largest)."""
     fwd, bwd = [], []
     saved = 0
     peak = None
@@ -74,20 +73,10 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
         elif it == warmup - 1:
             # Short layers get more repetitions (at least ~50 ms of measurements, at most 200): a median of
             # a handful of sub-millisecond runs moves by tens of percent between runs.
-            target = agree(warmup + min(200, max(reps, int(measure_s / max(t2 - t0, 1e-6)))))
+            target = agree(warmup + min(200, max(reps, int(0.05 / max(t2 - t0, 1e-6)))))
         it += 1
     return {"forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd),
-            "forward_min_ms": min(fwd), "backward_min_ms": min(bwd),
             "activation_bytes": saved, "peak_memory_bytes": peak}
-
-
-def _emulated(row: dict, slowdown: float) -> dict:
-    """An emulated device's times: ``slowdown`` x the fastest unwrapped run. Why not time the ``SlowDown``-wrapped
-    layer: the emulation idles every call to k x the fastest time it has seen, which over a training run's
-    hundreds of calls is the layer's minimum, while a profile sees only a few calls. On 2 shared cores a block's
-    median over its first 7 runs was 1.5x its minimum over 300 (3.06 vs 2.03 ms forward), and profiles of the
-    wrapped layers predicted emulated runs 15-29% too slow."""
-    return {**row, "forward_ms": slowdown * row["forward_min_ms"], "backward_ms": slowdown * row["backward_min_ms"]}
 
 
 def _tp_group(tensor_parallel: int):
@@ -149,11 +138,9 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
             if mesh is not None and kind == "block":
                 from .tp import parallelize
                 parallelize(1, [module], {}, mesh)
-            if slowdown == 1.0:
-                rows[kind] = measure_layer(module, make_input, device, warmup, reps, agree)
-            else:
-                rows[kind] = _emulated(measure_layer(module, make_input, device, warmup, reps, agree, 0.5),
-                                       slowdown)
+            if slowdown != 1.0:
+                module = SlowDown(module, slowdown)
+            rows[kind] = measure_layer(module, make_input, device, warmup, reps, agree)
             if bar:
                 bar.advance(task)
     finally:
