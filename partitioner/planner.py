@@ -67,8 +67,8 @@ class PlannerOptions:
     mixed_types: bool = True
     # The pipeline schedule plans are written for (``schedule.SCHEDULES``): its memory (the last stage holds
     # two micro-batches under zb-h1) bounds the candidates, the replay that picks the plan runs it. 1F1B by
-    # default: zb-h1 is opt-in until it is measured faster on GPUs (README: on CPU its split backward's extra
-    # autograd calls cost what its shorter drain saves).
+    # default: zb-h1 is opt-in until it is measured faster on GPUs (README: on CPU its two backward passes
+    # cost about what its shorter drain saves).
     schedule: str = "1f1b"
     # A stage may shard its optimizer state over its replicas (ZeRO-1) where that lets it hold more micro-batches
     # in flight; --zero1 (the cost model's) shards every stage instead.
