@@ -177,6 +177,7 @@ class HeteroPipelineEngine(PipelineEngine):
         # (start, end, seconds waiting for data) of each of them, perf_counter seconds
         self.executed_s: list[tuple[float, float, float]] = []
         self._waited_s = 0.0
+        self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, made at first zb-h1
         self._reset_iteration()
 
     def _broadcast_model(self):
@@ -242,7 +243,7 @@ class HeteroPipelineEngine(PipelineEngine):
                     "OPT": lambda a: self._exec_optimizer_step()}
         self._split_mbs = {a.mb for a in actions if a.kind == "W"}  # their B computes input gradients only
         self._weights = [p for p in self.module.parameters() if p.requires_grad] if self._split_mbs else []
-        if self._split_mbs and getattr(self, "_linears", None) is None:
+        if self._split_mbs and self._linears is None:
             self._linears = split_backward.LinearCalls(self.module)
         for a in actions:
             self._peers_in_flight = tuple(t.peer for t in a.transfers)
