@@ -42,16 +42,21 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
         update={"seconds": time.perf_counter() - started})})
 
 
-def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> float:
-    """Sum over device types of the best plan's samples/s using only that type (0 where it cannot hold the model)."""
-    total = 0.0
+def homogeneous_plans(cm: CostModel, global_batch: int, opts: PlannerOptions) -> dict[str, Optional[Plan]]:
+    """Per device type, the best plan using only that type (None where it cannot hold the model)."""
+    out: dict[str, Optional[Plan]] = {}
     for t in cm.cluster.type_names:
-        sub = PlannerOptions(**{**opts.__dict__, "device_types": (t,)})
         try:
-            total += solve(cm, global_batch, sub).predicted.samples_per_s
+            out[t] = solve(cm, global_batch, PlannerOptions(**{**opts.__dict__, "device_types": (t,)}))
         except InfeasibleError:
-            pass
-    return total
+            out[t] = None
+    return out
+
+
+def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> float:
+    """Sum over device types of the best plan's samples/s using only that type (0 where it cannot hold the model):
+    what HETHUB compares a heterogeneous plan with."""
+    return sum(p.predicted.samples_per_s for p in homogeneous_plans(cm, global_batch, opts).values() if p is not None)
 
 
 OBJECTIVES = ("throughput", "cost")
