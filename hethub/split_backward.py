@@ -212,7 +212,7 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Optional[Sequence[
                for g in groups for n in g.frontier]
     # the graph is kept only for the groups' weight pass; direct calls keep their own X and dY
     _accumulate(inputs, _grad(records, list(roots), list(inputs), root_grads, retain_graph=bool(groups)))
-    _refuse_lost(len({id(c.module) for c in direct if c.dy is None}), stage)  # off the input's path
+    _refuse_lost(len({id(p) for c in direct if c.dy is None for p in c.params()}), stage)  # off the input's path
     return Pending(groups, direct)
 
 
