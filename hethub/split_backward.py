@@ -192,6 +192,17 @@ def _refuse_lost(lost: int, stage: int) -> None:
                                  f"input, so their gradients cannot be split from it; plan with --schedule 1f1b")
 
 
+def _refuse_reentrant(nodes: Sequence, stage: int) -> None:
+    """Reentrant activation checkpointing runs its segment's backward inside one opaque node, which
+    ``torch.autograd.grad`` refuses to enter (torch raises mid-iteration): say so before, in one line."""
+    from torch.utils.checkpoint import CheckpointFunction
+    if any(getattr(n, "_forward_cls", None) is CheckpointFunction for n in nodes):
+        raise SplitBackwardError(
+            f"schedule zb-h1: stage {stage} uses reentrant activation checkpointing (torch.utils.checkpoint with "
+            f"use_reentrant=True), whose backward cannot be split; pass use_reentrant=False (Hugging Face: "
+            f"gradient_checkpointing_kwargs={{'use_reentrant': False}}) or plan with --schedule 1f1b")
+
+
 @dataclass
 class Pending:
     """What one micro-batch's weight pass resumes from: graph groups and directly computed Linear calls."""
@@ -206,6 +217,7 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Optional[Sequence[
     ``root_grads=None``), added to each input's ``.grad``; returns what ``backward_weight`` resumes from.
     ``calls``: this micro-batch's forward's plain Linear calls (``LinearCalls.capturing``), if recorded."""
     consumers = _consumers([r.grad_fn for r in roots])
+    _refuse_reentrant([r.grad_fn for r in roots] + list(consumers), stage)
     direct = _direct(calls, consumers)
     groups = _groups(consumers, inputs, weights, stage, skip=frozenset(id(p) for c in direct for p in c.params()))
     records = [n.register_prehook(lambda grads, g=g, n=n: g.grads.__setitem__(n, grads))

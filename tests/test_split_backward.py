@@ -127,3 +127,54 @@ def test_direct_linears_under_bf16_autocast_match_the_graph():
         assert all(g.dtype == torch.float32 for g in grads[-1])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16 products, summed in another order
+
+
+class Checkpointed(nn.Module):
+    """``Stage`` under activation checkpointing, as Hugging Face models run with gradient checkpointing on."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.inner, self.reentrant = Stage(), reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["graph", "direct-linears"])
+def test_non_reentrant_checkpointing_splits_like_one_backward(direct):
+    """Non-reentrant checkpointing keeps autograd's graph (saved tensors are recomputed on use), so both passes
+    reach the weights as without it."""
+    torch.manual_seed(0)
+    ref, split = Stage().double(), Checkpointed(reentrant=False).double()
+    split.inner.load_state_dict(ref.state_dict())
+    linears = LinearCalls(split) if direct else None
+    x_ref = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    x = x_ref.detach().clone().requires_grad_()
+    dy = torch.randn(4, 5, dtype=torch.float64)
+    for _ in range(2):
+        ref(x_ref).backward(dy)
+        weights = list(split.parameters())
+        if direct:
+            with linears.capturing() as calls:
+                out = split(x)
+        else:
+            out, calls = split(x), ()
+        state = backward_input([out], [dy], [x], weights, stage=1, calls=calls)
+        assert len(state.calls) == (3 if direct else 0)
+        backward_weight(weights, state)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    for (name, p), q in zip(split.inner.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=1e-15, msg=name)
+
+
+def test_reentrant_checkpointing_is_refused_with_what_to_use():
+    """torch.autograd.grad cannot enter a reentrant checkpoint's backward (torch raises in the middle of the
+    iteration): the input pass says so first, naming the stage and both ways out."""
+    split = Checkpointed(reentrant=True).double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    weights = list(split.parameters())
+    with pytest.raises(SplitBackwardError, match=r"stage 3 uses reentrant activation checkpointing .*"
+                                                 r"use_reentrant=False.*--schedule 1f1b"):
+        backward_input([split(x)], [torch.ones(4, 5, dtype=torch.float64)], [x], weights, stage=3)
+    assert all(p.grad is None for p in weights) and x.grad is None  # nothing half-done
