@@ -37,6 +37,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils.checkpoint import checkpoint
 
 from . import ds_seams, split_backward
 from .kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
@@ -92,8 +93,12 @@ class HeteroPipelineModule(PipelineModule):
         self.checkpoint_parallel_write_pipeline = False
 
     def forward(self, x):
+        # A plan's recompute stage keeps only each layer's input and runs the layer's forward again in its
+        # backward (what the cost model charges: memory ``act_bytes_recompute``, one more forward). Non-
+        # reentrant checkpointing: it keeps autograd's graph, so zb-h1 can still split the backward.
+        recompute = self._grid.stage.recompute and torch.is_grad_enabled()
         for f in self.forward_funcs:
-            x = f(x)
+            x = checkpoint(f, x, use_reentrant=False) if recompute else f(x)
         return x
 
     def mpu(self):

@@ -108,6 +108,21 @@ def test_zb_h1_split_backward_trains_like_one_process(tmp_path, name):
     _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_recompute_stage_runs_its_forward_again_and_trains_like_one_process(tmp_path, schedule):
+    """A plan's recompute stage checkpoints each layer (its input kept, its forward run again in the backward,
+    as the cost model charges); under zb-h1 the split backward goes through the recomputed graph."""
+    plan = stack_plan(*CASES["1to2to1"])
+    plan = plan.model_copy(update={"schedule": schedule, "stages": [
+        st.model_copy(update={"recompute": st.index == 1}) for st in plan.stages]})
+    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
+    per_run = STEPS * plan.num_micro_batches
+    for st in plan.stages:
+        for rep in st.replicas:
+            got = torch.load(str(tmp_path / f"rank{rep.rank}.pt"), weights_only=True)["forwards"]
+            assert got == per_run * (2 if st.recompute else 1), f"stage {st.index} rank {rep.rank}"
+
+
 @pytest.mark.parametrize("wire,rtol", [("bf16", 2e-2), ("fp8", 0.15)])
 def test_lossy_wire_dtype_through_the_bridge(tmp_path, wire, rtol):
     """A bf16/fp8 wire (cast in pack, up-cast in unpack) trains close to, but not exactly like, one process."""

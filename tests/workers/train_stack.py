@@ -83,6 +83,14 @@ def main():
                 config["hetero"] = {"schedule": arg.split("=", 1)[1]}
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
+        forwards = [0]  # runs of the stage's first layer while training (twice per micro-batch under recompute;
+        first_layer = engine.module.forward_funcs[0]  # counted in forward: a recompute skips forward hooks)
+        plain_forward = first_layer.forward
+
+        def counted(*args, **kw):
+            forwards[0] += 1
+            return plain_forward(*args, **kw)
+        first_layer.forward = counted
         beat = os.environ.get("HEARTBEAT")  # fault tests: rank 0 prints each finished step
         fail_rank, _, fail_step = os.environ.get("FAIL_AT", "-1:-1").partition(":")  # a user's bug, on one rank
         for step in range(steps):
@@ -95,6 +103,7 @@ def main():
             if beat and engine.global_rank == 0:
                 print(f"step {step}", flush=True)
         trace = " ".join(engine.executed)  # what the last train_batch ran, action by action
+        first_layer.forward = plain_forward
         eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
         first, last = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
@@ -103,6 +112,7 @@ def main():
         time.sleep(float(os.environ["END_SLEEP_RANK0"]))  # rank 0 does extra work after training
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
+                "forwards": 0 if single else forwards[0],
                 "device_type": "" if single else engine.grid.device_type,
                 "stage_bridge": False if single else engine.grid.stage_bridge_group is not None}, out_path)
 
