@@ -19,6 +19,18 @@ class Stage(nn.Module):
         return self.norm(self.b(h) + h)[:, :5]  # a view, as stage outputs often are
 
 
+class Checkpointed(nn.Module):
+    """A stage under activation checkpointing, as Hugging Face models run with gradient checkpointing on."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
 def _pair():
     torch.manual_seed(0)
     ref, split = Stage().double(), Stage().double()
@@ -26,9 +38,14 @@ def _pair():
     return ref, split
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "non-reentrant-checkpoint"])
 @pytest.mark.parametrize("direct", [False, True], ids=["graph", "direct-linears"])
-def test_input_pass_leaves_weights_alone_and_weight_pass_completes_one_backward(direct):
+def test_input_pass_leaves_weights_alone_and_weight_pass_completes_one_backward(direct, checkpointed):
+    """Also under non-reentrant activation checkpointing (a plan's recompute stage; Hugging Face's gradient
+    checkpointing), which keeps autograd's graph: saved tensors are recomputed on use."""
     ref, split = _pair()
+    if checkpointed:
+        split = Checkpointed(split, reentrant=False)
     linears = LinearCalls(split) if direct else None
     x_ref = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     x = x_ref.detach().clone().requires_grad_()
@@ -129,49 +146,10 @@ def test_direct_linears_under_bf16_autocast_match_the_graph():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16 products, summed in another order
 
 
-class Checkpointed(nn.Module):
-    """``Stage`` under activation checkpointing, as Hugging Face models run with gradient checkpointing on."""
-
-    def __init__(self, reentrant: bool):
-        super().__init__()
-        self.inner, self.reentrant = Stage(), reentrant
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
-
-
-@pytest.mark.parametrize("direct", [False, True], ids=["graph", "direct-linears"])
-def test_non_reentrant_checkpointing_splits_like_one_backward(direct):
-    """Non-reentrant checkpointing keeps autograd's graph (saved tensors are recomputed on use), so both passes
-    reach the weights as without it."""
-    torch.manual_seed(0)
-    ref, split = Stage().double(), Checkpointed(reentrant=False).double()
-    split.inner.load_state_dict(ref.state_dict())
-    linears = LinearCalls(split) if direct else None
-    x_ref = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
-    x = x_ref.detach().clone().requires_grad_()
-    dy = torch.randn(4, 5, dtype=torch.float64)
-    for _ in range(2):
-        ref(x_ref).backward(dy)
-        weights = list(split.parameters())
-        if direct:
-            with linears.capturing() as calls:
-                out = split(x)
-        else:
-            out, calls = split(x), ()
-        state = backward_input([out], [dy], [x], weights, stage=1, calls=calls)
-        assert len(state.calls) == (3 if direct else 0)
-        backward_weight(weights, state)
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
-    for (name, p), q in zip(split.inner.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=1e-15, msg=name)
-
-
 def test_reentrant_checkpointing_is_refused_with_what_to_use():
     """torch.autograd.grad cannot enter a reentrant checkpoint's backward (torch raises in the middle of the
     iteration): the input pass says so first, naming the stage and both ways out."""
-    split = Checkpointed(reentrant=True).double()
+    split = Checkpointed(Stage().double(), reentrant=True)
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     weights = list(split.parameters())
     with pytest.raises(SplitBackwardError, match=r"stage 3 uses reentrant activation checkpointing .*"
