@@ -33,10 +33,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.utils.checkpoint import CheckpointFunction
 
 
 class SplitBackwardError(RuntimeError):
-    """A stage whose weights do not depend on its input: their gradients cannot wait for a weight pass."""
+    """A stage whose backward cannot be split: weights that do not depend on its input (their gradients cannot
+    wait for a weight pass), or reentrant activation checkpointing (an opaque node the input pass cannot enter)."""
 
 
 def _accumulator(p: torch.Tensor):
@@ -195,7 +197,6 @@ def _refuse_lost(lost: int, stage: int) -> None:
 def _refuse_reentrant(nodes: Sequence, stage: int) -> None:
     """Reentrant activation checkpointing runs its segment's backward inside one opaque node, which
     ``torch.autograd.grad`` refuses to enter (torch raises mid-iteration): say so before, in one line."""
-    from torch.utils.checkpoint import CheckpointFunction
     if any(getattr(n, "_forward_cls", None) is CheckpointFunction for n in nodes):
         raise SplitBackwardError(
             f"schedule zb-h1: stage {stage} uses reentrant activation checkpointing (torch.utils.checkpoint with "

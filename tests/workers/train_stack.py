@@ -83,8 +83,9 @@ def main():
                 config["hetero"] = {"schedule": arg.split("=", 1)[1]}
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
-        forwards = [0]  # runs of the stage's first layer while training (twice per micro-batch under recompute;
-        first_layer = engine.module.forward_funcs[0]  # counted in forward: a recompute skips forward hooks)
+        # runs of the stage's first layer while training (twice per micro-batch under recompute), counted in its
+        # forward itself: checkpointing's second run does not call forward hooks
+        forwards, first_layer = [0], engine.module.forward_funcs[0]
         plain_forward = first_layer.forward
 
         def counted(*args, **kw):
