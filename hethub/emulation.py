@@ -9,7 +9,12 @@ few cores and one's real compute is slowed by another's, the emulated time stays
 time instead of growing k-fold with the contention (sleeping (k - 1) x the time just measured
 would). Under schedule zb-h1 the wrappers see the input-gradient pass only; the engine idles the
 weight pass (``W``) the same way. Where the layer's input carries no gradient (token ids into an embedding), the backward
-time cannot be observed and twice the reference forward time stands for it.
+time cannot be observed and twice the reference forward time stands for it. Under activation
+checkpointing (a plan's recompute stage) the layer's forward runs again inside its backward, and a
+recomputed layer takes k x (forward + forward + backward) either way: torch stops the recompute at
+the last saved tensor by default, before the wrapper idles, so its real time falls in the measured
+backward; a whole recomputed forward (early stop off) idles itself and is kept out of that
+measurement (else it would count k x k).
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.state["bwd_start"] = time.perf_counter()
+        # a forward of this layer from now until _End's backward is its recompute (activation checkpointing)
+        ctx.state["ref"]["in_backward"] = ctx.state["input_tracked"]
         if not ctx.state["input_tracked"]:
             time.sleep((ctx.state["factor"] - 1.0) * 2 * ctx.state["ref"]["fwd"])
         return g, None
@@ -47,9 +54,11 @@ class _End(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        st = ctx.state
-        took = time.perf_counter() - st.get("bwd_start", time.perf_counter())
-        idle_to(st["factor"], st["ref"], "bwd", took)
+        st, ref = ctx.state, ctx.state["ref"]
+        recompute_s = ref.pop("recompute_s", 0.0)  # already idled to k x as a forward
+        ref["in_backward"] = False
+        took = time.perf_counter() - st.get("bwd_start", time.perf_counter()) - recompute_s
+        idle_to(st["factor"], ref, "bwd", took)
         return g, None
 
 
@@ -79,6 +88,7 @@ class SlowDown(nn.Module):
         tracked = torch.is_tensor(x) and x.is_floating_point() and torch.is_grad_enabled()
         rows = tuple(x.shape[:1]) if torch.is_tensor(x) else ()
         state = {"factor": self.factor, "input_tracked": tracked, "ref": self._ref.setdefault(rows, {})}
+        recomputing = state["ref"].get("in_backward", False)
         if tracked:
             if not x.requires_grad:
                 x = x.detach().requires_grad_()
@@ -86,6 +96,8 @@ class SlowDown(nn.Module):
         t0 = time.perf_counter()
         y = self.module(x)
         idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
+        if recomputing:
+            state["ref"]["recompute_s"] = state["ref"].get("recompute_s", 0.0) + time.perf_counter() - t0
         if torch.is_tensor(y) and y.requires_grad:
             y = _Start.apply(y, state)
         return y
