@@ -57,8 +57,8 @@ def test_megatron_core_accepts_the_export(tmp_path):
 @pytest.mark.dist
 def test_megatron_core_layers_tensor_parallel_match_one_process(tmp_path):
     """A tiny Llama-style megatron-core GPT (local spec; SwiGLU, 2 query groups) under width 1 -> tensor
-    parallel 2 x width 2 (4+2 samples) trains like one process (5 SGD steps, clipped): megatron-core's own
-    parallel layers over each replica's group."""
+    parallel 2 x width 2 (4+2 samples, recompute) trains like one process (5 SGD steps, clipped): megatron-core's
+    own parallel layers over each replica's group, under activation checkpointing."""
     pytest.importorskip("megatron.core")
     import subprocess
     import sys
@@ -76,7 +76,7 @@ def test_megatron_core_layers_tensor_parallel_match_one_process(tmp_path):
                                                                          "memory_gib": 4, "memory_gbps": 10}},
                                  "nodes": [{"host": "localhost", "device_type": "CPU", "count": 5}]})
     plan = build_plan(model, cl, [StageLayout((0, 2), "CPU", (6,)),
-                                  StageLayout((2, 5), "CPU", (4, 2), tensor_parallel=2)], 6, 2)
+                                  StageLayout((2, 5), "CPU", (4, 2), tensor_parallel=2, recompute=True)], 6, 2)
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     worker = os.path.join("tests", "workers", "train_megatron.py")

@@ -117,7 +117,9 @@ TOL = 1e-9  # float64 throughout: only the order of sums differs
 
 def _cpu_plan(model, stages, mb=6, M=2):
     from test_runtime import CPU_CLUSTER
-    return build_plan(model, CPU_CLUSTER, [StageLayout(l, "CPU", s, tensor_parallel=t) for l, s, t in stages], mb, M)
+    # a stage is (layers, samples, tensor_parallel[, recompute])
+    return build_plan(model, CPU_CLUSTER, [StageLayout(l, "CPU", s, tensor_parallel=t, recompute=bool(r and r[0]))
+                                           for l, s, t, *r in stages], mb, M)
 
 
 def _run(tmp_path, plan, name, steps, kind, *extra):
@@ -153,10 +155,11 @@ def _compare(got, ref, losses):
 @pytest.mark.dist
 def test_gpt_blocks_train_tensor_parallel_and_resume_under_another_degree(tmp_path):
     """hethub's GPT blocks, SGD with clipping, float64: 5 steps under (t=2, w=1) -> (t=2, w=2), saved (whole
-    tensors); 5 more under (t=1, w=2) -> (t=2, w=1) -> (t=1, w=3, uneven 3+2+1): both equal one process."""
+    tensors); 5 more under (t=1, w=2) -> (t=2, w=1, recompute: DTensor blocks under activation checkpointing)
+    -> (t=1, w=3, uneven 3+2+1): both equal one process."""
     K, ckpt = 5, str(tmp_path / "ckpt")
     a = _cpu_plan(TINY, [((0, 3), (6,), 2), ((3, 6), (3, 3), 2)])
-    b = _cpu_plan(TINY, [((0, 2), (3, 3), 1), ((2, 4), (6,), 2), ((4, 6), (3, 2, 1), 1)])
+    b = _cpu_plan(TINY, [((0, 2), (3, 3), 1), ((2, 4), (6,), 2, True), ((4, 6), (3, 2, 1), 1)])
     ref = _reference(tmp_path, a, 2 * K, "gpt")
     first = _run(tmp_path, a, "a", K, "gpt", "--save", ckpt)
     for g in first:
