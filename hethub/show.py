@@ -60,6 +60,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
             line += f", efficiency {p.efficiency:.1%}"
         if p.homogeneous_sum_samples_per_s:
             line += f", {p.samples_per_s / p.homogeneous_sum_samples_per_s:.1%} of the homogeneous sub-clusters' sum"
+            bound = p.homogeneous_sum_bound_samples_per_s
+            if bound and bound > p.homogeneous_sum_samples_per_s * (1 + 1e-6):  # a sub-cluster plan is unproven
+                line += f" (at least {p.samples_per_s / bound:.1%} of what they could reach, by their proven gaps)"
         if p.usd_per_million_tokens is not None:
             line += f", ${p.usd_per_million_tokens:.4g} per 1M tokens"
         console.print(line)

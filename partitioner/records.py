@@ -500,6 +500,9 @@ class Predicted(Record):
     upper_bound_samples_per_s: Optional[float] = None
     efficiency: Optional[float] = None
     homogeneous_sum_samples_per_s: Optional[float] = None
+    # The most the same sub-clusters could reach: each plan's samples/s / (1 - its proven gap). Above the sum
+    # where a time-limited sub-cluster search stopped short, so the ratio to the sum flatters the plan.
+    homogeneous_sum_bound_samples_per_s: Optional[float] = None
     # Dollars per million training tokens on the devices the plan uses (None unless each has usd_per_hour).
     usd_per_million_tokens: Optional[float] = None
     stage_s: list[float] = Field(default_factory=list)

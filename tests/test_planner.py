@@ -162,6 +162,34 @@ def test_two_type_plan_is_valid_fits_and_beats_baselines():
         assert len({r.host for r in s.replicas}) == 1
     hs = plan.predicted.homogeneous_sum_samples_per_s
     assert hs and plan.predicted.upper_bound_samples_per_s > plan.predicted.samples_per_s
+    # both single-type plans are proven optimal: what they could reach is what they reach
+    assert plan.predicted.homogeneous_sum_bound_samples_per_s == pytest.approx(hs, rel=1e-6)
+
+
+def test_show_says_how_far_an_unproven_homogeneous_sum_could_rise(monkeypatch):
+    """A sub-cluster plan stopped short (gap 20%): the ratio to the sum is printed beside the ratio to what the
+    sub-clusters could reach, so a weak comparison plan cannot pass for a strong result."""
+    import io
+
+    from rich.console import Console
+
+    from hethub.partitioner import api
+    from hethub.show import print_plan
+    plan = make_plan(TWO_TYPE, builtin_model("gpt-1.3b"), 256, with_homogeneous_sum=False)
+    sps = plan.predicted.samples_per_s
+    lines = {}
+    for bound in (None, 1.25 * sps):
+        out = io.StringIO()
+        print_plan(plan.model_copy(update={"predicted": plan.predicted.model_copy(update={
+            "homogeneous_sum_samples_per_s": sps, "homogeneous_sum_bound_samples_per_s": bound})}),
+            Console(file=out, width=300))
+        lines[bound] = next(ln for ln in out.getvalue().splitlines() if ln.startswith("predicted:"))
+    assert "100.0% of the homogeneous sub-clusters' sum" in lines[None] and "at least" not in lines[None]
+    assert "100.0% of the homogeneous sub-clusters' sum (at least 80.0% of what they could reach" in lines[1.25 * sps]
+    # the bound is each plan's samples/s over (1 - its proven gap); a type that cannot hold the model adds 0
+    unproven = plan.model_copy(update={"solver": plan.solver.model_copy(update={"gap": 0.2})})
+    monkeypatch.setattr(api, "homogeneous_plans", lambda *a: {"A100-80GB": unproven, "V100-32GB": None})
+    assert api.homogeneous_sum(None, 256, PlannerOptions()) == pytest.approx((sps, sps / 0.8), rel=1e-12)
 
 
 def test_predict_matches_the_planner_objective_when_placement_agrees():
