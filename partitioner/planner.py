@@ -94,13 +94,16 @@ class Candidates:
     optimizer_s: np.ndarray  # optimizer step
     in_flight: np.ndarray  # micro-batches in flight that fit in memory (capped at M)
     vendor: np.ndarray  # vendor id of the device type
-    bridge_s: np.ndarray  # extra per-micro-batch seconds when the next stage is another vendor's (host bridge)
+    bridge_s: np.ndarray  # extra per-micro-batch seconds, beyond hop_s, when the next stage is another vendor's
     tp: np.ndarray  # tensor-parallel degree: each replica is a group of tp devices on one node
     # A mixed-type stage adds width2 replicas of a second type (same vendor, same degree) taking samples2 samples
     # each; the width replicas of type_idx share the rest. Pure stages: type2_idx -1, width2 0.
     type2_idx: np.ndarray
     width2: np.ndarray
     samples2: np.ndarray
+    # extra per-micro-batch seconds when the next stage is another device type's, or mixes types: a host holds
+    # one type, so the output boundary then crosses hosts whatever ``comm_s`` assumed (``_hopped``)
+    hop_s: np.ndarray
 
     def __len__(self) -> int:
         return len(self.cost_s)
@@ -117,9 +120,14 @@ class Candidates:
         return np.maximum(self.compute_s, self.comm_s)
 
     @property
+    def hopped_pace_s(self) -> np.ndarray:
+        """``pace_s`` when the next stage is on other hosts (another device type, or a mixed stage)."""
+        return np.maximum(self.compute_s, self.comm_s + self.hop_s)
+
+    @property
     def bridged_pace_s(self) -> np.ndarray:
         """``pace_s`` when the next stage is another vendor's (the transfer goes through the host bridge)."""
-        return np.maximum(self.compute_s, self.comm_s + self.bridge_s)
+        return np.maximum(self.compute_s, self.comm_s + self.hop_s + self.bridge_s)
 
     def uses(self, ti: int) -> np.ndarray:
         """Devices of type ``ti`` each candidate occupies."""
@@ -131,7 +139,8 @@ class Candidates:
 
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "zero1", "cost_s", "compute_s", "comm_s",
-          "allreduce_s", "optimizer_s", "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2")
+          "allreduce_s", "optimizer_s", "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2",
+          "hop_s")
 
 
 @dataclass
@@ -224,19 +233,20 @@ class _Part:
     def wgrad_s(self, s: int) -> np.ndarray:
         return self.wgrad_fixed + self.wgrad_per_sample * s
 
-    def comm_s(self, w: int, s: int, cross: bool) -> np.ndarray:
+    def comm_s(self, w: int, s: int, cross: bool, other_host: bool = False) -> np.ndarray:
         """Output boundary per micro-batch: this part's share crosses to the next stage and the gradient comes
         back. Intra-node when the type's largest node holds the part and an equal neighbour. Inter-node: the
         replicas sharing a node share its NIC (as the evaluator and simulator model it), so a node's share
         queues on one link; a tp group's lead sends its replica's rows once. ``cross``: the next stage is
-        another vendor's (host copies both ways, cross-vendor link)."""
+        another vendor's (host copies both ways, cross-vendor link). ``other_host``: the next stage is on other
+        hosts (another device type: a host holds one), so the boundary is inter-node whatever the widths."""
         if cross:
             net = self.cm.cluster.network
             gbps, lat = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
             per_x = min(w, self.per_node) * s
             return np.where(self.out_bytes > 0, 2 * (lat + per_x * self.out_bytes * 8 / (gbps * 1e9)
                                                      + 2 * s * self.out_bytes / (PCIE_GBPS * 1e9)), 0.0)
-        intra = 2 * w <= self.per_node
+        intra = 2 * w <= self.per_node and not other_host
         gbps, lat = self.cm._link_gbps(self.t, self.t, same_host=intra)
         per_link = s if intra else min(w, self.per_node) * s
         return np.where(self.out_bytes > 0, 2 * (lat + per_link * self.out_bytes * 8 / (gbps * 1e9)), 0.0)
@@ -356,10 +366,13 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
             only: Optional[np.ndarray] = None) -> None:
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
         comp, comm, cross = pa.compute_s(sa), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
+        away = pa.comm_s(wa, sa, False, other_host=True)
         k, wg = pa.in_flight(w, sa, M, z), pa.wgrad_s(sa)
         tail = wg
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
-            comp, comm = np.maximum(comp, pb.compute_s(sb)), np.maximum(comm, pb.comm_s(wb, sb, False))
+            # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
+            away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
+            comp, comm = np.maximum(comp, pb.compute_s(sb)), away
             cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
@@ -376,7 +389,8 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
                              ("comm_s", comm[keep]), ("allreduce_s", ar[keep]),
                              ("optimizer_s", opt[keep]),
                              ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[vendor_of[pa.t]])),
-                             ("bridge_s", np.maximum(cross - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
+                             ("bridge_s", np.maximum(cross - np.maximum(away, comm), 0.0)[keep]),
+                             ("hop_s", np.maximum(away - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
                              ("type2_idx", np.full(n, index[pb.t] if pb is not None else -1)),
                              ("width2", np.full(n, wb)), ("samples2", np.full(n, sb))):
             cols[name].append(values)
@@ -416,18 +430,19 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
 def _prune_dominated(c: Candidates) -> Candidates:
     """Drop a candidate when another over the same layers and first device type uses no more devices of any
     type and is no worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, bridge penalty, and
-    micro-batches in flight): swapping it in keeps any chain feasible and its objective no larger, so the
+    micro-batches in flight; pure and mixed stages are never compared): swapping it in keeps any chain feasible and its objective no larger, so the
     optimum is unchanged. This is what keeps tensor-parallel and recompute variants from multiplying the
     MILP: most are dominated by a plain stage of the same devices."""
     if len(c) == 0:
         return c
-    group = (c.first_unit * 1_000_003 + c.end_unit) * 64 + c.type_idx
+    # pure and mixed stages apart: whether a stage mixes types decides whether the one before it crosses hosts
+    group = ((c.first_unit * 1_000_003 + c.end_unit) * 64 + c.type_idx) * 65 + c.type2_idx + 1
     order = np.argsort(group, kind="stable")
     starts = np.flatnonzero(np.r_[True, group[order][1:] != group[order][:-1]])
     ends = np.r_[starts[1:], len(order)]
     n_types = int(max(c.type_idx.max(), c.type2_idx.max())) + 1
-    scores = np.stack([-c.cost_s, -c.pace_s, -c.bridged_pace_s, -c.allreduce_s, -c.optimizer_s, -c.bridge_s,
-                       c.in_flight], axis=1)
+    scores = np.stack([-c.cost_s, -c.pace_s, -c.hopped_pace_s, -c.bridged_pace_s, -c.allreduce_s, -c.optimizer_s,
+                       -c.hop_s, -c.bridge_s, c.in_flight], axis=1)
     better = np.concatenate([-c.uses_matrix(n_types), scores], axis=1)
     keep = np.ones(len(c), dtype=bool)
     for a, b in zip(starts, ends):
@@ -451,17 +466,25 @@ def _bridged(c: Candidates, ch: list[int]) -> np.ndarray:
     return np.r_[v[:-1] != v[1:], False] if len(ch) else np.zeros(0, dtype=bool)
 
 
+def _hopped(c: Candidates, ch: list[int]) -> np.ndarray:
+    """Per stage of a chain: whether the next stage sits on other hosts (another device type, or a stage mixing
+    types): its output boundary is then inter-node (a host holds one type)."""
+    t, t2 = c.type_idx[ch], c.type2_idx[ch]
+    return np.r_[(t[:-1] != t[1:]) | (t2[1:] >= 0), False] if len(ch) else np.zeros(0, dtype=bool)
+
+
 def stage_costs_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
-    """Per-micro-batch cost of each stage of a chain, with the bridge penalty where the next stage's vendor differs."""
+    """Per-micro-batch cost of each stage of a chain, with the inter-node price where the next stage is on other
+    hosts and the bridge penalty where its vendor differs."""
     ch = list(chosen)
-    return c.cost_s[ch] + np.where(_bridged(c, ch), c.bridge_s[ch], 0.0)
+    return c.cost_s[ch] + np.where(_hopped(c, ch), c.hop_s[ch], 0.0) + np.where(_bridged(c, ch), c.bridge_s[ch], 0.0)
 
 
 def stage_paces_of(c: Candidates, chosen: Sequence[int]) -> np.ndarray:
-    """Steady-state seconds per micro-batch of each stage of a chain (``Candidates.pace_s``; bridged where the next
-    stage's vendor differs)."""
+    """Steady-state seconds per micro-batch of each stage of a chain (``Candidates.pace_s``; hopped or bridged where
+    the next stage is on other hosts or another vendor's)."""
     ch = list(chosen)
-    return np.where(_bridged(c, ch), c.bridged_pace_s[ch], c.pace_s[ch])
+    return np.where(_bridged(c, ch), c.bridged_pace_s[ch], np.where(_hopped(c, ch), c.hopped_pace_s[ch], c.pace_s[ch]))
 
 
 def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
@@ -667,6 +690,27 @@ class _Milp:
             bmax = float(max(c.bridged_pace_s[k] for k in self.ends[p]))
             self.prob += self.Z >= self.affine([(k, float(c.bridged_pace_s[k])) for k in self.ends[p]]) - bmax * (1 - z)
 
+    def host_rows(self) -> None:
+        """A boundary between hosts: y[p] = 1 unless the stage ending at p and the one starting there are pure stages
+        of one device type; h[p] >= the ending stage's inter-node price then (``Candidates.hop_s``)."""
+        c = self.c
+        for p in range(1, self.U):
+            if not self.ends[p] or not self.starts[p]:
+                continue
+            hmax = float(max(c.hop_s[k] for k in self.ends[p]))
+            if hmax <= 0:
+                continue
+            y = self.var(f"y_{p}", lowBound=0, upBound=1)
+            for t in set(c.type_idx[k] for k in self.ends[p]):
+                e_t = [(k, 1.0) for k in self.ends[p] if c.type_idx[k] == t]
+                s_t = [(k, -1.0) for k in self.starts[p] if c.type_idx[k] == t and c.type2_idx[k] < 0]
+                self.prob += y >= self.affine(e_t + s_t)
+            h = self.var(f"h_{p}", lowBound=0)
+            self.prob += h >= self.affine([(k, float(c.hop_s[k])) for k in self.ends[p]]) - hmax * (1 - y)
+            self.prob.objective += h
+            pmax = float(max(c.hopped_pace_s[k] for k in self.ends[p]))
+            self.prob += self.Z >= self.affine([(k, float(c.hopped_pace_s[k])) for k in self.ends[p]]) - pmax * (1 - y)
+
     def memory_rows(self) -> None:
         """Stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); a candidate that holds
         only k < M micro-batches in flight needs r[u] <= k."""
@@ -717,6 +761,7 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
     milp.flow_rows()
     milp.load_rows()
     milp.vendor_rows()
+    milp.host_rows()
     milp.memory_rows()
     milp.device_rows(counts)
     prob = milp.prob
@@ -774,16 +819,16 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     for k in np.argsort(c.cost_s, kind="stable"):
         starts[c.first_unit[k]].append(int(k))
     cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
-    pc, bpc = c.pace_s.tolist(), c.bridged_pace_s.tolist()
+    pc, hpc, bpc = c.pace_s.tolist(), c.hopped_pace_s.tolist(), c.bridged_pace_s.tolist()
     w, t = (c.width * c.tp).tolist(), c.type_idx.tolist()
     w2, t2 = (c.width2 * c.tp).tolist(), c.type2_idx.tolist()  # a mixed stage's second type (-1: none)
-    vend, pen = c.vendor.tolist(), c.bridge_s.tolist()
+    vend, pen, hop = c.vendor.tolist(), c.bridge_s.tolist(), c.hop_s.tolist()
     used = [0] * len(counts)
     best: list = [None, math.inf]
     nodes = [0]
 
     def walk(u: int, chain: list[int], mx: float, sm: float, mar: float, mop: float):
-        # mx/sm count every stage's cost; the last stage's bridge penalty is added once its successor is known
+        # mx/sm count every stage's cost; the last stage's host and bridge penalties are added once its successor is known
         nodes[0] += 1
         if nodes[0] > max_nodes:
             raise InputError("--solver", f"brute force is for small instances: more than {max_nodes} partial "
@@ -803,8 +848,9 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
             used[t[k]] += w[k]
             used[t2[k]] += w2[k]  # 0 (on the last type) for a pure stage
             bridged = bool(chain) and vend[chain[-1]] != vend[k]
-            extra = pen[chain[-1]] if bridged else 0.0
-            prev_pace = bpc[chain[-1]] if bridged else 0.0
+            hopped = bool(chain) and (t[chain[-1]] != t[k] or t2[k] >= 0)
+            extra = (pen[chain[-1]] if bridged else 0.0) + (hop[chain[-1]] if hopped else 0.0)
+            prev_pace = bpc[chain[-1]] if bridged else hpc[chain[-1]] if hopped else 0.0
             chain.append(k)
             walk(int(c.end_unit[k]), chain, max(mx, pc[k], prev_pace), sm + cc[k] + extra, max(mar, ar[k]),
                  max(mop, opt[k]))

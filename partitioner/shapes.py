@@ -16,9 +16,12 @@ except through 1F1B's in-flight count. So:
   of the stages after the first fit only <= k in flight, and the first stage fits min(S, M);
 - the bottleneck, all-reduce and optimizer terms are maxima over shapes in use (u_k = [n_k >= 1]).
 
-The cross-vendor bridge penalty depends on the order, which the counts do not fix: the MILP leaves it out
-(so its bound stays valid), and the chain is then ordered — the stages by in-flight capacity, grouped by
-vendor where memory allows — and priced exactly with ``planner.objective_of``.
+The cross-vendor bridge penalty and the inter-node price of a boundary between device types (a host holds
+one type) depend on the order, which the counts do not fix: the MILP charges only what every order pays
+(one bridge per vendor run, one boundary per type's run but the last, two runs for the type of both the
+first and the last stage), so its bound stays valid, and the chain is then ordered — the stages by in-flight
+capacity, grouped by vendor (and within a vendor by type) where memory allows — and priced exactly with
+``planner.objective_of``.
 """
 from __future__ import annotations
 
@@ -230,6 +233,7 @@ class ShapeMilp:
             if terms:
                 prob += lin(terms) <= cnt
         self._runs(var, lin, Z, order)
+        self._host_changes(var, lin, Z)
         # The first stage keeps min(S, M) in flight, S = 2 + middle stages (1 for a one-stage plan). The sum
         # is one variable, so that each first-stage row has three terms, not one per middle shape.
         stages = var("middles", lowBound=0)
@@ -238,6 +242,41 @@ class ShapeMilp:
         for k in ends:
             if self.is_first[k] and not self.is_whole[k] and c.in_flight[k] < M:
                 prob += stages + 2 <= float(c.in_flight[k]) + big * (1 - self.x[k])
+
+    def _host_changes(self, var, lin, Z) -> None:
+        """Every device type the plan uses, but the last stage's, ends a run of stages followed by another type's,
+        on other hosts: one of its stages pays the inter-node price (``Candidates.hop_s``; 0 where it paid it
+        already). So does the last stage's type when it also holds the first stage and another type is used (it
+        then has two runs). At least that whatever the order, so the objective stays a lower bound."""
+        c, prob, ks = self.c, self.prob, self.ks
+        kinds = sorted({int(c.type_idx[k]) for k in ks})
+        for t in kinds:
+            of_t = [k for k in ks if c.type_idx[k] == t]
+            if not any(c.hop_s[k] > 0 for k in of_t):
+                continue
+            used = var(f"tused{t}", lowBound=0, upBound=1)
+            for k in of_t:
+                prob += used >= self.u[k]
+            # a run ends before another stage: never at the last stage
+            ending = [k for k in of_t if not (self.is_last[k] or self.is_whole[k])]
+            free = var(f"tfree{t}", lowBound=0, upBound=1)  # a used stage of the type that needs no extra price
+            # (counts, not the used flags: a flag may be set on a shape the plan holds none of)
+            prob += free <= lin([(self.x[k], 1.0) for k in ending if c.hop_s[k] <= 0])
+            gamma = {k: var(f"g{k}", cat=self.pulp.LpBinary) for k in ending if c.hop_s[k] > 0}
+            for k, g in gamma.items():
+                prob += g <= self.x[k]
+                prob += Z >= float(c.hopped_pace_s[k]) * g
+            last = [(self.x[k], 1.0) for k in of_t if self.is_last[k] or self.is_whole[k]]
+            ends = lin([(g, 1.0) for g in gamma.values()]) + free
+            prob += ends + lin(last) >= used
+            first = [(self.x[k], 1.0) for k in of_t if self.is_first[k] and not self.is_whole[k]]
+            if first and len(kinds) > 1:
+                other = var(f"tother{t}", lowBound=0, upBound=1)  # another type is used
+                for k in ks:
+                    if c.type_idx[k] != t:
+                        prob += other >= self.u[k]
+                prob += ends >= lin(first + last) + other - 2
+            prob.objective += lin([(g, float(c.hop_s[k])) for k, g in gamma.items()])
 
     def _runs(self, var, lin, Z, order: list[int]) -> None:
         """Vendor runs: which are used, the first/last stage in the first/last used run, the bridge stage
@@ -338,6 +377,7 @@ def order_chain(c: Candidates, chosen: dict[int, int], bridged: Sequence[int], v
                + [q for q in ends_run if c.vendor[q] == v]],
               [k for v in vendor_order for k in by_cap([q for q in mids if c.vendor[q] == v])],
               by_cap(mids)]
+    orders += _type_grouped(c, rest, ends_run, vendor_order)
     best = None
     for order in orders:
         seq = first + order + last
@@ -357,6 +397,26 @@ def order_chain(c: Candidates, chosen: dict[int, int], bridged: Sequence[int], v
         if best is None or obj < best[1]:
             best = (chain, obj)
     return best
+
+
+def _type_grouped(c: Candidates, rest: list[int], ends_run: list[int], vendor_order: Sequence[int],
+                  most: int = 64) -> list[list[int]]:
+    """Orders of the middle stages with each vendor run's stages grouped by device type (a boundary between
+    types crosses hosts: ``Candidates.hop_s``), each group by capacity: every order of the groups within each
+    run, up to ``most`` orders in all."""
+    per_run = []
+    for v in vendor_order:
+        mine = [q for q in rest if c.vendor[q] == v]
+        groups = [sorted((q for q in mine if c.type_idx[q] == t), key=lambda q: -c.in_flight[q])
+                  for t in sorted({int(c.type_idx[q]) for q in mine})]
+        per_run.append([[q for g in perm for q in g] + [q for q in ends_run if c.vendor[q] == v]
+                        for perm in itertools.permutations(groups)])
+    out = []
+    for runs in itertools.product(*per_run):
+        if len(out) >= most:
+            break
+        out.append([q for run in runs for q in run])
+    return out
 
 
 def greedy_shapes(c: Candidates, n: int, counts: Sequence[int], M: int, vendor_order: Sequence[int], cap: float
