@@ -233,7 +233,7 @@ class ShapeMilp:
             if terms:
                 prob += lin(terms) <= cnt
         self._runs(var, lin, Z, order)
-        self._host_changes(var, lin, Z)
+        self._host_changes(var, lin)
         # The first stage keeps min(S, M) in flight, S = 2 + middle stages (1 for a one-stage plan). The sum
         # is one variable, so that each first-stage row has three terms, not one per middle shape.
         stages = var("middles", lowBound=0)
@@ -243,38 +243,40 @@ class ShapeMilp:
             if self.is_first[k] and not self.is_whole[k] and c.in_flight[k] < M:
                 prob += stages + 2 <= float(c.in_flight[k]) + big * (1 - self.x[k])
 
-    def _host_changes(self, var, lin, Z) -> None:
+    def _host_changes(self, var, lin) -> None:
         """Every device type the plan uses, but the last stage's, ends a run of stages followed by another type's,
         on other hosts: one of its stages pays the inter-node price (``Candidates.hop_s``; 0 where it paid it
         already). So does the last stage's type when it also holds the first stage and another type is used (it
-        then has two runs). At least that whatever the order, so the objective stays a lower bound."""
+        then has two runs). At least that whatever the order, so the objective stays a lower bound (the stage
+        paying it is not held to its pace with the price: the exact pricing of the ordered chain is)."""
         c, prob, ks = self.c, self.prob, self.ks
         kinds = sorted({int(c.type_idx[k]) for k in ks})
-        for t in kinds:
+        charged = [t for t in kinds if any(c.hop_s[k] > 0 for k in ks if c.type_idx[k] == t)]
+        if not charged:
+            return
+        used = {t: var(f"tused{t}", lowBound=0, upBound=1) for t in kinds}
+        for k in ks:
+            prob += used[int(c.type_idx[k])] >= self.u[k]
+        for t in charged:
             of_t = [k for k in ks if c.type_idx[k] == t]
-            if not any(c.hop_s[k] > 0 for k in of_t):
-                continue
-            used = var(f"tused{t}", lowBound=0, upBound=1)
-            for k in of_t:
-                prob += used >= self.u[k]
             # a run ends before another stage: never at the last stage
             ending = [k for k in of_t if not (self.is_last[k] or self.is_whole[k])]
             free = var(f"tfree{t}", lowBound=0, upBound=1)  # a used stage of the type that needs no extra price
             # (counts, not the used flags: a flag may be set on a shape the plan holds none of)
             prob += free <= lin([(self.x[k], 1.0) for k in ending if c.hop_s[k] <= 0])
-            gamma = {k: var(f"g{k}", cat=self.pulp.LpBinary) for k in ending if c.hop_s[k] > 0}
+            # continuous: at an optimum the cheapest used stage of the type takes the charge
+            gamma = {k: var(f"g{k}", lowBound=0, upBound=1) for k in ending if c.hop_s[k] > 0}
             for k, g in gamma.items():
                 prob += g <= self.x[k]
-                prob += Z >= float(c.hopped_pace_s[k]) * g
             last = [(self.x[k], 1.0) for k in of_t if self.is_last[k] or self.is_whole[k]]
             ends = lin([(g, 1.0) for g in gamma.values()]) + free
-            prob += ends + lin(last) >= used
+            prob += ends + lin(last) >= used[t]
             first = [(self.x[k], 1.0) for k in of_t if self.is_first[k] and not self.is_whole[k]]
             if first and len(kinds) > 1:
                 other = var(f"tother{t}", lowBound=0, upBound=1)  # another type is used
-                for k in ks:
-                    if c.type_idx[k] != t:
-                        prob += other >= self.u[k]
+                for q in kinds:
+                    if q != t:
+                        prob += other >= used[q]
                 prob += ends >= lin(first + last) + other - 2
             prob.objective += lin([(g, float(c.hop_s[k])) for k, g in gamma.items()])
 
