@@ -429,9 +429,9 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
 
 def _prune_dominated(c: Candidates) -> Candidates:
     """Drop a candidate when another over the same layers and first device type uses no more devices of any
-    type and is no worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, bridge penalty, and
-    micro-batches in flight; pure and mixed stages are never compared): swapping it in keeps any chain feasible and its objective no larger, so the
-    optimum is unchanged. This is what keeps tensor-parallel and recompute variants from multiplying the
+    type and is no worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, host and bridge
+    penalties, and micro-batches in flight; pure and mixed stages are never compared): swapping it in keeps any
+    chain feasible and its objective no larger, so the optimum is unchanged. This is what keeps tensor-parallel and recompute variants from multiplying the
     MILP: most are dominated by a plain stage of the same devices."""
     if len(c) == 0:
         return c
@@ -828,7 +828,8 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     nodes = [0]
 
     def walk(u: int, chain: list[int], mx: float, sm: float, mar: float, mop: float):
-        # mx/sm count every stage's cost; the last stage's host and bridge penalties are added once its successor is known
+        # mx/sm count every stage's cost; the last stage's host and bridge penalties are added once its successor
+        # is known
         nodes[0] += 1
         if nodes[0] > max_nodes:
             raise InputError("--solver", f"brute force is for small instances: more than {max_nodes} partial "
