@@ -431,8 +431,8 @@ def _prune_dominated(c: Candidates) -> Candidates:
     """Drop a candidate when another over the same layers and first device type uses no more devices of any
     type and is no worse in anything a chain is priced or checked by (cost, all-reduce, optimizer, host and bridge
     penalties, and micro-batches in flight; pure and mixed stages are never compared): swapping it in keeps any
-    chain feasible and its objective no larger, so the optimum is unchanged. This is what keeps tensor-parallel and recompute variants from multiplying the
-    MILP: most are dominated by a plain stage of the same devices."""
+    chain feasible and its objective no larger, so the optimum is unchanged. This is what keeps tensor-parallel
+    and recompute variants from multiplying the MILP: most are dominated by a plain stage of the same devices."""
     if len(c) == 0:
         return c
     # pure and mixed stages apart: whether a stage mixes types decides whether the one before it crosses hosts
