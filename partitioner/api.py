@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .baselines import deepspeed_baseline
 from .costmodel import CostModel
@@ -59,7 +59,12 @@ def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> t
     proven gaps (None where a plan reports none): a time-limited search may stop short on a large sub-cluster
     (the 768-device benchmark's A100-only plan: 21.66 to 22.49 samples/s from run to run), and a ratio to a
     weak sum flatters the heterogeneous plan."""
-    plans = [p for p in homogeneous_plans(cm, global_batch, opts).values() if p is not None]
+    return homogeneous_totals(homogeneous_plans(cm, global_batch, opts).values())
+
+
+def homogeneous_totals(plans: Iterable[Optional[Plan]]) -> tuple[float, Optional[float]]:
+    """``homogeneous_sum``'s two figures from the single-type plans (None: a type that cannot hold the model)."""
+    plans = [p for p in plans if p is not None]
     total = sum(p.predicted.samples_per_s for p in plans)
     if any(p.solver is None or p.solver.gap is None or p.solver.gap >= 1 for p in plans):
         return total, None
