@@ -141,18 +141,20 @@ def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = 3, wi
     (and within ``within`` x the best closed form): the closed form ranks, the replay decides. (The closed
     form is within a few % of the replay on the planner benchmark, so plans 5% behind are not replayed: on
     768 devices each replay takes 0.5-1.3 s.) ``deadline`` (``time.perf_counter()``): no further replay that would
-    end after it, judging by the last one's time. The returned plan carries its ``predicted``."""
+    end after it, judging by the longest one's time. The returned plan carries its ``predicted``."""
     if not plans:
         raise ValueError("choose_by_simulation: no plans")
     closed = sorted(((closed_form_s(p, cm), k, p) for k, p in enumerate(plans)), key=lambda x: x[:2])
     pool = [p for c, _, p in closed[:keep] if c <= within * closed[0][0]]
     scored, took = [], 0.0
     for p in pool:  # best closed form first; none that would end past the deadline (the first always)
-        if scored and deadline is not None and time.perf_counter() + took >= deadline:
+        # (a quarter more than the longest replay yet: the next plan's replay may take longer; on 768 devices the
+        # last replay ran a 10 s limit to 10.04 s)
+        if scored and deadline is not None and time.perf_counter() + 1.25 * took >= deadline:
             break
         started = time.perf_counter()
         scored.append((p, predict(p, cm)))
-        took = time.perf_counter() - started
+        took = max(took, time.perf_counter() - started)
     plan, pred = min(scored, key=lambda x: x[1].iteration_s)
     return plan.model_copy(update={"predicted": pred})
 
