@@ -64,11 +64,11 @@ def homogeneous_sum(cm: CostModel, global_batch: int, opts: PlannerOptions) -> t
 
 def homogeneous_totals(plans: Iterable[Optional[Plan]]) -> tuple[float, Optional[float]]:
     """``homogeneous_sum``'s two figures from the single-type plans (None: a type that cannot hold the model)."""
-    plans = [p for p in plans if p is not None]
-    total = sum(p.predicted.samples_per_s for p in plans)
-    if any(p.solver is None or p.solver.gap is None or p.solver.gap >= 1 for p in plans):
+    held = [p for p in plans if p is not None]
+    total = sum(p.predicted.samples_per_s for p in held)
+    if any(p.solver is None or p.solver.gap is None or p.solver.gap >= 1 for p in held):
         return total, None
-    return total, sum(p.predicted.samples_per_s / (1 - max(0.0, p.solver.gap)) for p in plans)
+    return total, sum(p.predicted.samples_per_s / (1 - max(0.0, p.solver.gap)) for p in held)
 
 
 OBJECTIVES = ("throughput", "cost")
