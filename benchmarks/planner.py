@@ -96,8 +96,9 @@ def main():
         "sub-clusters could reach by their proven gaps (each plan's samples/s / (1 - gap)): the ratio's floor. "
         "predicted vs sim: the plan's predicted iteration vs `hethub simulate`'s replay of the written plan "
         "(target within 5%); closed form vs sim: the MILP objective's view of the same plan. Speed-ups: "
-        "predicted samples/s over each baseline (same cost model; DeepSpeed's partitions run 1F1B). schedule: what the plan (and its homogeneous sub-cluster plans) is planned for and replayed "
-        "under (`--schedule`; 1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state.", "",
+        "predicted samples/s over each baseline (same cost model; DeepSpeed's partitions run 1F1B). schedule: "
+        "what the plan (and its homogeneous sub-cluster plans) is planned for and replayed under (`--schedule`; "
+        "1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state.", "",
         "| cluster | devices | model | global batch | schedule | solve s | gap | status | stages | ZeRO-1 stages "
         "| devices used | efficiency | vs homog. | vs homog. bound | homog. gaps | predicted vs sim "
         "| closed form vs sim | vs uniform | vs parameters | vs fastest-only |",
