@@ -173,9 +173,11 @@ def test_show_says_how_far_an_unproven_homogeneous_sum_could_rise(monkeypatch):
 
     from rich.console import Console
 
-    from hethub.partitioner import api
+    from conftest import EXAMPLES
+    from hethub.partitioner import api, load_plan
+    from hethub.partitioner.records import SolverInfo
     from hethub.show import print_plan
-    plan = make_plan(TWO_TYPE, builtin_model("gpt-1.3b"), 256, with_homogeneous_sum=False)
+    plan = load_plan(f"{EXAMPLES}/plan.json")
     sps = plan.predicted.samples_per_s
     lines = {}
     for bound in (None, 1.25 * sps):
@@ -187,7 +189,7 @@ def test_show_says_how_far_an_unproven_homogeneous_sum_could_rise(monkeypatch):
     assert "100.0% of the homogeneous sub-clusters' sum" in lines[None] and "at least" not in lines[None]
     assert "100.0% of the homogeneous sub-clusters' sum (at least 80.0% of what they could reach" in lines[1.25 * sps]
     # the bound is each plan's samples/s over (1 - its proven gap); a type that cannot hold the model adds 0
-    unproven = plan.model_copy(update={"solver": plan.solver.model_copy(update={"gap": 0.2})})
+    unproven = plan.model_copy(update={"solver": SolverInfo(name="highs", status="feasible", gap=0.2)})
     monkeypatch.setattr(api, "homogeneous_plans", lambda *a: {"A100-80GB": unproven, "V100-32GB": None})
     assert api.homogeneous_sum(None, 256, PlannerOptions()) == pytest.approx((sps, sps / 0.8), rel=1e-12)
 
