@@ -175,6 +175,149 @@ def sum_lower_bound(c: Candidates, n: int) -> float:
     return float((n - 2) * (c.cost_s[ok] / blocks[ok]).min())
 
 
+class DualBound:
+    """A lower bound on the objective of every plan of one micro-batch size, by regions of (bottleneck, all-reduce).
+
+    Why: the shape MILP links its bottleneck Z and all-reduce A to the shapes in use through big-M rows
+    (Z >= pace_k u_k), whose LP relaxation is weak; at HETHUB's scale a size it cannot finish in time kept a
+    bound 8-14% under the plans it found. Here Z and A are fixed to ranges instead: every plan whose bottleneck
+    lies in [T_lo, T_hi] and all-reduce in [a_lo, a_hi] uses only shapes pacing <= T_hi with an all-reduce
+    <= a_hi, so it costs at least (M - 1) T_lo + a_lo + the least optimizer step of those shapes + a bound on its
+    sum of stage costs over them. That sum is bounded by the Lagrangian dual of its LP (blocks add up to the
+    model's, one first and one last stage, devices per type within the cluster's, a shape fitting f < M
+    micro-batches in flight used at most f times): any multipliers give a valid bound, none needs a solver.
+    Regions are split, lowest bound first, until every region reaches the cutoff or the budget ends; the
+    bound is the least over the regions left. (The charges for crossing hosts or vendors are >= 0: left out.)
+    """
+
+    def __init__(self, c: Candidates, n: int, counts: Sequence[int], M: int, t_lb: float):
+        self.c, self.M, self.L = c, M, n - 2
+        first, end = c.first_unit, c.end_unit
+        self.is_first, self.is_last = (first == 0) & (end < n), (end == n) & (first > 0)
+        self.is_mid = (first > 0) & (end < n)
+        self.blocks = np.where(first == 0, end - 1, np.where(self.is_last, n - 1 - first, end - first)).astype(float)
+        self.use = c.uses_matrix(len(counts)).astype(float)
+        self.cnt = np.asarray(counts, dtype=float)
+        ub = np.minimum(self.L // np.maximum(self.blocks, 1), M + self.L).astype(float)
+        for ti, cnt in enumerate(counts):
+            ub = np.where(self.use[:, ti] > 0, np.minimum(ub, cnt // np.maximum(self.use[:, ti], 1)), ub)
+        self.ub = np.where(c.in_flight < M, np.minimum(ub, c.in_flight), ub)
+        whole = (first == 0) & (end == n) & (self.use <= self.cnt).all(axis=1)
+        self.whole_s = float(((M - 1) * c.pace_s + c.cost_s + c.allreduce_s + c.optimizer_s)[whole].min()) \
+            if whole.any() else math.inf  # one-stage plans, priced exactly
+        self.paces = np.unique(c.pace_s[c.pace_s >= t_lb * (1 - 1e-9)])
+        self.allreduces = np.unique(c.allreduce_s)
+        scale = float(np.median(c.cost_s / np.maximum(c.devices, 1)))
+        self.lam0 = np.full(len(counts), scale)
+
+    def subset(self, ok: np.ndarray) -> Optional[list[tuple[np.ndarray, ...]]]:
+        """(cost, devices per type, blocks, most copies) of the first, last and middle shapes among ``ok``;
+        None when there is no first or no last one."""
+        parts = [np.flatnonzero(ok & kind) for kind in (self.is_first, self.is_last, self.is_mid)]
+        if not len(parts[0]) or not len(parts[1]):
+            return None
+        return [(self.c.cost_s[k], self.use[k], self.blocks[k], self.ub[k]) for k in parts]
+
+    def dual(self, sub: list[tuple[np.ndarray, ...]], lam: np.ndarray) -> float:
+        """The Lagrangian of the sum-of-costs LP over the shapes ``sub`` at device prices ``lam``, maximised over
+        the price of a block (mu) at the breakpoints near its optimum; inf where they cannot hold the model."""
+        (cf, uf, bf, _), (cl, ul, bl, _), (cm, umid, bm, um) = sub
+        rf, rl, rm = cf + uf @ lam, cl + ul @ lam, cm + umid @ lam
+        order = np.argsort(rm / bm)
+        ratio = (rm / bm)[order]
+        held = np.r_[0.0, np.cumsum((um * bm)[order])]  # blocks the mids cheaper than each ratio can hold
+        if held[-1] + bf.max() + bl.max() < self.L:
+            return math.inf
+        # the optimum mu is where held + the end stages' blocks reach L: breakpoints around there
+        lo = max(0, int(np.searchsorted(held, self.L - bf.max() - bl.max())) - 1)
+        hi = min(len(ratio), int(np.searchsorted(held, self.L)) + 1)
+        mus = np.r_[0.0, ratio[lo:hi]]
+        j = np.r_[0, np.arange(lo, hi)]  # mids strictly below mus[i]: the first j of them
+        cost_below = np.r_[0.0, np.cumsum((um * rm)[order])][j]
+        D = (mus * self.L - lam @ self.cnt + (rf[None, :] - mus[:, None] * bf[None, :]).min(axis=1)
+             + (rl[None, :] - mus[:, None] * bl[None, :]).min(axis=1) + cost_below - mus * held[j])
+        return float(D.max())
+
+    def best_dual(self, sub: list[tuple[np.ndarray, ...]], lam: np.ndarray, step: float
+                  ) -> tuple[float, np.ndarray]:
+        """Pattern search over the device prices from ``lam``, first moves by factors of 1 + ``step`` (the dual is
+        concave in them)."""
+        best = self.dual(sub, lam)
+        while step > 0.06 and math.isfinite(best):
+            moved = False
+            for t in range(len(lam)):
+                for f in (1 + step, 1 / (1 + step), 0.0):
+                    trial = lam.copy()
+                    trial[t] = lam[t] * f if lam[t] > 0 or f == 0 else self.lam0[t] * step
+                    if trial[t] > 1e6 * self.lam0[t]:  # the devices cannot hold the model: any bound will do
+                        continue
+                    v = self.dual(sub, trial)
+                    if v > best + 1e-12:
+                        best, lam, moved = v, trial, True
+                        break
+            if not moved:
+                step /= 2
+        return best, lam
+
+    def region(self, box: tuple[int, int, int, int], lam: np.ndarray, step: Optional[float]
+               ) -> tuple[float, np.ndarray]:
+        """The bound over plans with bottleneck in paces[i0..i1] and all-reduce in allreduces[j0..j1], at device
+        prices ``lam`` (tuned from there when ``step`` is given)."""
+        i0, i1, j0, j1 = box
+        c = self.c
+        ok = (c.pace_s <= self.paces[i1] * (1 + 1e-12)) & (c.allreduce_s <= self.allreduces[j1] * (1 + 1e-12))
+        sub = self.subset(ok)
+        if sub is None:
+            return math.inf, lam
+        g, lam = self.best_dual(sub, lam, step) if step is not None else (self.dual(sub, lam), lam)
+        opt = float(c.optimizer_s[ok].min())
+        return (self.M - 1) * self.paces[i0] + self.allreduces[j0] + opt + g, lam
+
+    def bound(self, cutoff: float, budget_s: float) -> float:
+        """The least region bound once every region reaches ``cutoff`` or ``budget_s`` is spent (never above
+        the one-stage plans' exact price). A region split off takes its parent's device prices; they are tuned
+        only when it comes up again (most parts are dropped before that)."""
+        import heapq
+        import time
+        if not len(self.paces):
+            return self.whole_s
+        t_end = time.perf_counter() + budget_s
+        top_i, top_j = len(self.paces) - 1, len(self.allreduces) - 1
+        if math.isfinite(cutoff):  # a plan below the cutoff has (M - 1) Z + A below it
+            top_i = max(0, int(np.searchsorted(self.paces, cutoff / max(1, self.M - 1), side="right")) - 1)
+            top_j = max(0, int(np.searchsorted(self.allreduces, cutoff, side="right")) - 1)
+        root = (0, top_i, 0, top_j)
+        v, lam = self.region(root, self.lam0, step=1.0)
+        heap = [(v, 0, root, lam, True)]  # (bound, tie-break, box, device prices, tuned)
+        pushed = 1
+        while heap and heap[0][0] < cutoff and time.perf_counter() < t_end:
+            v, _, box, lam, tuned = heapq.heappop(heap)
+            if not tuned:
+                tv, lam = self.region(box, lam, step=0.25)
+                if math.isfinite(tv):
+                    heapq.heappush(heap, (max(tv, v), pushed, box, lam, True))
+                    pushed += 1
+                continue
+            i0, i1, j0, j1 = box
+            if i0 == i1 and j0 == j1:  # a single point: cannot be split
+                heapq.heappush(heap, (v, 0, box, lam, True))
+                break
+            split_t = (self.M - 1) * (self.paces[i1] - self.paces[i0]) >= self.allreduces[j1] - self.allreduces[j0]
+            if split_t and i1 > i0 or j1 == j0:
+                mid = (i0 + i1) // 2
+                halves = [(i0, mid, j0, j1), (mid + 1, i1, j0, j1)]
+            else:
+                mid = (j0 + j1) // 2
+                halves = [(i0, i1, j0, mid), (i0, i1, mid + 1, j1)]
+            for h in halves:
+                hv, _ = self.region(h, lam, step=None)
+                if math.isfinite(hv):  # a part's bound is at least its whole's
+                    heapq.heappush(heap, (max(hv, v), pushed, h, lam, False))
+                    pushed += 1
+        # plans beyond the top region cost more than the cutoff
+        return float(min(heap[0][0] if heap else math.inf, cutoff, self.whole_s))
+
+
 class ShapeMilp:
     """The counts MILP over shape candidates ``c`` for one micro-batch size and one order of the vendors.
 
@@ -495,6 +638,7 @@ class ShapeSearch:
     """
 
     CAPS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 2.0)
+    DUAL_SHARE = 0.1  # of the time limit, for ``DualBound`` after pass 1
     SMALL = 2000  # candidates with a pace within CAPS[-1] x the size's bound
 
     def __init__(self, cm: CostModel, global_batch: int, opts, progress, types: list[str], counts: list[int],
@@ -603,7 +747,9 @@ class ShapeSearch:
         # pass 1: sizes with few candidates within 2x their bound first (HiGHS may take seconds to find a first
         # plan in a large MILP), each group in order of its bound
         small = lambda j: int((j[3].pace_s <= j[4] * self.CAPS[-1]).sum()) <= self.SMALL  # noqa: E731
+        per_size = self.DUAL_SHARE * self.opts.time_limit_s / max(1, len(self.jobs))
         for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (not small(j), j[0])):
+            self.dual_bound(b, M, c, t_lb, min(per_size, self.left()))  # may spare this size its MILPs
             for f in self.CAPS:
                 if not math.isfinite(t_lb) or self.beaten(self.bounds[b]) or self.left() <= 0.1:
                     break
@@ -625,6 +771,20 @@ class ShapeSearch:
             self._report(b)
         if self.best is None and self.ran_out():
             self.fallback()
+        # the gap the plan reports: each size still open, against the final incumbent, out of the time kept for
+        # the replays (up to DUAL_SHARE of the limit, never past 0.85 of it)
+        end = self._time.perf_counter() + min(self.DUAL_SHARE * self.opts.time_limit_s,
+                                              self.left() + 0.1 * self.opts.time_limit_s)
+        todo = [j for j in self.jobs if not self.beaten(self.bounds[j[1]])]
+        for k, (_, b, M, c, t_lb) in enumerate(todo):
+            self.dual_bound(b, M, c, t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
+
+    def dual_bound(self, b: int, M: int, c: Candidates, t_lb: float, budget_s: float) -> None:
+        """Raise size b's bound by ``DualBound`` against the incumbent (none yet: nothing to prove against)."""
+        if self.best is None or budget_s <= 0 or not math.isfinite(t_lb) or self.beaten(self.bounds[b]):
+            return
+        dual = DualBound(c, self.n, self.counts, M, t_lb).bound(self.best.objective, budget_s)
+        self.bounds[b] = max(self.bounds[b], dual)
 
     def _report(self, b: int) -> None:
         if self.progress is not None:
