@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -86,24 +86,41 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
     A mixed-type stage is split into one item per type, its blocks shared in proportion to the speed of its
     devices (``sample_s``: seconds per sample per type; default equal). Any split keeps the bound valid: in a
     plan, each type's parts use exactly that type's devices, and the parts add up to the stage's blocks."""
+    holds = blocks_fit(c, n, counts, M, sample_s)
+    values = np.unique(c.pace_s[(c.first_unit == 1) & (c.end_unit < n)])
+    if not len(values) or not holds(c.pace_s <= values[-1]):
+        return math.inf
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid_i = (lo + hi) // 2
+        if holds(c.pace_s <= values[mid_i]):
+            hi = mid_i
+        else:
+            lo = mid_i + 1
+    return float(values[lo])
+
+
+def blocks_fit(c: Candidates, n: int, counts: Sequence[int], M: int, sample_s: Optional[Sequence[float]] = None
+               ) -> Callable[[np.ndarray], bool]:
+    """``holds(ok)``: whether middle shapes among ``ok``, in whole copies, could hold every block with the devices
+    there are (``blocks_lower_bound``'s knapsack, per type; false proves no plan uses only such shapes)."""
     L = n - 2
     mid = (c.first_unit == 1) & (c.end_unit < n)
     blocks = (c.end_unit - c.first_unit).astype(float)
-    values = np.unique(c.pace_s[mid])
     speed = 1.0 / np.asarray(sample_s if sample_s is not None else np.ones(len(counts)), dtype=float)
     d_a, d_b = c.width * c.tp, c.width2 * c.tp
     w_a = d_a * speed[c.type_idx]
     w_b = np.where(c.type2_idx >= 0, d_b * speed[np.maximum(c.type2_idx, 0)], 0.0)
     share_a = blocks * w_a / (w_a + w_b)  # the whole stage for a pure one
     items = [(c.type_idx, d_a, share_a), (c.type2_idx, d_b, blocks - share_a)]
-    flight, pace = c.in_flight.astype(int), c.pace_s
+    flight = c.in_flight.astype(int)
 
-    def holds(T: float) -> bool:
+    def holds(ok: np.ndarray) -> bool:
         total = 0.0
         for ti, cnt in enumerate(counts):
             best: dict[tuple[int, int], float] = {}  # per (devices, in-flight count), the most blocks one item holds
             for of, dev, val in items:
-                sel = np.flatnonzero(mid & (of == ti) & (pace <= T) & (dev > 0) & (dev <= cnt))
+                sel = np.flatnonzero(mid & (of == ti) & ok & (dev > 0) & (dev <= cnt))
                 for d, f, m in zip(dev[sel].tolist(), flight[sel].tolist(), val[sel].tolist()):
                     best[d, f] = max(best.get((d, f), 0.0), m)
             g = np.zeros(cnt + 1)
@@ -114,16 +131,7 @@ def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
                 return True
         return False
 
-    if not len(values) or not holds(values[-1]):
-        return math.inf
-    lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid_i = (lo + hi) // 2
-        if holds(values[mid_i]):
-            hi = mid_i
-        else:
-            lo = mid_i + 1
-    return float(values[lo])
+    return holds
 
 
 def _undominated(best: dict[tuple[int, int], float]) -> list[tuple[tuple[int, int], float]]:
@@ -190,8 +198,10 @@ class DualBound:
     bound is the least over the regions left. (The charges for crossing hosts or vendors are >= 0: left out.)
     """
 
-    def __init__(self, c: Candidates, n: int, counts: Sequence[int], M: int, t_lb: float):
+    def __init__(self, c: Candidates, n: int, counts: Sequence[int], M: int, t_lb: float,
+                 sample_s: Optional[Sequence[float]] = None):
         self.c, self.M, self.L = c, M, n - 2
+        self.fits = blocks_fit(c, n, counts, M, sample_s)
         first, end = c.first_unit, c.end_unit
         self.is_first, self.is_last = (first == 0) & (end < n), (end == n) & (first > 0)
         self.is_mid = (first > 0) & (end < n)
@@ -259,13 +269,18 @@ class DualBound:
                 step /= 2
         return best, lam
 
+    def allowed(self, box: tuple[int, int, int, int]) -> np.ndarray:
+        """The shapes a plan of the region may use: pacing and all-reducing within its tops."""
+        c = self.c
+        return (c.pace_s <= self.paces[box[1]] * (1 + 1e-12)) & (c.allreduce_s <= self.allreduces[box[3]] * (1 + 1e-12))
+
     def region(self, box: tuple[int, int, int, int], lam: np.ndarray, step: Optional[float]
                ) -> tuple[float, np.ndarray]:
         """The bound over plans with bottleneck in paces[i0..i1] and all-reduce in allreduces[j0..j1], at device
         prices ``lam`` (tuned from there when ``step`` is given)."""
         i0, i1, j0, j1 = box
         c = self.c
-        ok = (c.pace_s <= self.paces[i1] * (1 + 1e-12)) & (c.allreduce_s <= self.allreduces[j1] * (1 + 1e-12))
+        ok = self.allowed(box)
         sub = self.subset(ok)
         if sub is None:
             return math.inf, lam
@@ -297,6 +312,8 @@ class DualBound:
                 if math.isfinite(tv):
                     heapq.heappush(heap, (max(tv, v), pushed, box, lam, True))
                     pushed += 1
+                continue
+            if not self.fits(self.allowed(box)):  # whole copies of its shapes cannot hold the model: no plan there
                 continue
             i0, i1, j0, j1 = box
             if i0 == i1 and j0 == j1:  # a single point: cannot be split
@@ -649,6 +666,7 @@ class ShapeSearch:
         self.cm, self.G, self.opts, self.progress = cm, global_batch, opts, progress
         self.types, self.counts, self.sizes = types, counts, sizes
         self.n = cm.model.num_planner_layers
+        self.sample_s = [cm.sample_s(t) for t in types]
         self.t0 = time.perf_counter()
         self.best = None
         self.pool: dict[tuple, object] = {}
@@ -659,7 +677,7 @@ class ShapeSearch:
             c = shape_candidates(cm, b, M, types, dict(zip(types, counts)), opts.allow_recompute,
                                  opts.max_tensor_parallel, mixed=opts.mixed_types, schedule=opts.schedule,
                                  zero1=opts.zero1_stages)
-            t_lb = blocks_lower_bound(c, self.n, counts, M, [cm.sample_s(t) for t in types]) if len(c) else math.inf
+            t_lb = blocks_lower_bound(c, self.n, counts, M, self.sample_s) if len(c) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(c, self.n) if math.isfinite(t_lb) else math.inf
             self.jobs.append((lb, b, M, c, t_lb))
             self.bounds[b] = lb
@@ -783,7 +801,7 @@ class ShapeSearch:
         """Raise size b's bound by ``DualBound`` against the incumbent (none yet: nothing to prove against)."""
         if self.best is None or budget_s <= 0 or not math.isfinite(t_lb) or self.beaten(self.bounds[b]):
             return
-        dual = DualBound(c, self.n, self.counts, M, t_lb).bound(self.best.objective, budget_s)
+        dual = DualBound(c, self.n, self.counts, M, t_lb, self.sample_s).bound(self.best.objective, budget_s)
         self.bounds[b] = max(self.bounds[b], dual)
 
     def _report(self, b: int) -> None:
