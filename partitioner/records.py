@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from .catalogue import DEVICE_TYPES, MODELS
-from .errors import InputError, from_validation_error
+from .errors import InputError, from_validation_error, short
 
 SCHEMA_VERSION = 1
 
@@ -71,6 +71,8 @@ def read_data_file(path: str, what: str) -> Any:
 
     Every way a file can be unreadable (missing, a directory, too large, not UTF-8, nested past the
     parser's recursion limit, an integer past Python's 4300-digit limit) is one InputError."""
+    if os.path.isdir(path):
+        raise InputError(what, f"{short(path)} is a directory, not a file")
     if not os.path.isfile(path):
         raise InputError(what, f"no such file {path!r}")
     try:

@@ -105,6 +105,9 @@ FLAG_CASES = {
     "output_device": (PLAN_ARGS + ["-o", os.devnull], "is not a regular file"),
     "trace_over_plan": (["simulate", PLAN, "--trace", PLAN], "--trace: "),
     "missing_schedule": (["simulate", PLAN, "--schedule", "/nonexistent.txt"], "--schedule: cannot read"),
+    "plan_is_a_directory": (["show", EXAMPLES], "plan: '" + EXAMPLES + "' is a directory, not a file"),
+    "cluster_is_a_directory": (["plan", "--cluster", EXAMPLES] + PLAN_ARGS[3:], "cluster: '" + EXAMPLES
+                               + "' is a directory, not a file"),
 }
 
 
