@@ -157,7 +157,7 @@ class Solution:
 
 DEFAULT_MAX_UNITS = 48
 # Models of identical blocks with more planner layers than this go to the shape MILP (``shapes``): on the
-# 4-type benchmark (llama-7b, 34 layers, 64 devices) it proves its plan optimal in about 11 s where the chain MILP
+# 4-type benchmark (llama-7b, 34 layers, 64 devices) it proves its plan optimal in 11-13 s where the chain MILP
 # ends its 60 s at a 28% gap. Shorter models keep the chain MILP, exact over every order of vendors.
 SHAPES_MIN_LAYERS = 16
 
