@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .costmodel import CostModel
-from .planner import (FIELDS, Candidates, _milp_solver, _quiet_stdout, candidates, chain_is_feasible,
+from .planner import (FIELDS, OPTIMAL_GAP, Candidates, _milp_solver, _quiet_stdout, candidates, chain_is_feasible,
                       objective_of, tensor_parallel_degrees)
 
 
@@ -838,5 +838,5 @@ class ShapeSearch:
         gap = max(0.0, (self.best.objective - min(self.bounds.values())) / self.best.objective)
         return {"seconds": self._time.perf_counter() - self.t0, "micro_batch_sizes": self.sizes,
                 "candidates": self.candidates, "units": self.n, "milp_variables": self.candidates,
-                "gap": gap, "status": "optimal" if gap <= 1e-6 else "feasible",
+                "gap": gap, "status": "optimal" if gap <= OPTIMAL_GAP else "feasible",
                 "alternatives": sorted(self.pool.values(), key=lambda s: s.objective)}
