@@ -331,10 +331,6 @@ class DualBound:
                 if math.isfinite(hv):  # a part's bound is at least its whole's
                     heapq.heappush(heap, (max(hv, v), pushed, h, lam, False))
                     pushed += 1
-        # what is left open: any plan below the cutoff paces and all-reduces within these (the MILP needs no more)
-        left = [box for v, _, box, _, _ in heap if v < cutoff]
-        self.open_tops = (max((self.paces[box[1]] for box in left), default=-math.inf),
-                          max((self.allreduces[box[3]] for box in left), default=-math.inf))
         # plans beyond the top region cost more than the cutoff
         return float(min(heap[0][0] if heap else math.inf, cutoff, self.whole_s))
 
@@ -675,8 +671,6 @@ class ShapeSearch:
         self.best = None
         self.pool: dict[tuple, object] = {}
         self.bounds: dict[int, float] = {}
-        # per size, what its dual bound left open: (bottleneck top, all-reduce top, the cutoff it proved against)
-        self.open_tops: dict[int, tuple[float, float, float]] = {}
         self.jobs = []
         for b in sizes:
             M = global_batch // b
@@ -699,11 +693,9 @@ class ShapeSearch:
         return 0.75 * self.opts.time_limit_s - (self._time.perf_counter() - self.t0)
 
     def _solve(self, b: int, M: int, c: Candidates, t_lb: float, cap: float, seconds: float) -> float:
-        """Every vendor order at bottleneck cap ``cap`` (and within what the dual bound left open); offers the chains
-        found; returns the bound this proves for size b (the best value over the plans searched, or what the plans
-        beyond them are known to cost)."""
-        cap, a_cap, beyond = self._within(b, M, cap)
-        sub = _keep(c, (c.pace_s <= cap * (1 + 1e-9)) & (c.allreduce_s <= a_cap * (1 + 1e-9)))
+        """Every vendor order at bottleneck cap ``cap``; offers the chains found; returns the bound this proves
+        for size b (the best value over Z <= cap, or M * cap beyond it)."""
+        sub = _keep(c, c.pace_s <= cap * (1 + 1e-9))
         vendors = sorted({int(v) for v in sub.vendor})
         cutoff = self.best.objective if self.best is not None else None
         bound = math.inf
@@ -733,18 +725,7 @@ class ShapeSearch:
                         self.pool[(b,)] = sol
                     if self.best is None or obj < self.best.objective:
                         self.best, cutoff = sol, obj
-        return min(bound, beyond)
-
-    def _within(self, b: int, M: int, cap: float) -> tuple[float, float, float]:
-        """(bottleneck cap, all-reduce cap, bound on the plans above them) for a MILP capped at ``cap``: a plan with
-        Z > cap costs more than M * cap; where the dual bound left only plans within (T, A) open below its cutoff,
-        those outside cost at least that cutoff, so the MILP need not look past them."""
-        if b not in self.open_tops:
-            return cap, math.inf, M * cap
-        top_t, top_a, cut = self.open_tops[b]
-        if cap >= top_t:
-            return top_t, top_a, cut
-        return cap, top_a, min(M * cap, cut)
+        return min(bound, M * cap)
 
     def _chain(self, b: int, M: int, res: tuple[Candidates, float], bound: float, status: str):
         """An ordered chain (``order_chain``'s result) as the planner's Solution, at layer granularity."""
@@ -791,12 +772,11 @@ class ShapeSearch:
                 if not math.isfinite(t_lb) or self.beaten(self.bounds[b]) or self.left() <= 0.1:
                     break
                 cap = t_lb * f if self.best is None else min(t_lb * f, self.best.objective / M)
-                last = b in self.open_tops and cap >= self.open_tops[b][0]  # no plan worth finding lies above
                 # until a first plan exists, a capped MILP may take half the time left: on the 768-device
                 # benchmark the first feasible cap's MILP needs 2-3 s, and a cut-short one finds nothing
                 seconds = quick if self.best is not None else max(quick, self.left() / 2)
                 self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, cap, seconds))
-                if last or (b,) in self.pool or cap * M >= (self.best.objective if self.best else math.inf):
+                if (b,) in self.pool or cap * M >= (self.best.objective if self.best else math.inf):
                     break
             self._report(b)
         for _, b, M, c, t_lb in self.jobs:  # pass 2
@@ -821,10 +801,8 @@ class ShapeSearch:
         """Raise size b's bound by ``DualBound`` against the incumbent (none yet: nothing to prove against)."""
         if self.best is None or budget_s <= 0 or not math.isfinite(t_lb) or self.beaten(self.bounds[b]):
             return
-        bound = DualBound(c, self.n, self.counts, M, t_lb, self.sample_s)
-        self.bounds[b] = max(self.bounds[b], bound.bound(self.best.objective, budget_s))
-        if not self.beaten(self.bounds[b]):
-            self.open_tops[b] = (*bound.open_tops, self.best.objective)
+        dual = DualBound(c, self.n, self.counts, M, t_lb, self.sample_s).bound(self.best.objective, budget_s)
+        self.bounds[b] = max(self.bounds[b], dual)
 
     def _report(self, b: int) -> None:
         if self.progress is not None:
