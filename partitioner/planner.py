@@ -157,7 +157,7 @@ class Solution:
 
 DEFAULT_MAX_UNITS = 48
 # A search whose proven gap is within this is reported optimal: HiGHS's default relative MIP gap, where it stops
-# and calls a MILP optimal itself (a plan read "gap 0.00%, feasible" before).
+# and calls a MILP optimal itself.
 OPTIMAL_GAP = 1e-4
 # Models of identical blocks with more planner layers than this go to the shape MILP (``shapes``): on the
 # 4-type benchmark (llama-7b, 34 layers, 64 devices) it proves its plan optimal in 11-13 s where the chain MILP

@@ -25,8 +25,10 @@ capacity, grouped by vendor (and within a vendor by type) where memory allows â€
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
+import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -292,8 +294,6 @@ class DualBound:
         """The least region bound once every region reaches ``cutoff`` or ``budget_s`` is spent (never above
         the one-stage plans' exact price). A region split off takes its parent's device prices; they are tuned
         only when it comes up again (most parts are dropped before that)."""
-        import heapq
-        import time
         if not len(self.paces):
             return self.whole_s
         t_end = time.perf_counter() + budget_s
@@ -660,7 +660,6 @@ class ShapeSearch:
 
     def __init__(self, cm: CostModel, global_batch: int, opts, progress, types: list[str], counts: list[int],
                  sizes: list[int]):
-        import time
         from .planner import Solution
         self._Solution, self._time = Solution, time
         self.cm, self.G, self.opts, self.progress = cm, global_batch, opts, progress
