@@ -66,6 +66,15 @@ def shape_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     return pairs[:, 0], pairs[:, 1]
 
 
+def shape_blocks(c: Candidates, n: int) -> np.ndarray:
+    """Blocks each shape holds: a first stage (0, j) j - 1 (the embedding is layer 0), a last stage (i, n)
+    n - 1 - i (the head is layer n - 1), a middle stage its range, a one-stage plan all n - 2."""
+    first, end = c.first_unit, c.end_unit
+    is_last = (end == n) & (first > 0)
+    blocks = np.where(first == 0, end - 1, np.where(is_last, n - 1 - first, end - first))
+    return np.where((first == 0) & (end == n), n - 2, blocks)
+
+
 def shape_candidates(cm: CostModel, b: int, M: int, types: Sequence[str], counts: dict[str, int],
                      allow_recompute: bool, max_tp: int, mixed: bool = True, schedule: str = "1f1b",
                      zero1: bool = False) -> Candidates:
@@ -207,16 +216,15 @@ class DualBound:
         first, end = c.first_unit, c.end_unit
         self.is_first, self.is_last = (first == 0) & (end < n), (end == n) & (first > 0)
         self.is_mid = (first > 0) & (end < n)
-        self.blocks = np.where(first == 0, end - 1, np.where(self.is_last, n - 1 - first, end - first)).astype(float)
+        self.blocks = shape_blocks(c, n).astype(float)
         self.use = c.uses_matrix(len(counts)).astype(float)
         self.cnt = np.asarray(counts, dtype=float)
         ub = np.minimum(self.L // np.maximum(self.blocks, 1), M + self.L).astype(float)
         for ti, cnt in enumerate(counts):
             ub = np.where(self.use[:, ti] > 0, np.minimum(ub, cnt // np.maximum(self.use[:, ti], 1)), ub)
         self.ub = np.where(c.in_flight < M, np.minimum(ub, c.in_flight), ub)
-        whole = (first == 0) & (end == n) & (self.use <= self.cnt).all(axis=1)
-        self.whole_s = float(((M - 1) * c.pace_s + c.cost_s + c.allreduce_s + c.optimizer_s)[whole].min()) \
-            if whole.any() else math.inf  # one-stage plans, priced exactly
+        whole = np.flatnonzero((first == 0) & (end == n) & (self.use <= self.cnt).all(axis=1))
+        self.whole_s = min((objective_of(c, [k], M) for k in whole), default=math.inf)  # one-stage plans, exactly
         self.paces = np.unique(c.pace_s[c.pace_s >= t_lb * (1 - 1e-9)])
         self.allreduces = np.unique(c.allreduce_s)
         scale = float(np.median(c.cost_s / np.maximum(c.devices, 1)))
@@ -359,8 +367,7 @@ class ShapeMilp:
         self.is_last = (end == n) & (first > 0)
         self.is_whole = self.is_first & (end == n)
         self.is_mid = ~self.is_first & ~self.is_last
-        blocks = np.where(self.is_first, end - 1, np.where(self.is_last, n - 1 - first, end - first))
-        blocks = np.where(self.is_whole, L, blocks)
+        blocks = shape_blocks(c, n)
         order = [int(v) for v in vendor_order]
         use = c.uses_matrix(len(counts))
         self.x, self.u = {}, {}
@@ -593,7 +600,7 @@ def greedy_shapes(c: Candidates, n: int, counts: Sequence[int], M: int, vendor_o
     first, end = c.first_unit, c.end_unit
     is_first, is_last = (first == 0) & (end < n), (end == n) & (first > 0)
     is_mid = (first > 0) & (end < n)
-    blocks = np.where(first == 0, end - 1, np.where(is_last, n - 1 - first, end - first))
+    blocks = shape_blocks(c, n)
     devices, use = c.devices, c.uses_matrix(len(counts))
     left = np.asarray(counts, dtype=np.int64).copy()
     chosen: dict[int, int] = {}

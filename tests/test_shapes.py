@@ -124,10 +124,8 @@ def test_the_dual_bound_closes_most_of_the_gap_the_simple_bound_leaves():
     """On the example cluster (8 A100 + 4 V100, gpt-1.3b, global batch 8) at micro-batch 2: the simple bound
     ((M - 1) x the smallest feasible bottleneck + every block at its cheapest) sits 38% under the size's proven
     optimum; the dual bound over (bottleneck, all-reduce) regions within 10% of it, and never above it."""
-    import yaml
-    from hethub.partitioner import Cluster
-    with open(os.path.join(EXAMPLES, "cluster.yaml")) as f:
-        cluster = Cluster.model_validate(yaml.safe_load(f))
+    from hethub.partitioner import load_cluster
+    cluster = load_cluster(os.path.join(EXAMPLES, "cluster.yaml"))
     cm = CostModel(cluster, builtin_model("gpt-1.3b"))
     types = cluster.type_names
     counts = [cluster.count_by_type()[t] for t in types]
