@@ -689,6 +689,7 @@ class ShapeSearch:
             self.bounds[b] = lb
         self.jobs.sort(key=lambda j: j[0])
         self.candidates = sum(len(j[3]) for j in self.jobs)
+        self.slices: dict[int, tuple] = {}  # per size, pass 2's slices of Z still open (``_slices``)
         self.milps = 0
         self.timeouts = 0  # MILPs stopped by their time limit (none: every size was searched to the end)
 
@@ -698,10 +699,12 @@ class ShapeSearch:
         # for that, so the search ends in time.
         return 0.75 * self.opts.time_limit_s - (self._time.perf_counter() - self.t0)
 
-    def _solve(self, b: int, M: int, c: Candidates, t_lb: float, cap: float, seconds: float) -> float:
+    def _solve(self, b: int, M: int, c: Candidates, t_lb: float, cap: float, seconds: float,
+               z_lower: Optional[float] = None, shape_top: Optional[float] = None) -> float:
         """Every vendor order at bottleneck cap ``cap``; offers the chains found; returns the bound this proves
-        for size b (the best value over Z <= cap, or M * cap beyond it)."""
-        sub = _keep(c, c.pace_s <= cap * (1 + 1e-9))
+        for size b (the best value over Z <= cap, or M * cap beyond it). With ``z_lower`` (a slice of pass 2):
+        the bound over z_lower <= Z <= cap alone, the shapes pacing <= ``shape_top`` (default ``cap``)."""
+        sub = _keep(c, c.pace_s <= (cap if shape_top is None else shape_top) * (1 + 1e-9))
         vendors = sorted({int(v) for v in sub.vendor})
         cutoff = self.best.objective if self.best is not None else None
         bound = math.inf
@@ -716,7 +719,8 @@ class ShapeSearch:
                 self.timeouts += 1
                 bound = min(bound, self.bounds[b])
                 continue
-            milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb, cap if math.isfinite(cap) else None)
+            milp = ShapeMilp(sub, self.n, self.counts, M, perm, t_lb if z_lower is None else z_lower,
+                             cap if math.isfinite(cap) else None)
             self.milps += 1
             started = self._time.perf_counter()
             chosen, status, milp_bound = milp.solve(self.opts.solver, min(share, self.left()), cutoff)
@@ -731,7 +735,7 @@ class ShapeSearch:
                         self.pool[(b,)] = sol
                     if self.best is None or obj < self.best.objective:
                         self.best, cutoff = sol, obj
-        return min(bound, M * cap)
+        return bound if z_lower is not None else min(bound, M * cap)
 
     def _chain(self, b: int, M: int, res: tuple[Candidates, float], bound: float, status: str):
         """An ordered chain (``order_chain``'s result) as the planner's Solution, at layer granularity."""
@@ -774,6 +778,10 @@ class ShapeSearch:
         per_size = self.DUAL_SHARE * self.opts.time_limit_s / max(1, len(self.jobs))
         for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (not small(j), j[0])):
             self.dual_bound(b, M, c, t_lb, min(per_size, self.left()))  # may spare this size its MILPs
+            if self.best is not None and math.isfinite(t_lb) and not self.beaten(self.bounds[b]):
+                self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, min(quick, self.left())))
+                self._report(b)
+                continue
             for f in self.CAPS:
                 if not math.isfinite(t_lb) or self.beaten(self.bounds[b]) or self.left() <= 0.1:
                     break
@@ -785,14 +793,24 @@ class ShapeSearch:
                 if (b,) in self.pool or cap * M >= (self.best.objective if self.best else math.inf):
                     break
             self._report(b)
-        for _, b, M, c, t_lb in self.jobs:  # pass 2
-            if self.beaten(self.bounds[b]) or not math.isfinite(t_lb) or self.left() <= 0.2:
-                continue
-            todo = sum(1 for j in self.jobs if not self.beaten(self.bounds[j[1]]))
-            cap = self.best.objective / M if self.best is not None else math.inf  # no better plan has Z above
-            proven = self._solve(b, M, c, t_lb, cap, self.left() / max(1, todo))
-            self.bounds[b] = max(self.bounds[b], min(proven, self.best.objective) if self.best else proven)
-            self._report(b)
+        if self.best is None:  # pass 2 without an incumbent: nothing to prove against, each size's whole range
+            for _, b, M, c, t_lb in self.jobs:
+                if math.isfinite(t_lb) and self.left() > 0.2:
+                    todo = sum(1 for j in self.jobs if not self.beaten(self.bounds[j[1]]))
+                    seconds = self.left() / max(1, todo)
+                    self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, math.inf, seconds))
+                    self._report(b)
+        while self.best is not None and self.left() > 0.2:  # pass 2: rounds over the sizes still open
+            todo = [j for j in self.jobs if math.isfinite(j[4]) and not self.beaten(self.bounds[j[1]])
+                    and (j[1] not in self.slices or self.slices[j[1]][1])]  # an open slice left to work on
+            if not todo:
+                break
+            for k, (_, b, M, c, t_lb) in enumerate(todo):
+                if self.left() <= 0.2:
+                    break
+                seconds = self.left() / (len(todo) - k)
+                self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, seconds))
+                self._report(b)
         if self.best is None and self.ran_out():
             self.fallback()
         # the gap the plan reports: each size still open, against the final incumbent, out of the time kept for
@@ -802,6 +820,48 @@ class ShapeSearch:
         todo = [j for j in self.jobs if not self.beaten(self.bounds[j[1]])]
         for k, (_, b, M, c, t_lb) in enumerate(todo):
             self.dual_bound(b, M, c, t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
+
+    def _slices(self, b: int, M: int, c: Candidates, t_lb: float, seconds: float) -> float:
+        """Size b's bound against the incumbent, proven slice by slice of the bottleneck Z (pass 2).
+
+        Why: one MILP over t_lb <= Z <= incumbent / M links Z to the shapes by big-M rows whose relaxation is weak;
+        at HETHUB's scale it often ran out of time with its bound 2-5% under the incumbent. Over a narrow slice
+        of Z the relaxation is nearly tight and the incumbent's cutoff prunes at once (on the 768-device
+        benchmark a slice takes ~1 s where the whole range took up to 30). Slices are cut at the shapes' paces:
+        slice [i0, i1] holds the plans with paces[i0] <= Z < paces[i1 + 1], which use only shapes pacing <= paces[i1]
+        (``DualBound``'s region over the same paces bounds exactly them). Lowest bound first, a slice gets a MILP
+        (up to half the seconds left); one that runs out of time is halved. Plans with Z above the incumbent / M
+        cannot beat it. Returns the least bound over the slices left open (the incumbent when none is)."""
+        end = self._time.perf_counter() + seconds
+        if b not in self.slices:  # the first call: the whole range as one slice
+            dual = DualBound(c, self.n, self.counts, M, t_lb, self.sample_s)
+            top = self.best.objective / M
+            hi = int(np.searchsorted(dual.paces, top, side="right")) - 1
+            if hi < 0:
+                return self.best.objective
+            v, lam = dual.region((0, hi, 0, len(dual.allreduces) - 1), dual.lam0, step=1.0)
+            self.slices[b] = (dual, [(v, 0, hi, lam)], [], top)
+        dual, heap, stuck, top = self.slices[b]  # stuck: slices closed to the MILP's gap or single paces left open
+        top_j = len(dual.allreduces) - 1
+        paces = dual.paces
+        z_end = lambda i: float(paces[i + 1]) if i + 1 < len(paces) and paces[i + 1] <= top else top  # noqa: E731
+        while heap and not self.beaten(heap[0][0]):
+            left = min(end - self._time.perf_counter(), self.left())
+            if left < 0.2:
+                break
+            v, i0, i1, lam = heapq.heappop(heap)
+            v = max(v, self._solve(b, M, c, t_lb, z_end(i1), left, z_lower=float(paces[i0]),
+                                   shape_top=float(paces[i1])))
+            if self.beaten(v):  # no plan of the slice beats the incumbent (or its best is the incumbent now)
+                continue
+            if i0 == i1 or v >= self.best.objective * (1 - OPTIMAL_GAP):  # the MILP's own gap: as good as closed
+                stuck.append(v)
+                continue
+            mid = (i0 + i1) // 2  # out of time: halve it
+            for h0, h1 in ((i0, mid), (mid + 1, i1)):
+                hv, h_lam = dual.region((h0, h1, 0, top_j), lam, step=0.25)
+                heapq.heappush(heap, (max(v, hv), h0, h1, h_lam))
+        return float(min([h[0] for h in heap] + stuck + [self.best.objective]))
 
     def dual_bound(self, b: int, M: int, c: Candidates, t_lb: float, budget_s: float) -> None:
         """Raise size b's bound by ``DualBound`` against the incumbent (none yet: nothing to prove against)."""

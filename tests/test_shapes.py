@@ -67,6 +67,44 @@ def test_shapes_match_brute_force(seed):
         assert DualBound(c, n, counts, M, t_lb).bound(2 * alt.objective, 0.05) <= alt.objective * (1 + 1e-9)
 
 
+
+@pytest.mark.parametrize("seed", range(12))
+def test_slices_halved_after_a_timeout_lose_no_plan(seed, monkeypatch):
+    """Pass 2's slices of the bottleneck: when a slice's MILP runs out of time it is halved, and the halves must
+    still cover every bottleneck (a bridged stage's pace falls between the shapes' paces). The first two slice
+    MILPs of each size are made to time out; the search must still reach the brute force's optimum, and no
+    size's bound may pass that size's optimum (over chains visiting each vendor in one run: the MILP's space)."""
+    cluster, model, batch = random_instance(seed)
+    cm = CostModel(cluster, model, memory_reserve_gib=0.5)
+    if cm.model.num_planner_layers < 4:
+        pytest.skip("needs at least two blocks")
+    opts = PlannerOptions(max_micro_batch_size=batch, time_limit_s=60)
+    types = cluster.type_names
+    counts = [cluster.count_by_type()[t] for t in types]
+    solve, faked = ShapeSearch._solve, {}
+
+    def time_out_first_slices(self, b, M, c, t_lb, cap, seconds, z_lower=None, shape_top=None):
+        if z_lower is not None and faked.get(b, 0) < 2 and shape_top > z_lower:
+            faked[b] = faked.get(b, 0) + 1
+            self.timeouts += 1
+            return 0.0  # what a MILP stopped before any bound says
+        return solve(self, b, M, c, t_lb, cap, seconds, z_lower, shape_top)
+
+    monkeypatch.setattr(ShapeSearch, "_solve", time_out_first_slices)
+    shapes = ShapeSearch(cm, batch, opts, None, types, counts, micro_batch_sizes(batch, opts))
+    shapes.run()
+    try:
+        ref, ref_stats = search(cm, batch, PlannerOptions(solver="brute-force", max_micro_batch_size=batch,
+                                                          time_limit_s=60))
+    except InfeasibleError:
+        assert shapes.best is None
+        return
+    if one_run_per_vendor([int(ref.cands.vendor[k]) for k in ref.chosen]):
+        assert shapes.best.objective == pytest.approx(ref.objective, rel=1e-6)
+    for alt in ref_stats["alternatives"]:  # each size's best chain, where the shape MILP's space holds it
+        if one_run_per_vendor([int(alt.cands.vendor[k]) for k in alt.chosen]):
+            assert shapes.bounds[alt.b] <= alt.objective * (1 + 1e-9)
+
 def test_long_models_of_identical_blocks_plan_at_layer_granularity():
     cm = CostModel(TWO_TYPE, builtin_model("llama-140b"))
     assert identical_blocks(cm, TWO_TYPE.type_names, 8)
