@@ -770,6 +770,11 @@ class ShapeSearch:
     def beaten(self, bound: float) -> bool:
         return self.best is not None and bound >= self.best.objective * (1 - 1e-9)
 
+    def settled(self, bound: float) -> bool:
+        """Within HiGHS's own relative MIP gap of the incumbent: what the search reports optimal, so no more
+        time goes to it."""
+        return self.best is not None and bound >= self.best.objective * (1 - OPTIMAL_GAP)
+
     def run(self) -> None:
         quick = max(self.opts.time_limit_s / (2 * max(1, len(self.jobs))), 2.0)
         # pass 1: sizes with few candidates within 2x their bound first (HiGHS may take seconds to find a first
@@ -778,7 +783,7 @@ class ShapeSearch:
         per_size = self.DUAL_SHARE * self.opts.time_limit_s / max(1, len(self.jobs))
         for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (not small(j), j[0])):
             self.dual_bound(b, M, c, t_lb, min(per_size, self.left()))  # may spare this size its MILPs
-            if self.best is not None and math.isfinite(t_lb) and not self.beaten(self.bounds[b]):
+            if self.best is not None and math.isfinite(t_lb) and not self.settled(self.bounds[b]):
                 self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, min(quick, self.left())))
                 self._report(b)
                 continue
@@ -801,7 +806,7 @@ class ShapeSearch:
                     self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, math.inf, seconds))
                     self._report(b)
         while self.best is not None and self.left() > 0.2:  # pass 2: rounds over the sizes still open
-            todo = [j for j in self.jobs if math.isfinite(j[4]) and not self.beaten(self.bounds[j[1]])
+            todo = [j for j in self.jobs if math.isfinite(j[4]) and not self.settled(self.bounds[j[1]])
                     and (j[1] not in self.slices or self.slices[j[1]][1])]  # an open slice left to work on
             if not todo:
                 break
@@ -817,7 +822,7 @@ class ShapeSearch:
         # the replays (up to DUAL_SHARE of the limit, never past 0.85 of it)
         end = self._time.perf_counter() + min(self.DUAL_SHARE * self.opts.time_limit_s,
                                               self.left() + 0.1 * self.opts.time_limit_s)
-        todo = [j for j in self.jobs if not self.beaten(self.bounds[j[1]])]
+        todo = [j for j in self.jobs if not self.settled(self.bounds[j[1]])]
         for k, (_, b, M, c, t_lb) in enumerate(todo):
             self.dual_bound(b, M, c, t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
 
@@ -839,13 +844,22 @@ class ShapeSearch:
             hi = int(np.searchsorted(dual.paces, top, side="right")) - 1
             if hi < 0:
                 return self.best.objective
-            v, lam = dual.region((0, hi, 0, len(dual.allreduces) - 1), dual.lam0, step=1.0)
-            self.slices[b] = (dual, [(v, 0, hi, lam)], [], top)
+            # first slices: the bottleneck caps of pass 1's ladder (good plans sit near the bound; a wide slice
+            # from the bound to a first incumbent far above it is a hard MILP)
+            cuts = sorted({int(np.searchsorted(dual.paces, t_lb * f, side="right")) for f in self.CAPS[1:]} | {hi + 1})
+            heap, i0 = [], 0
+            for i1 in (i - 1 for i in cuts if 0 < i <= hi + 1):
+                if i1 >= i0:
+                    v, lam = dual.region((i0, i1, 0, len(dual.allreduces) - 1), dual.lam0, step=1.0)
+                    heap.append((v, i0, i1, lam))
+                    i0 = i1 + 1
+            heapq.heapify(heap)
+            self.slices[b] = (dual, heap, [], top)
         dual, heap, stuck, top = self.slices[b]  # stuck: slices closed to the MILP's gap or single paces left open
         top_j = len(dual.allreduces) - 1
         paces = dual.paces
         z_end = lambda i: float(paces[i + 1]) if i + 1 < len(paces) and paces[i + 1] <= top else top  # noqa: E731
-        while heap and not self.beaten(heap[0][0]):
+        while heap and not self.settled(heap[0][0]):
             left = min(end - self._time.perf_counter(), self.left())
             if left < 0.2:
                 break
@@ -854,7 +868,7 @@ class ShapeSearch:
                                    shape_top=float(paces[i1])))
             if self.beaten(v):  # no plan of the slice beats the incumbent (or its best is the incumbent now)
                 continue
-            if i0 == i1 or v >= self.best.objective * (1 - OPTIMAL_GAP):  # the MILP's own gap: as good as closed
+            if i0 == i1 or self.settled(v):  # a single pace left open, or closed to the MILP's own gap
                 stuck.append(v)
                 continue
             mid = (i0 + i1) // 2  # out of time: halve it
@@ -865,7 +879,7 @@ class ShapeSearch:
 
     def dual_bound(self, b: int, M: int, c: Candidates, t_lb: float, budget_s: float) -> None:
         """Raise size b's bound by ``DualBound`` against the incumbent (none yet: nothing to prove against)."""
-        if self.best is None or budget_s <= 0 or not math.isfinite(t_lb) or self.beaten(self.bounds[b]):
+        if self.best is None or budget_s <= 0 or not math.isfinite(t_lb) or self.settled(self.bounds[b]):
             return
         dual = DualBound(c, self.n, self.counts, M, t_lb, self.sample_s).bound(self.best.objective, budget_s)
         self.bounds[b] = max(self.bounds[b], dual)
