@@ -846,7 +846,7 @@ class ShapeSearch:
                 return self.best.objective
             # first slices: the bottleneck caps of pass 1's ladder (good plans sit near the bound; a wide slice
             # from the bound to a first incumbent far above it is a hard MILP)
-            cuts = sorted({int(np.searchsorted(dual.paces, t_lb * f, side="right")) for f in self.CAPS[1:]} | {hi + 1})
+            cuts = sorted({int(np.searchsorted(dual.paces, t_lb * f, side="right")) for f in self.CAPS} | {hi + 1})
             heap, i0 = [], 0
             for i1 in (i - 1 for i in cuts if 0 < i <= hi + 1):
                 if i1 >= i0:

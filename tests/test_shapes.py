@@ -20,10 +20,9 @@ def one_run_per_vendor(vendors) -> bool:
     return len(runs) == len(set(runs))
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_shapes_match_brute_force(seed):
-    """Single vendor: the same optimum as enumerating every chain. Several vendors: never better than it,
-    and the same whenever the best chain visits each vendor in one run (the space the shape MILP covers)."""
+def shape_search_and_brute_force(seed: int):
+    """Random instance ``seed``: (cost model, device counts, the finished ShapeSearch, the brute force's best
+    chain and stats); the chain and stats are None where no plan exists (the search must then find none)."""
     cluster, model, batch = random_instance(seed)
     cm = CostModel(cluster, model, memory_reserve_gib=0.5)
     if cm.model.num_planner_layers < 4:
@@ -38,6 +37,16 @@ def test_shapes_match_brute_force(seed):
                                                           time_limit_s=60))
     except InfeasibleError:
         assert shapes.best is None
+        return cm, counts, shapes, None, None
+    return cm, counts, shapes, ref, ref_stats
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_shapes_match_brute_force(seed):
+    """Single vendor: the same optimum as enumerating every chain. Several vendors: never better than it,
+    and the same whenever the best chain visits each vendor in one run (the space the shape MILP covers)."""
+    cm, counts, shapes, ref, ref_stats = shape_search_and_brute_force(seed)
+    if ref is None:
         return
     got = shapes.best
     assert got is not None
@@ -74,13 +83,6 @@ def test_slices_halved_after_a_timeout_lose_no_plan(seed, monkeypatch):
     still cover every bottleneck (a bridged stage's pace falls between the shapes' paces). The first two slice
     MILPs of each size are made to time out; the search must still reach the brute force's optimum, and no
     size's bound may pass that size's optimum (over chains visiting each vendor in one run: the MILP's space)."""
-    cluster, model, batch = random_instance(seed)
-    cm = CostModel(cluster, model, memory_reserve_gib=0.5)
-    if cm.model.num_planner_layers < 4:
-        pytest.skip("needs at least two blocks")
-    opts = PlannerOptions(max_micro_batch_size=batch, time_limit_s=60)
-    types = cluster.type_names
-    counts = [cluster.count_by_type()[t] for t in types]
     solve, faked = ShapeSearch._solve, {}
 
     def time_out_first_slices(self, b, M, c, t_lb, cap, seconds, z_lower=None, shape_top=None):
@@ -91,19 +93,15 @@ def test_slices_halved_after_a_timeout_lose_no_plan(seed, monkeypatch):
         return solve(self, b, M, c, t_lb, cap, seconds, z_lower, shape_top)
 
     monkeypatch.setattr(ShapeSearch, "_solve", time_out_first_slices)
-    shapes = ShapeSearch(cm, batch, opts, None, types, counts, micro_batch_sizes(batch, opts))
-    shapes.run()
-    try:
-        ref, ref_stats = search(cm, batch, PlannerOptions(solver="brute-force", max_micro_batch_size=batch,
-                                                          time_limit_s=60))
-    except InfeasibleError:
-        assert shapes.best is None
+    _, _, shapes, ref, ref_stats = shape_search_and_brute_force(seed)
+    if ref is None:
         return
     if one_run_per_vendor([int(ref.cands.vendor[k]) for k in ref.chosen]):
         assert shapes.best.objective == pytest.approx(ref.objective, rel=1e-6)
     for alt in ref_stats["alternatives"]:  # each size's best chain, where the shape MILP's space holds it
         if one_run_per_vendor([int(alt.cands.vendor[k]) for k in alt.chosen]):
             assert shapes.bounds[alt.b] <= alt.objective * (1 + 1e-9)
+
 
 def test_long_models_of_identical_blocks_plan_at_layer_granularity():
     cm = CostModel(TWO_TYPE, builtin_model("llama-140b"))
