@@ -653,12 +653,13 @@ class ShapeSearch:
     """The search over micro-batch sizes with the shape MILP: the same contract as ``planner._Search``
     (``best``, ``pool`` of the best chain per size, ``stats``), chains at layer granularity.
 
-    Per size b (in order of the bound M * T_lb, T_lb from ``blocks_lower_bound``): pass 1 caps the
-    bottleneck a little above T_lb (Z <= T: a small MILP, usually solved to optimality in well under a
-    second) and raises the cap until a plan appears; a solved capped MILP proves that no plan with
-    Z <= T beats its value, and none with Z > T beats M * T. Pass 2 spends the time left on the sizes whose
-    bound is still below the incumbent, capping Z at incumbent / M. Every MILP runs once per order of the
-    vendors, so the bound holds over plans that visit each vendor in one run of stages.
+    Per size b (in order of the bound M * T_lb, T_lb from ``blocks_lower_bound``): until a first plan exists,
+    pass 1 caps the bottleneck a little above T_lb (Z <= T: a small MILP, usually solved to optimality in well
+    under a second) and raises the cap until a plan appears; a solved capped MILP proves that no plan with
+    Z <= T beats its value, and none with Z > T beats M * T. Once one exists, each size is searched by slices
+    of Z up to incumbent / M (``_slices``), in pass 1 briefly and in pass 2's rounds with the time left. Every
+    MILP runs once per order of the vendors, so the bound holds over plans that visit each vendor in one run
+    of stages.
     """
 
     CAPS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 2.0)
@@ -689,7 +690,7 @@ class ShapeSearch:
             self.bounds[b] = lb
         self.jobs.sort(key=lambda j: j[0])
         self.candidates = sum(len(j[3]) for j in self.jobs)
-        self.slices: dict[int, tuple] = {}  # per size, pass 2's slices of Z still open (``_slices``)
+        self.slices: dict[int, tuple] = {}  # per size, the slices of Z still open (``_slices``)
         self.milps = 0
         self.timeouts = 0  # MILPs stopped by their time limit (none: every size was searched to the end)
 
@@ -827,25 +828,27 @@ class ShapeSearch:
             self.dual_bound(b, M, c, t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
 
     def _slices(self, b: int, M: int, c: Candidates, t_lb: float, seconds: float) -> float:
-        """Size b's bound against the incumbent, proven slice by slice of the bottleneck Z (pass 2).
+        """Size b's bound against the incumbent, proven slice by slice of the bottleneck Z, within ``seconds``
+        (pass 1 once an incumbent exists, then pass 2's rounds; the open slices are kept between calls).
 
         Why: one MILP over t_lb <= Z <= incumbent / M links Z to the shapes by big-M rows whose relaxation is weak;
         at HETHUB's scale it often ran out of time with its bound 2-5% under the incumbent. Over a narrow slice
         of Z the relaxation is nearly tight and the incumbent's cutoff prunes at once (on the 768-device
         benchmark a slice takes ~1 s where the whole range took up to 30). Slices are cut at the shapes' paces:
         slice [i0, i1] holds the plans with paces[i0] <= Z < paces[i1 + 1], which use only shapes pacing <= paces[i1]
-        (``DualBound``'s region over the same paces bounds exactly them). Lowest bound first, a slice gets a MILP
-        (up to half the seconds left); one that runs out of time is halved. Plans with Z above the incumbent / M
-        cannot beat it. Returns the least bound over the slices left open (the incumbent when none is)."""
+        (``DualBound``'s region over the same paces bounds exactly them). The first slices end at pass 1's caps
+        (``CAPS`` x the knapsack bound). Lowest bound first, a slice gets a MILP (all the seconds left); one that
+        runs out of time is halved. Plans with Z above the incumbent / M cannot beat it. Returns the least bound
+        over the slices left open (the incumbent when none is)."""
         end = self._time.perf_counter() + seconds
-        if b not in self.slices:  # the first call: the whole range as one slice
+        if b not in self.slices:  # the first call for this size
             dual = DualBound(c, self.n, self.counts, M, t_lb, self.sample_s)
             top = self.best.objective / M
             hi = int(np.searchsorted(dual.paces, top, side="right")) - 1
             if hi < 0:
                 return self.best.objective
-            # first slices: the bottleneck caps of pass 1's ladder (good plans sit near the bound; a wide slice
-            # from the bound to a first incumbent far above it is a hard MILP)
+            # good plans sit near the bound, and a wide slice from the bound to a first incumbent far above it
+            # is a hard MILP: the first slices end at the caps
             cuts = sorted({int(np.searchsorted(dual.paces, t_lb * f, side="right")) for f in self.CAPS} | {hi + 1})
             heap, i0 = [], 0
             for i1 in (i - 1 for i in cuts if 0 < i <= hi + 1):
