@@ -76,17 +76,16 @@ def test_shapes_match_brute_force(seed):
         assert DualBound(c, n, counts, M, t_lb).bound(2 * alt.objective, 0.05) <= alt.objective * (1 + 1e-9)
 
 
-
 @pytest.mark.parametrize("seed", range(12))
 def test_slices_halved_after_a_timeout_lose_no_plan(seed, monkeypatch):
-    """Pass 2's slices of the bottleneck: when a slice's MILP runs out of time it is halved, and the halves must
-    still cover every bottleneck (a bridged stage's pace falls between the shapes' paces). The first two slice
+    """The search's slices of the bottleneck: when a slice's MILP runs out of time it is halved, and the halves must
+    still cover every bottleneck (a bridged stage's pace falls between the shapes' paces). The first four slice
     MILPs of each size are made to time out; the search must still reach the brute force's optimum, and no
     size's bound may pass that size's optimum (over chains visiting each vendor in one run: the MILP's space)."""
     solve, faked = ShapeSearch._solve, {}
 
     def time_out_first_slices(self, b, M, c, t_lb, cap, seconds, z_lower=None, shape_top=None):
-        if z_lower is not None and faked.get(b, 0) < 2 and shape_top > z_lower:
+        if z_lower is not None and faked.get(b, 0) < 4 and shape_top > z_lower:
             faked[b] = faked.get(b, 0) + 1
             self.timeouts += 1
             return 0.0  # what a MILP stopped before any bound says
