@@ -806,17 +806,15 @@ class ShapeSearch:
                     seconds = self.left() / max(1, todo)
                     self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, math.inf, seconds))
                     self._report(b)
-        while self.best is not None and self.left() > 0.2:  # pass 2: rounds over the sizes still open
+        while self.best is not None and self.left() > 0.2:  # pass 2: the size with the lowest bound next
             todo = [j for j in self.jobs if math.isfinite(j[4]) and not self.settled(self.bounds[j[1]])
                     and (j[1] not in self.slices or self.slices[j[1]][1])]  # an open slice left to work on
             if not todo:
                 break
-            for k, (_, b, M, c, t_lb) in enumerate(todo):
-                if self.left() <= 0.2:
-                    break
-                seconds = self.left() / (len(todo) - k)
-                self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, seconds))
-                self._report(b)
+            _, b, M, c, t_lb = min(todo, key=lambda j: self.bounds[j[1]])
+            seconds = max(self.left() / len(todo), min(2.0, self.left()))
+            self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, seconds))
+            self._report(b)
         if self.best is None and self.ran_out():
             self.fallback()
         # the gap the plan reports: each size still open, against the final incumbent, out of the time kept for
