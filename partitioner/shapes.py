@@ -657,9 +657,9 @@ class ShapeSearch:
     pass 1 caps the bottleneck a little above T_lb (Z <= T: a small MILP, usually solved to optimality in well
     under a second) and raises the cap until a plan appears; a solved capped MILP proves that no plan with
     Z <= T beats its value, and none with Z > T beats M * T. Once one exists, each size is searched by slices
-    of Z up to incumbent / M (``_slices``), in pass 1 briefly and in pass 2's rounds with the time left. Every
-    MILP runs once per order of the vendors, so the bound holds over plans that visit each vendor in one run
-    of stages.
+    of Z up to incumbent / M (``_slices``), in pass 1 briefly, then in pass 2 best first (the size with the
+    lowest bound next). Every MILP runs once per order of the vendors, so the bound holds over plans that visit
+    each vendor in one run of stages.
     """
 
     CAPS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 2.0)
@@ -827,7 +827,7 @@ class ShapeSearch:
 
     def _slices(self, b: int, M: int, c: Candidates, t_lb: float, seconds: float) -> float:
         """Size b's bound against the incumbent, proven slice by slice of the bottleneck Z, within ``seconds``
-        (pass 1 once an incumbent exists, then pass 2's rounds; the open slices are kept between calls).
+        (pass 1 once an incumbent exists, then pass 2's turns; the open slices are kept between calls).
 
         Why: one MILP over t_lb <= Z <= incumbent / M links Z to the shapes by big-M rows whose relaxation is weak;
         at HETHUB's scale it often ran out of time with its bound 2-5% under the incumbent. Over a narrow slice
