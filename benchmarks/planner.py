@@ -67,7 +67,7 @@ def main():
         solve_s = time.perf_counter() - t0
         # the homogeneous sub-cluster sum is a comparison figure, timed apart from the solve; its plans' own
         # proven gaps say how firm it is (a time-limited search can land on a weaker plan from run to run)
-        # 60 s per type: with the dual bound, enough to prove the 768 rows' sub-cluster plans (or nearly)
+        # 60 s per type: enough to prove the 768 rows' sub-cluster plans optimal (bounds and slices)
         hs, hs_bound, homog_gaps = homogeneous(cm, batch, PlannerOptions(time_limit_s=60, schedule=schedule))
         p = plan.predicted
         sim = simulate(plan, cm).iteration_s  # `hethub simulate`'s full replay of the written plan
