@@ -13,17 +13,16 @@ k batches into the file (wrapping around), the same under any plan.
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
 import hethub
-from hethub.partitioner import InputError, load_plan
+from hethub.partitioner import InputError, load_plan, print_error
 
 
 def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print_error(message)  # one write: the ranks share one stderr pipe
     raise SystemExit(2)
 
 

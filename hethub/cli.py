@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .partitioner.errors import InputError
+from .partitioner.errors import InputError, print_error
 from .partitioner.outputs import check_output_path, write_atomic
 from .partitioner.records import MAX_BATCH, MAX_BLOCKS
 
@@ -388,10 +388,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         return int(args.func(args) or 0)
     except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(str(exc))
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print_error("interrupted")
         return 130
 
 

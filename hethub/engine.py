@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -41,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import ds_seams, split_backward
 from .kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
+from .partitioner.errors import print_error
 from .partitioner.schedule import Action, build_schedule
 from .topology import HeteroGrid
 from .tp import is_sharded, local
@@ -274,9 +274,9 @@ class HeteroPipelineEngine(PipelineEngine):
         """A peer died or hung: end this rank at once with one line naming who it was waiting for."""
         peers = getattr(self, "_peers_in_flight", ()) or tuple(range(self.grid.world_size))
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        print(f"error: rank {self.global_rank} (stage {self.stage_id}) lost rank(s) "
-              f"{', '.join(map(str, sorted(set(peers) - {self.global_rank})))} during {what} at "
-              f"step {self.global_steps}: {first}", file=sys.stderr, flush=True)
+        print_error(f"rank {self.global_rank} (stage {self.stage_id}) lost rank(s) "
+                    f"{', '.join(map(str, sorted(set(peers) - {self.global_rank})))} during {what} at "
+                    f"step {self.global_steps}: {first}")
         os._exit(3)  # not SystemExit: gloo's threads may still hold the process
 
     def _aggregate_total_loss(self) -> torch.Tensor:
@@ -370,7 +370,7 @@ class HeteroPipelineEngine(PipelineEngine):
             self._wgrad[a.mb] = split_backward.backward_input(roots, grads, inputs, self._weights, self.stage_id,
                                                               self._linear_calls.pop(a.mb, ()))
         except split_backward.SplitBackwardError as exc:  # the model, not a bug: one line (peers see it lost)
-            print(f"error: rank {self.global_rank}: {exc}", file=sys.stderr, flush=True)
+            print_error(f"rank {self.global_rank}: {exc}")
             os._exit(2)  # not SystemExit: gloo's threads may still hold the process
 
     def _act_weight(self, a: Action) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 from . import tp
 from .emulation import slowdown_for
-from .partitioner.errors import InputError
+from .partitioner.errors import InputError, print_error
 from .partitioner.records import Plan, load_plan
 from .ties import find_ties, resolve_tied_specs
 
@@ -37,7 +37,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit 2 (on every rank: each rank reaches the same verdict from the same input)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print_error(message)
     raise SystemExit(2)
 
 
@@ -225,8 +225,9 @@ def _register_clean_shutdown() -> None:
                 dist.barrier()
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            print(f"hethub: rank {dist.get_rank()} finished, but not every rank reached the final barrier: "
-                  f"{first}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"hethub: rank {dist.get_rank()} finished, but not every rank reached the final "
+                             f"barrier: {first}\n")  # one write: the ranks share one stderr pipe
+            sys.stderr.flush()
             os._exit(3)
         dist.destroy_process_group()
 

@@ -3,11 +3,11 @@
 Pure Python + numpy/PuLP/HiGHS: it never imports torch, deepspeed or triton
 (a test checks it), so planning runs on a laptop in milliseconds.
 """
-from .errors import InfeasibleError, InputError
+from .errors import InfeasibleError, InputError, print_error
 from .records import (Cluster, DeviceType, LayerInfo, LayerProfile, ModelConfig, Network, Node, Plan, Predicted,
                       Profile, Replica, SolverInfo, Stage, builtin_device_type, builtin_model, load_cluster,
                       load_model, load_plan, load_profile)
 
-__all__ = ["InputError", "InfeasibleError", "Cluster", "DeviceType", "LayerInfo", "LayerProfile", "ModelConfig",
+__all__ = ["InputError", "InfeasibleError", "print_error", "Cluster", "DeviceType", "LayerInfo", "LayerProfile", "ModelConfig",
            "Network", "Node", "Plan", "Predicted", "Profile", "Replica", "SolverInfo", "Stage",
            "builtin_device_type", "builtin_model", "load_cluster", "load_model", "load_plan", "load_profile"]

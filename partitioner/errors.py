@@ -7,7 +7,8 @@ cross-field checks both end up here.
 """
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Optional, TextIO
 
 import pydantic
 
@@ -25,6 +26,19 @@ def short(value: Any, limit: int = 100) -> str:
 def _one_line(text: str, limit: int) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def print_error(message: str, stream: Optional[TextIO] = None) -> None:
+    """Write ``error: <message>`` and its newline in ONE write, then flush.
+
+    Why: the ranks of one launch share a single stderr pipe. ``print`` writes the text and the
+    newline as two writes, and Python's stderr passes each straight through, so two ranks failing
+    at once could glue their lines together (``...launched with 3error: ...``). One write of a
+    short line (under PIPE_BUF, 4096 bytes on Linux) reaches the pipe whole.
+    """
+    stream = sys.stderr if stream is None else stream
+    stream.write(f"error: {message}\n")
+    stream.flush()
 
 
 class InputError(ValueError):

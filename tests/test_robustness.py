@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -115,6 +116,24 @@ FLAG_CASES = {
 def test_bad_flags_are_one_line(capsys, name):
     argv, fragment = FLAG_CASES[name]
     assert fragment in cli_error(capsys, argv)
+
+
+def test_error_lines_of_ranks_sharing_one_pipe_never_glue_together():
+    """Four processes print errors at once into one stderr pipe, as the ranks of one launch do: each line
+    must arrive whole (``print`` writes text and newline apart, and lines got glued: ``...3error: ...``)."""
+    code = ("import sys, time\nfrom hethub.partitioner import print_error\n"
+            "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start together\n"
+            "for i in range(1000): print_error(f'rank {sys.argv[1]} line {i} ' + 'x' * 60)")
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    start = str(time.time() + 2.0)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), start], stderr=write_fd, env=env)
+             for r in range(4)]
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        lines = pipe.read().splitlines()
+    assert [p.wait(timeout=60) for p in procs] == [0] * 4
+    assert len(lines) == 4000 and all(l.startswith("error: rank ") and l.count("error:") == 1 for l in lines)
 
 
 def test_brute_force_keeps_the_time_limit(tmp_path, capsys):
