@@ -5,11 +5,17 @@ list itself: it checks the plan, writes a hostfile (hosts in the order the plan'
 and an ``--include`` list (each host's slots) under which DeepSpeed numbers ranks exactly as the
 plan does, passes every other flag through unchanged, hands ``--hetero-plan`` to the script, and
 runs DeepSpeed's launcher. ``--local`` runs every rank on this machine (emulated clusters, tests).
+On several hosts DeepSpeed starts them over pdsh; without ssh, run it on every host with ``--no_ssh
+--master_addr ADDR`` (node 0's address) and ``--node_rank K`` or none (this machine's host name finds it).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -56,22 +62,34 @@ def include_arg(plan: Plan) -> str:
 def split_script(rest: Sequence[str]) -> tuple[list[str], str, list[str]]:
     """(deepspeed launcher flags, script, script args): the script is the first token DeepSpeed's parser
     would take as ``user_script``."""
-    try:
-        from deepspeed.launcher import runner
-    except ImportError:
-        raise InputError("launch", "needs DeepSpeed: pip install 'hethub[runtime]'") from None
-    try:
-        ns = runner.parse_args(list(rest))
-    except SystemExit:
-        raise InputError("launch", f"deepspeed's launcher could not parse {' '.join(rest)!r}") from None
+    ns = parse_deepspeed_flags(list(rest))
     for i, tok in enumerate(rest):
         if tok == ns.user_script and list(rest[i + 1:]) == list(ns.user_args):
             return list(rest[:i]), tok, list(rest[i + 1:])
     raise InputError("launch", "no training script given")
 
 
-def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, hostfile_path: str
-                  ) -> tuple[list[str], dict]:
+def parse_deepspeed_flags(args: list[str]):
+    """DeepSpeed's runner parser on ``args``; its usage text and error become one line (hethub's own flags
+    must come first, and a misplaced one is the usual cause)."""
+    try:
+        from deepspeed.launcher import runner
+    except ImportError:
+        raise InputError("launch", "needs DeepSpeed: pip install 'hethub[runtime]'") from None
+    usage = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(usage):
+            return runner.parse_args(args)
+    except SystemExit:
+        said = usage.getvalue().strip().splitlines()
+        why = said[-1].partition("error: ")[2] if said else "cannot parse the flags"
+        if why.startswith("unrecognized arguments"):
+            why += " (hethub launch's own flags --local, --resume, --dry-run come before deepspeed's)"
+        raise InputError("launch", f"deepspeed's launcher: {why}") from None
+
+
+def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, hostfile_path: str,
+                  dry_run: bool = False) -> tuple[list[str], dict]:
     flags, script, script_args = split_script(rest)
     for f in flags:
         if f.split("=")[0] in _PLACEMENT_FLAGS:
@@ -87,16 +105,51 @@ def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, 
         if not any(f.startswith("--master_port") for f in flags):
             placement += ["--master_port", str(_free_port())]
     else:
+        placement = ["--hostfile", hostfile_path, "--include", include_arg(plan),
+                     *host_flags(plan, flags, script, dry_run)]
         with open(hostfile_path, "w", encoding="utf-8") as f:
             f.write(hostfile_text(plan))
-        placement = ["--hostfile", hostfile_path, "--include", include_arg(plan)]
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *flags, *placement, script,
            "--hetero-plan", plan_path, *script_args]
     return cmd, env
 
 
+def host_flags(plan: Plan, flags: Sequence[str], script: str, dry_run: bool = False) -> list[str]:
+    """Launcher flags a plan on several hosts still needs, or one line saying why the launch could not start.
+
+    Why: on several hosts DeepSpeed's runner either starts every host over pdsh/ssh, or (``--no_ssh``)
+    starts only this host's ranks and must be told which host this is and where node 0 listens. Left
+    to it, a missing pdsh, ``--node_rank`` or ``--master_addr`` ends in a traceback (or an ssh attempt)
+    after the script has been handed over; here each is a line naming the flag, before anything starts.
+    ``--node_rank`` may be left out: this machine's host name picks it among the plan's hosts. A dry run
+    shows the command even where pdsh is missing (it may be planned on another machine).
+    """
+    hosts = [h for h, _ in host_layout(plan)]
+    if len(hosts) == 1:
+        return []
+    ns = parse_deepspeed_flags([*flags, script])
+    names = ", ".join(f"{k} = {h!r}" for k, h in enumerate(hosts))
+    if not ns.no_ssh:
+        if ns.launcher.lower() == "pdsh" and shutil.which("pdsh") is None and not dry_run:
+            raise InputError("launch", f"the plan spans {len(hosts)} hosts and DeepSpeed's pdsh launcher is not "
+                                       "installed: install pdsh, or on each host run `hethub launch --hetero-plan "
+                                       "PLAN --no_ssh --master_addr ADDR ...` (node ranks: " + names + ")")
+        return []
+    if not ns.master_addr:
+        raise InputError("--master_addr", f"--no_ssh needs the address of node 0, host {hosts[0]!r}")
+    if ns.node_rank >= len(hosts) or ns.node_rank < -1:
+        raise InputError("--node_rank", f"must be in 0..{len(hosts) - 1} (node ranks: {names}), got {ns.node_rank}")
+    if ns.node_rank >= 0:
+        return []
+    here = {socket.gethostname(), socket.gethostname().split(".")[0]}  # no DNS lookup: it may hang
+    matches = [k for k, h in enumerate(hosts) if h in here]
+    if len(matches) != 1:
+        raise InputError("--node_rank", f"this machine ({socket.gethostname()!r}) is not one of the plan's hosts: "
+                                        f"give --node_rank K (node ranks: {names})")
+    return ["--node_rank", str(matches[0])]
+
+
 def _free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -153,7 +206,7 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     if not rest:
         raise InputError("launch", "no training script given: hethub launch --hetero-plan plan.json train.py")
     hostfile = os.path.join(tempfile.mkdtemp(prefix="hethub-"), "hostfile")
-    cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, hostfile)
+    cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, hostfile, dry_run)
     if dry_run:
         print(" ".join(cmd))
         if not local:

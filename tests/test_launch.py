@@ -81,6 +81,43 @@ def test_launch_dry_run_passes_flags_through(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: --include: the plan places every rank")
 
 
+MULTI_HOST_CASES = {  # plan on hosts small (node 0) and big (node 1); flags after --hetero-plan P
+    "no_master_addr": (["--no_ssh"], "error: --master_addr: --no_ssh needs the address of node 0, host 'small'"),
+    "node_rank_2": (["--no_ssh", "--master_addr", "10.0.0.1", "--node_rank", "2"],
+                    "error: --node_rank: must be in 0..1 (node ranks: 0 = 'small', 1 = 'big'), got 2"),
+    "unknown_host": (["--no_ssh", "--master_addr", "10.0.0.1"], "error: --node_rank: this machine ("),
+    "no_pdsh": ([], "error: launch: the plan spans 2 hosts and DeepSpeed's pdsh launcher is not installed"),
+    "misplaced_dry_run": (["--no_ssh", "--dry-run"], "error: launch: deepspeed's launcher: unrecognized arguments: "
+                                                     "--dry-run (hethub launch's own flags"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_HOST_CASES))
+def test_multi_host_launch_without_what_it_needs_is_one_line(tmp_path, name):
+    """A launch on several hosts that could not start says which flag, before DeepSpeed's runner starts."""
+    pytest.importorskip("deepspeed")
+    flags, line = MULTI_HOST_CASES[name]
+    path = tmp_path / "plan.json"
+    path.write_text(unequal_plan().to_json())
+    empty = tmp_path / "bin"  # no pdsh on PATH, whatever this machine has
+    empty.mkdir()
+    r = run_cli("launch", "--hetero-plan", str(path), *flags, "train.py", env={"PATH": str(empty)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr[-1000:]
+    assert r.stderr.startswith(line), r.stderr
+
+
+def test_no_ssh_launch_finds_its_node_rank_by_host_name(tmp_path, monkeypatch):
+    from hethub.launch import build_command
+    monkeypatch.setattr("socket.gethostname", lambda: "big.cluster.example")
+    cmd, _ = build_command("p.json", unequal_plan(), ["--no_ssh", "--master_addr", "10.0.0.1", "train.py"], False,
+                           str(tmp_path / "hostfile"))
+    assert cmd[cmd.index("--node_rank") + 1] == "1"  # big is the plan's second host
+    assert (tmp_path / "hostfile").read_text() == "small slots=2\nbig slots=3\n"
+    cmd, _ = build_command("p.json", unequal_plan(), ["--no_ssh", "--master_addr", "10.0.0.1", "--node_rank", "0",
+                                                      "train.py"], False, str(tmp_path / "hostfile"))
+    assert cmd.count("--node_rank") == 1 and cmd[cmd.index("--node_rank") + 1] == "0"
+
+
 @pytest.mark.dist
 def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(tmp_path):
     pytest.importorskip("deepspeed")

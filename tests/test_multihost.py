@@ -1,0 +1,103 @@
+"""Two hosts for real: two network namespaces, each with its own address on a veth pair, and one
+``hethub launch --no_ssh`` in each. The ranks find each other over that link only (GLOO_SOCKET_IFNAME),
+and the run must train exactly like the same plan launched on one host.
+
+Skipped where the machine cannot make network namespaces (not root, no iproute2)."""
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, ROOT
+from test_launch import unequal_plan
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("deepspeed")
+
+ADDRS = ("10.213.0.1", "10.213.0.2")  # private, inside namespaces of their own: nothing else sees them
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@contextlib.contextmanager
+def two_hosts():
+    """[(namespace, interface, address)] for two hosts joined by a veth pair; removed on exit."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 to make network namespaces")
+    tag = str(os.getpid())[-6:]
+    names, links = [f"hh{tag}a", f"hh{tag}b"], [f"hv{tag}a", f"hv{tag}b"]  # interface names: 15 chars at most
+    made = []
+    try:
+        for ns in names:
+            r = _ip("netns", "add", ns)
+            if r.returncode:
+                pytest.skip(f"cannot make a network namespace here: {r.stderr.strip()[:100]}")
+            made.append(ns)
+        steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
+        for ns, link, addr in zip(names, links, ADDRS):
+            steps += [("link", "set", link, "netns", ns), ("-n", ns, "addr", "add", f"{addr}/24", "dev", link),
+                      ("-n", ns, "link", "set", link, "up"), ("-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            r = _ip(*step)
+            assert r.returncode == 0, f"ip {' '.join(step)}: {r.stderr.strip()}"
+        yield list(zip(names, links, ADDRS))
+    finally:
+        for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            _ip("netns", "del", ns)
+
+
+def _tx_bytes(ns: str, link: str) -> int:
+    r = _ip("-j", "-s", "-n", ns, "link", "show", "dev", link)
+    return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
+def _losses(path) -> list[float]:
+    with open(path) as f:
+        return [step["loss"] for step in json.load(f)]
+
+
+def test_two_hosts_without_ssh_train_like_one_host(tmp_path):
+    plan = unequal_plan()  # stage 0: 2 ranks on host 'small'; stage 1: 3 ranks on host 'big'
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    train = [os.path.join(EXAMPLES, "train_gpt.py"), "--steps", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    launch = [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(path)]
+    r = subprocess.run([*launch, "--local", *train, "--log-json", str(tmp_path / "one-host.json")], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with two_hosts() as hosts:
+        procs = []
+        for node, (ns, link, _) in enumerate(hosts):
+            cmd = ["ip", "netns", "exec", ns, *launch, "--no_ssh", "--master_addr", ADDRS[0]]
+            if node == 1 and shutil.which("unshare") and shutil.which("hostname"):
+                # host 'big' gives no --node_rank: hethub launch finds it by this host's name
+                cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname big && exec "$@"', "sh",
+                       *cmd[4:]]
+            else:
+                cmd += ["--node_rank", str(node)]
+            log = ["--log-json", str(tmp_path / f"node{node}.json")]
+            procs.append(subprocess.Popen([*cmd, *train, *log], env=dict(env, GLOO_SOCKET_IFNAME=link), cwd=ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        try:
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+        sent = [_tx_bytes(ns, link) for ns, link, _ in hosts]
+    # Rank 0 (host small) logs. Same plan, same ranks, same order of every sum: the same floats.
+    assert _losses(tmp_path / "node0.json") == _losses(tmp_path / "one-host.json")
+    # Namespaces share no other path: every activation (and, back, its gradient) crossed this link, at
+    # least 2 bytes a number: 3 steps x M micro-batches x b samples x seq x hidden.
+    m = plan.model
+    assert min(sent) >= 3 * plan.num_micro_batches * plan.micro_batch_size * m.seq_length * m.hidden_size * 2, sent
