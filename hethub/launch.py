@@ -121,7 +121,7 @@ def host_flags(plan: Plan, flags: Sequence[str], script: str, dry_run: bool = Fa
     starts only this host's ranks and must be told which host this is and where node 0 listens. Left
     to it, a missing pdsh, ``--node_rank`` or ``--master_addr`` ends in a traceback (or an ssh attempt)
     after the script has been handed over; here each is a line naming the flag, before anything starts.
-    ``--node_rank`` may be left out: this machine's host name picks it among the plan's hosts. A dry run
+    ``--node_rank`` may be left out: the plan's host that is this machine (``is_this_host``) gives it. A dry run
     shows the command even where pdsh is missing (it may be planned on another machine).
     """
     hosts = [h for h, _ in host_layout(plan)]
@@ -141,12 +141,30 @@ def host_flags(plan: Plan, flags: Sequence[str], script: str, dry_run: bool = Fa
         raise InputError("--node_rank", f"must be in 0..{len(hosts) - 1} (node ranks: {names}), got {ns.node_rank}")
     if ns.node_rank >= 0:
         return []
-    here = {socket.gethostname(), socket.gethostname().split(".")[0]}  # no DNS lookup: it may hang
-    matches = [k for k, h in enumerate(hosts) if h in here]
+    matches = [k for k, h in enumerate(hosts) if is_this_host(h)]
     if len(matches) != 1:
         raise InputError("--node_rank", f"this machine ({socket.gethostname()!r}) is not one of the plan's hosts: "
                                         f"give --node_rank K (node ranks: {names})")
     return ["--node_rank", str(matches[0])]
+
+
+def is_this_host(host: str) -> bool:
+    """Is ``host`` (a cluster file's host field) this machine: its host name (or the name's first label), or an
+    IP address of one of its interfaces (binding to it succeeds only then)? No DNS lookup: it may hang."""
+    name = socket.gethostname()
+    if host in (name, name.split(".")[0]):
+        return True
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socket.inet_pton(family, host)
+    except OSError:
+        return False  # a name, not an address
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _free_port() -> int:

@@ -106,7 +106,7 @@ def test_multi_host_launch_without_what_it_needs_is_one_line(tmp_path, name):
     assert r.stderr.startswith(line), r.stderr
 
 
-def test_no_ssh_launch_finds_its_node_rank_by_host_name(tmp_path, monkeypatch):
+def test_no_ssh_launch_finds_its_node_rank_by_host_name_or_address(tmp_path, monkeypatch):
     from hethub.launch import build_command
     monkeypatch.setattr("socket.gethostname", lambda: "big.cluster.example")
     cmd, _ = build_command("p.json", unequal_plan(), ["--no_ssh", "--master_addr", "10.0.0.1", "train.py"], False,
@@ -116,6 +116,17 @@ def test_no_ssh_launch_finds_its_node_rank_by_host_name(tmp_path, monkeypatch):
     cmd, _ = build_command("p.json", unequal_plan(), ["--no_ssh", "--master_addr", "10.0.0.1", "--node_rank", "0",
                                                       "train.py"], False, str(tmp_path / "hostfile"))
     assert cmd.count("--node_rank") == 1 and cmd[cmd.index("--node_rank") + 1] == "0"
+    # hosts given as addresses: the one this machine holds (loopback here; 192.0.2.1 is TEST-NET, never local)
+    data = unequal_plan().model_dump()
+    renamed = {"big": "127.0.0.1", "small": "192.0.2.1"}
+    for node in data["cluster"]["nodes"]:
+        node["host"] = renamed[node["host"]]
+    for st in data["stages"]:
+        for rep in st["replicas"]:
+            rep["host"] = renamed[rep["host"]]
+    cmd, _ = build_command("p.json", Plan.model_validate(data), ["--no_ssh", "--master_addr", "192.0.2.1",
+                                                                 "train.py"], False, str(tmp_path / "hostfile"))
+    assert cmd[cmd.index("--node_rank") + 1] == "1"
 
 
 @pytest.mark.dist

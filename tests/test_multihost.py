@@ -1,6 +1,7 @@
 """Two hosts for real: two network namespaces, each with its own address on a veth pair, and one
-``hethub launch --no_ssh`` in each. The ranks find each other over that link only (GLOO_SOCKET_IFNAME),
-and the run must train exactly like the same plan launched on one host.
+``hethub launch --no_ssh`` in each, which finds its node rank by address or host name. The ranks
+reach each other over that link only (GLOO_SOCKET_IFNAME), and the run must train exactly like the
+same plan launched on one host.
 
 Skipped where the machine cannot make network namespaces (not root, no iproute2)."""
 import contextlib
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from conftest import EXAMPLES, ROOT
+from hethub.partitioner import Plan
 from test_launch import unequal_plan
 
 pytestmark = pytest.mark.dist
@@ -63,7 +65,11 @@ def _losses(path) -> list[float]:
 
 
 def test_two_hosts_without_ssh_train_like_one_host(tmp_path):
-    plan = unequal_plan()  # stage 0: 2 ranks on host 'small'; stage 1: 3 ranks on host 'big'
+    # stage 0: 2 ranks on the host at ADDRS[0] (node 0); stage 1: 3 ranks on host 'big' (node 1)
+    data = unequal_plan().model_dump()
+    for rec in data["cluster"]["nodes"] + [r for st in data["stages"] for r in st["replicas"]]:
+        rec["host"] = ADDRS[0] if rec["host"] == "small" else rec["host"]
+    plan = Plan.model_validate(data)
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     train = [os.path.join(EXAMPLES, "train_gpt.py"), "--steps", "3"]
@@ -75,13 +81,13 @@ def test_two_hosts_without_ssh_train_like_one_host(tmp_path):
     with two_hosts() as hosts:
         procs = []
         for node, (ns, link, _) in enumerate(hosts):
+            # No --node_rank: node 0 holds the plan's address ADDRS[0], node 1 is named 'big'
             cmd = ["ip", "netns", "exec", ns, *launch, "--no_ssh", "--master_addr", ADDRS[0]]
             if node == 1 and shutil.which("unshare") and shutil.which("hostname"):
-                # host 'big' gives no --node_rank: hethub launch finds it by this host's name
                 cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname big && exec "$@"', "sh",
                        *cmd[4:]]
-            else:
-                cmd += ["--node_rank", str(node)]
+            elif node == 1:
+                cmd += ["--node_rank", "1"]
             log = ["--log-json", str(tmp_path / f"node{node}.json")]
             procs.append(subprocess.Popen([*cmd, *train, *log], env=dict(env, GLOO_SOCKET_IFNAME=link), cwd=ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
