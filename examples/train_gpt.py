@@ -17,7 +17,7 @@ import torch
 import hethub
 from hethub.emulation import parse_factors
 from hethub.models import build_layers, counting_batches, lm_loss
-from hethub.partitioner import load_plan
+from hethub.partitioner import InputError, load_plan, print_error
 
 
 def main():
@@ -42,7 +42,11 @@ def main():
     if plan_path is None:
         parser.error("--hetero-plan (or ds_config hetero.plan) is required")
     if args.emulate:
-        slow = parse_factors(args.emulate, "--emulate")
+        try:
+            slow = parse_factors(args.emulate, "--emulate")
+        except InputError as exc:
+            print_error(str(exc))
+            raise SystemExit(2) from None
         config.setdefault("hetero", {})["emulate_slowdown"] = slow
     plan = load_plan(plan_path)
     m = plan.model

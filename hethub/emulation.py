@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .partitioner.errors import InputError
+
 
 class _Start(torch.autograd.Function):
     """Identity on the layer's output; its backward runs when the output's gradient arrives."""
@@ -103,17 +105,24 @@ class SlowDown(nn.Module):
         return y
 
 
+MAX_SLOWDOWN = 1e4  # as `hethub profile --emulate-slowdown` allows: past it a factor is a typo
+
+
 def parse_factors(text: str, what: str = "HETHUB_EMULATE_SLOWDOWN") -> dict[str, float]:
-    """``"SLOW=3,FAST=1.5"`` -> {"SLOW": 3.0, "FAST": 1.5}: the one parser of TYPE=FACTOR lists."""
+    """``"SLOW=3,FAST=1.5"`` -> {"SLOW": 3.0, "FAST": 1.5}: the one parser of TYPE=FACTOR lists. A bad item is
+    an InputError naming ``what`` (one line, exit 2, wherever it is read)."""
     out = {}
     for item in filter(None, (p.strip() for p in (text or "").split(","))):
         name, sep, k = item.partition("=")
         try:
             if not sep or not name.strip():
                 raise ValueError
-            out[name.strip()] = float(k)
+            factor = float(k)
         except ValueError:
-            raise ValueError(f"{what}: {item[:60]!r} is not TYPE=FACTOR") from None
+            raise InputError(what, f"{item[:60]!r} is not TYPE=FACTOR") from None
+        if not 1.0 <= factor <= MAX_SLOWDOWN:
+            raise InputError(what, f"{name.strip()[:60]}: factor must be in [1, {MAX_SLOWDOWN:g}], got {k.strip()[:20]}")
+        out[name.strip()] = factor
     return out
 
 

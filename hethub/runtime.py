@@ -16,10 +16,12 @@ import os
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
+from pydantic import Field, field_validator
+
 from . import tp
-from .emulation import slowdown_for
+from .emulation import MAX_SLOWDOWN, parse_factors, slowdown_for
 from .partitioner.errors import InputError, print_error
-from .partitioner.records import Plan, load_plan
+from .partitioner.records import Plan, Record, load_plan, parse_record
 from .ties import find_ties, resolve_tied_specs
 
 DEFAULT_TIMEOUT_S = 300
@@ -53,12 +55,41 @@ def _load_config(config: Union[dict, str, None]) -> dict:
     return data
 
 
-def resolve_plan(plan: Union[Plan, str, None], config: dict, args: Any = None) -> Plan:
+MAX_TIMEOUT_S = 7 * 86400  # a week: past it a timeout is a typo
+
+
+class HeteroSection(Record):
+    """ds_config's ``"hetero"`` section, checked whole on every rank before any collective.
+
+    Why: a misspelt key (``"timout_s"``) would otherwise be a setting silently ignored, and a bad value a
+    traceback halfway through start-up; here either is one line naming ``config.hetero.<field>``.
+    """
+    plan: Optional[Union[str, dict]] = None  # plan.json, or the plan itself (overridden by plan= and --hetero-plan)
+    schedule: Optional[str] = None  # a hand-edited schedule file (``hethub simulate --print-schedule``'s format)
+    resume: Optional[str] = None  # load the newest complete checkpoint in this directory at initialize
+    emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulation)
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
+
+    @field_validator("emulate_slowdown")
+    @classmethod
+    def _slowdowns(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for name, k in (value or {}).items():
+            if not 1.0 <= k <= MAX_SLOWDOWN:
+                raise ValueError(f"{name}: must be in [1, {MAX_SLOWDOWN:g}], got {k!r}")
+        return value
+
+
+def hetero_section(config: dict) -> HeteroSection:
+    """The checked ``"hetero"`` section of a ds_config dict (an absent section is all defaults)."""
+    return parse_record(HeteroSection, config.get("hetero") or {}, "config.hetero")
+
+
+def resolve_plan(plan: Union[Plan, str, None], section: HeteroSection, args: Any = None) -> Plan:
     """The plan argument wins over ``--hetero-plan``, which wins over ``config['hetero']['plan']``."""
     if plan is None and args is not None:
         plan = getattr(args, "hetero_plan", None)
     if plan is None:
-        plan = (config.get("hetero") or {}).get("plan")
+        plan = section.plan
     if plan is None:
         raise InputError("plan", "no plan given: pass plan=..., --hetero-plan, or ds_config['hetero']['plan']")
     if isinstance(plan, Plan):
@@ -235,9 +266,9 @@ def _register_clean_shutdown() -> None:
     atexit.register(at_exit)
 
 
-def _emulated(layers: Sequence[Any], grid, hetero: dict) -> Sequence[Any]:
+def _emulated(layers: Sequence[Any], grid, hetero: HeteroSection) -> Sequence[Any]:
     """This stage's layers wrapped in the emulated slowdown of its device type, where one is set."""
-    slowdown = slowdown_for(grid.device_type, hetero.get("emulate_slowdown"))
+    slowdown = slowdown_for(grid.device_type, hetero.emulate_slowdown)
     if slowdown == 1.0:
         return layers
     from .emulation import SlowDown
@@ -276,15 +307,16 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     """
     try:
         cfg = _load_config(config if config is not None else getattr(args, "deepspeed_config", None))
-        the_plan = resolve_plan(plan, cfg, args)
+        hetero = hetero_section(cfg)
+        parse_factors(os.environ.get("HETHUB_EMULATE_SLOWDOWN", ""))  # a bad one is one line here, not mid-start
+        the_plan = resolve_plan(plan, hetero, args)
         rank, world = launched_world()
         layers = resolve_tied_specs(layers)  # TiedLayerSpec: one module per key, shared
         ties = find_ties(layers)
         check_against_world(the_plan, rank, world, layers, cfg, optimizer)
         tp_plan = tp.check_tp_plan(tp_plan)
         tp.check_layers(the_plan, layers, tp_plan)
-        schedule_file = (cfg.get("hetero") or {}).get("schedule")
-        schedule = load_checked_schedule(the_plan, schedule_file, rank) if schedule_file else None
+        schedule = load_checked_schedule(the_plan, hetero.schedule, rank) if hetero.schedule else None
         from . import ds_seams
         ds_seams.check()
     except InputError as exc:
@@ -298,7 +330,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     from .topology import HeteroGrid
     from .zero import Zero1
 
-    hetero = cfg.pop("hetero", None) or {}
+    cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
     # bf16: autocast compute with fp32 weights, gradients and optimizer state (hethub runs it, not DeepSpeed's
     # BF16_Optimizer, whose gradient bookkeeping assumes equal widths).
     bf16 = bool((cfg.pop("bf16", None) or {}).get("enabled"))
@@ -306,7 +338,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     zero1 = (cfg.pop("zero_optimization", None) or {}).get("stage", 0) == 1
     zero1 = zero1 or _stage_zero1(the_plan, rank)  # a stage the plan shards (its memory assumes it)
     _fix_local_rank(the_plan, rank)
-    _init_distributed(float(hetero.get("timeout_s", DEFAULT_TIMEOUT_S)))
+    _init_distributed(hetero.timeout_s)
     _register_clean_shutdown()
     grid = HeteroGrid(the_plan, rank, ties)
     if grid.tp > 1:  # split this stage's layers over the replica's tensor-parallel group (hethub.tp)
@@ -330,14 +362,14 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
                                   optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                                   schedule=schedule)
     engine.autocast_dtype = torch.bfloat16 if bf16 else None
-    engine.emulate_slowdown = slowdown_for(grid.device_type, hetero.get("emulate_slowdown"))
+    engine.emulate_slowdown = slowdown_for(grid.device_type, hetero.emulate_slowdown)
     engine.ties = ties
     if zero1 and grid.data_parallel_size > 1:
         try:
             engine.zero1 = Zero1(engine.optimizer, params, grid.replica_id, grid.data_parallel_size)
         except ValueError as exc:
             fail(str(exc))
-    resume = getattr(args, "hetero_resume", None) or hetero.get("resume")
+    resume = getattr(args, "hetero_resume", None) or hetero.resume
     if resume:
         engine.load_checkpoint(resume)
     return engine, engine.optimizer, None, engine.lr_scheduler

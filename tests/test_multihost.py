@@ -7,13 +7,16 @@ Skipped where the machine cannot make network namespaces (not root, no iproute2)
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import EXAMPLES, ROOT
+from dist_util import wait_for_line
 from hethub.partitioner import Plan
 from test_launch import unequal_plan
 
@@ -64,46 +67,89 @@ def _losses(path) -> list[float]:
         return [step["loss"] for step in json.load(f)]
 
 
-def test_two_hosts_without_ssh_train_like_one_host(tmp_path):
-    # stage 0: 2 ranks on the host at ADDRS[0] (node 0); stage 1: 3 ranks on host 'big' (node 1)
+def _two_host_plan(tmp_path) -> tuple[Plan, str]:
+    """Stage 0: 2 ranks on the host at ADDRS[0] (node 0); stage 1: 3 ranks on host 'big' (node 1)."""
     data = unequal_plan().model_dump()
     for rec in data["cluster"]["nodes"] + [r for st in data["stages"] for r in st["replicas"]]:
         rec["host"] = ADDRS[0] if rec["host"] == "small" else rec["host"]
     plan = Plan.model_validate(data)
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
+    return plan, str(path)
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+
+
+def _launch_cmd(plan_path: str) -> list[str]:
+    return [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path]
+
+
+def _start_on_hosts(hosts, plan_path: str, script_args: list[str]) -> list[subprocess.Popen]:
+    """One `hethub launch --no_ssh` per host. No --node_rank: node 0 holds the plan's address ADDRS[0],
+    node 1 is named 'big' in a UTS namespace of its own (given --node_rank 1 where unshare is missing)."""
+    procs = []
+    for node, (ns, link, _) in enumerate(hosts):
+        cmd = ["ip", "netns", "exec", ns, *_launch_cmd(plan_path), "--no_ssh", "--master_addr", ADDRS[0]]
+        if node == 1 and shutil.which("unshare") and shutil.which("hostname"):
+            cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname big && exec "$@"', "sh",
+                   *cmd[4:]]
+        elif node == 1:
+            cmd += ["--node_rank", "1"]
+        procs.append(subprocess.Popen([*cmd, *script_args], env=dict(_env(), GLOO_SOCKET_IFNAME=link), cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Every launch's output; any launch still running after ``timeout_s`` is killed (and the test fails)."""
+    try:
+        return [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def test_two_hosts_without_ssh_train_like_one_host(tmp_path):
+    plan, path = _two_host_plan(tmp_path)
     train = [os.path.join(EXAMPLES, "train_gpt.py"), "--steps", "3"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    launch = [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(path)]
-    r = subprocess.run([*launch, "--local", *train, "--log-json", str(tmp_path / "one-host.json")], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = subprocess.run([*_launch_cmd(path), "--local", *train, "--log-json", str(tmp_path / "one-host.json")],
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     with two_hosts() as hosts:
-        procs = []
-        for node, (ns, link, _) in enumerate(hosts):
-            # No --node_rank: node 0 holds the plan's address ADDRS[0], node 1 is named 'big'
-            cmd = ["ip", "netns", "exec", ns, *launch, "--no_ssh", "--master_addr", ADDRS[0]]
-            if node == 1 and shutil.which("unshare") and shutil.which("hostname"):
-                cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname big && exec "$@"', "sh",
-                       *cmd[4:]]
-            elif node == 1:
-                cmd += ["--node_rank", "1"]
-            log = ["--log-json", str(tmp_path / f"node{node}.json")]
-            procs.append(subprocess.Popen([*cmd, *train, *log], env=dict(env, GLOO_SOCKET_IFNAME=link), cwd=ROOT,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
-        try:
-            outs = [p.communicate(timeout=240)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
+        procs = _start_on_hosts(hosts, path, [*train, "--log-json", str(tmp_path / "node0.json")])
+        outs = _finish(procs, 240)
         assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
         sent = [_tx_bytes(ns, link) for ns, link, _ in hosts]
-    # Rank 0 (host small) logs. Same plan, same ranks, same order of every sum: the same floats.
+    # Rank 0 (on node 0) logs. Same plan, same ranks, same order of every sum: the same floats.
     assert _losses(tmp_path / "node0.json") == _losses(tmp_path / "one-host.json")
     # Namespaces share no other path: every activation (and, back, its gradient) crossed this link, at
     # least 2 bytes a number: 3 steps x M micro-batches x b samples x seq x hidden.
     m = plan.model
     assert min(sent) >= 3 * plan.num_micro_batches * plan.micro_batch_size * m.seq_length * m.hidden_size * 2, sent
+
+
+@pytest.mark.slow
+def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
+    """The link between the hosts goes down mid-run (no process dies, no connection is reset): every rank on
+    both hosts ends within hetero.timeout_s (plus start-up), each with one line naming the ranks it lost."""
+    plan, path = _two_host_plan(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"hetero": {"timeout_s": 5}}))
+    train = [os.path.join(EXAMPLES, "train_gpt.py"), "--steps", "1000000", "--deepspeed_config", str(config)]
+    with two_hosts() as hosts:
+        procs = _start_on_hosts(hosts, path, train)
+        wait_for_line(procs[0].stdout, r"^step +2 ", timeout=120)  # training under way across the link
+        assert _ip("-n", hosts[0][0], "link", "set", hosts[0][1], "down").returncode == 0
+        t_cut = time.monotonic()
+        outs = _finish(procs, 60)
+        took_s = time.monotonic() - t_cut
+    assert [p.returncode for p in procs] == [3, 3], "\n".join(o[-2000:] for o in outs)
+    errors = [l for o in outs for l in o.splitlines() if l.startswith("error:")]
+    ranks = sorted(int(re.match(r"error: rank (\d+) ", l).group(1)) for l in errors)
+    assert ranks == list(range(plan.world_size)) and all(" lost rank(s) " in l for l in errors), errors
+    assert took_s < 5 + 30, took_s  # the timeout, plus the launcher reaping its ranks (a hang would be 60 s)

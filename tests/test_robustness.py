@@ -136,6 +136,38 @@ def test_error_lines_of_ranks_sharing_one_pipe_never_glue_together():
     assert len(lines) == 4000 and all(l.startswith("error: rank ") and l.count("error:") == 1 for l in lines)
 
 
+HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start)
+    "misspelt_key": ({"hetero": {"timout_s": 10}}, "", "error: config.hetero.timout_s: unknown field"),
+    "negative_timeout": ({"hetero": {"timeout_s": -1}}, "", "error: config.hetero.timeout_s: must be > 0, got -1"),
+    "timeout_not_a_number": ({"hetero": {"timeout_s": "soon"}}, "", "error: config.hetero.timeout_s: "),
+    "slowdown_below_1": ({"hetero": {"emulate_slowdown": {"SLOW": 0.5}}}, "",
+                         "error: config.hetero.emulate_slowdown.SLOW: must be in [1, 10000], got 0.5"),
+    "section_not_a_dict": ({"hetero": "plan.json"}, "", "error: config.hetero: "),
+    "env_not_type_factor": ({}, "SLOW", "error: HETHUB_EMULATE_SLOWDOWN: 'SLOW' is not TYPE=FACTOR"),
+    "env_factor_0": ({}, "SLOW=0", "error: HETHUB_EMULATE_SLOWDOWN: SLOW: factor must be in [1, 10000], got 0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HETERO_CASES))
+def test_bad_hetero_section_is_one_line_before_anything_starts(capsys, monkeypatch, name):
+    """hethub.initialize checks ds_config's "hetero" section (and the slowdown variable) before any collective."""
+    import hethub
+    config, env, line = HETERO_CASES[name]
+    monkeypatch.setenv("HETHUB_EMULATE_SLOWDOWN", env)
+    with pytest.raises(SystemExit) as exc:
+        hethub.initialize(layers=[], config=config, plan=PLAN)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(line), err
+
+
+def test_hetero_section_defaults_and_json_round_trip():
+    from hethub.runtime import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section
+    assert hetero_section({}) == HeteroSection() and HeteroSection().timeout_s == DEFAULT_TIMEOUT_S
+    section = hetero_section({"hetero": {"plan": PLAN, "timeout_s": 30, "emulate_slowdown": {"SLOW": 3}}})
+    assert section.timeout_s == 30.0 and section.emulate_slowdown == {"SLOW": 3.0}
+    assert HeteroSection.model_validate_json(section.model_dump_json()) == section
+
+
 def test_brute_force_keeps_the_time_limit(tmp_path, capsys):
     line = cli_error(capsys, ["plan", "--cluster", CLUSTER, "--model", "llama-7b", "--global-batch", "64",
                               "--solver", "brute-force", "--time-limit", "1", "--no-compare",
