@@ -169,47 +169,69 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     final = os.path.join(save_dir, tag)
     rank = engine.global_rank
+    error = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    dist.barrier()
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = f"checkpoint: cannot make {tmp[:100]!r}: {exc.strerror or type(exc).__name__}"
+    _agree(engine, error, "cannot make the checkpoint directory")  # also the barrier: tmp exists from here on
+    _agree(engine, None if os.path.isdir(tmp) else
+           f"checkpoint: {save_dir[:100]!r} is not shared by every host: rank {rank} (host {_host(engine)}) "
+           "cannot see the directory rank 0 made there; save to a filesystem every host mounts",
+           "cannot see the checkpoint directory")
     per_layer_state = _optimizer_state_by_layer(engine)
-    if engine.grid.replica_id == 0:
-        owners = _tie_owners(engine)
-        for idx, layer in _local_layers(engine):
-            whole = {k: full(v).detach().cpu() for k, v in layer.state_dict(keep_vars=True).items()
-                     if (idx, k) not in owners}
-            if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
-                torch.save(whole, _layer_file(tmp, idx, "model"))
-                torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
-    dist.barrier()
+    try:
+        if engine.grid.replica_id == 0:
+            owners = _tie_owners(engine)
+            for idx, layer in _local_layers(engine):
+                whole = {k: full(v).detach().cpu() for k, v in layer.state_dict(keep_vars=True).items()
+                         if (idx, k) not in owners}
+                if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
+                    torch.save(whole, _layer_file(tmp, idx, "model"))
+                    torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
+    except OSError as exc:  # disk full, quota: every rank ends, the previous checkpoint stays intact
+        error = f"checkpoint: cannot write in {tmp[:100]!r}: {exc.strerror or type(exc).__name__}"
+    _agree(engine, error, "could not write its layers")
+    error = None
     if rank == 0:
-        plan = engine.plan
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-        meta = {"format": "hethub-layer-checkpoint", "version": 1, "model": plan.model.model_dump(),
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
-                "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
-                "client_state": _jsonable(client_state or {}),
-                "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
-                "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
-                         "world_size": plan.world_size}}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        _fsync_dir(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(save_dir, LATEST))
-    dist.barrier()
+        try:
+            _publish(engine, save_dir, tag, client_state)
+        except OSError as exc:
+            error = f"checkpoint: cannot finish {final[:100]!r}: {exc.strerror or type(exc).__name__}"
+    _agree(engine, error, "could not finish the checkpoint")
     return tag
+
+
+def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> None:
+    """Rank 0, once every layer file is written: meta.json, then the rename that makes the checkpoint complete,
+    then ``latest`` (a crash anywhere in between leaves the previous checkpoint and ``latest`` intact)."""
+    tmp, final = os.path.join(save_dir, f".tmp-{tag}"), os.path.join(save_dir, tag)
+    plan = engine.plan
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    meta = {"format": "hethub-layer-checkpoint", "version": 1, "model": plan.model.model_dump(),
+            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
+            "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
+            "client_state": _jsonable(client_state or {}),
+            "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
+            "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
+                     "world_size": plan.world_size}}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    _fsync_dir(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(save_dir, LATEST))
 
 
 def _jsonable(x):
@@ -257,12 +279,32 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
         result = _load_local(engine, load_dir, tag, load_optimizer_states)
     except InputError as exc:
         error, result = str(exc), None
+    _agree(engine, error, "could not load its layers")
+    # Hosts that do not share the directory can each hold a complete checkpoint of another step
+    step = torch.tensor([engine.global_steps], dtype=torch.int64)  # set from the checkpoint's meta.json
+    low, high = step.clone(), step.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if int(low) != int(high):
+        from .runtime import fail
+        fail(f"checkpoint: ranks found checkpoints of different steps ({int(low)} to {int(high)}) in "
+             f"{load_dir[:100]!r}: it is not shared by every host; load from a filesystem every host mounts")
+    return result
+
+
+def _host(engine) -> str:
+    stage, replica = engine.plan.locate(engine.global_rank)
+    return engine.plan.stages[stage].replicas[replica].host
+
+
+def _agree(engine, error: Optional[str], what: str) -> None:
+    """Collective: every rank gives its own verdict (None: fine); when any rank failed, every rank ends with
+    exit 2, the failed rank with its message, the others naming it, so none is left waiting in a collective."""
     failed = torch.tensor([engine.global_rank if error else engine.plan.world_size], dtype=torch.int64)
     dist.all_reduce(failed, op=dist.ReduceOp.MIN)
     if int(failed) < engine.plan.world_size:
         from .runtime import fail
-        fail(error or f"checkpoint: rank {int(failed)} could not load its layers (see its message)")
-    return result
+        fail(error or f"checkpoint: rank {int(failed)} {what} (see its message)")
 
 
 def _load_optimizer_state(engine, names: dict, by_layer: dict) -> None:

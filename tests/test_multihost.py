@@ -20,7 +20,6 @@ from dist_util import wait_for_line
 from hethub.partitioner import Plan
 from test_launch import unequal_plan
 
-pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")
 
 ADDRS = ("10.213.0.1", "10.213.0.2")  # private, inside namespaces of their own: nothing else sees them
@@ -30,19 +29,32 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
+def _namespaces_work() -> bool:
+    """Can this machine make a network namespace (root, iproute2)? Asked once, before any test starts a run."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return False
+    name = f"hethub-probe-{os.getpid()}"
+    if _ip("netns", "add", name).returncode:
+        return False
+    _ip("netns", "del", name)
+    return True
+
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not _namespaces_work(),
+                                                   reason="needs root and iproute2 to make network namespaces")]
+TRAIN = [os.path.join(EXAMPLES, "train_gpt.py")]
+
+
 @contextlib.contextmanager
 def two_hosts():
     """[(namespace, interface, address)] for two hosts joined by a veth pair; removed on exit."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 to make network namespaces")
     tag = str(os.getpid())[-6:]
     names, links = [f"hh{tag}a", f"hh{tag}b"], [f"hv{tag}a", f"hv{tag}b"]  # interface names: 15 chars at most
     made = []
     try:
         for ns in names:
             r = _ip("netns", "add", ns)
-            if r.returncode:
-                pytest.skip(f"cannot make a network namespace here: {r.stderr.strip()[:100]}")
+            assert r.returncode == 0, f"ip netns add {ns}: {r.stderr.strip()}"
             made.append(ns)
         steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
         for ns, link, addr in zip(names, links, ADDRS):
@@ -86,13 +98,20 @@ def _launch_cmd(plan_path: str) -> list[str]:
     return [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path]
 
 
-def _start_on_hosts(hosts, plan_path: str, script_args: list[str]) -> list[subprocess.Popen]:
+def _start_on_hosts(hosts, plan_path: str, script_args: list[str], own_flags: tuple = (), private_dir: str = "",
+                    private_source: str = "") -> list[subprocess.Popen]:
     """One `hethub launch --no_ssh` per host. No --node_rank: node 0 holds the plan's address ADDRS[0],
-    node 1 is named 'big' in a UTS namespace of its own (given --node_rank 1 where unshare is missing)."""
+    node 1 is named 'big' in a UTS namespace of its own (given --node_rank 1 where unshare is missing).
+    ``private_dir``: node 1 sees there, in a mount namespace of its own, ``private_source`` (or an empty tmpfs):
+    a directory the hosts do not share."""
     procs = []
     for node, (ns, link, _) in enumerate(hosts):
-        cmd = ["ip", "netns", "exec", ns, *_launch_cmd(plan_path), "--no_ssh", "--master_addr", ADDRS[0]]
-        if node == 1 and shutil.which("unshare") and shutil.which("hostname"):
+        cmd = ["ip", "netns", "exec", ns, *_launch_cmd(plan_path), *own_flags, "--no_ssh", "--master_addr", ADDRS[0]]
+        if node == 1 and private_dir:
+            mount = f"mount --bind {private_source}" if private_source else "mount -t tmpfs hethub-test"
+            cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c",
+                   f'hostname big && {mount} {private_dir} && exec "$@"', "sh", *cmd[4:]]
+        elif node == 1 and shutil.which("unshare") and shutil.which("hostname"):
             cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname big && exec "$@"', "sh",
                    *cmd[4:]]
         elif node == 1:
@@ -114,19 +133,29 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
                 p.wait()
 
 
-def test_two_hosts_without_ssh_train_like_one_host(tmp_path):
-    plan, path = _two_host_plan(tmp_path)
-    train = [os.path.join(EXAMPLES, "train_gpt.py"), "--steps", "3"]
-    r = subprocess.run([*_launch_cmd(path), "--local", *train, "--log-json", str(tmp_path / "one-host.json")],
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The two-host plan trained 3 steps with every rank on this host (--local): (plan, plan path, losses,
+    the checkpoint saved after step 3)."""
+    d = tmp_path_factory.mktemp("one-host")
+    plan, path = _two_host_plan(d)
+    r = subprocess.run([*_launch_cmd(path), "--local", *TRAIN, "--steps", "3", "--log-json", str(d / "log.json"),
+                        "--save-dir", str(d / "ckpt"), "--save-every", "3"],
                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
+    return plan, path, _losses(d / "log.json"), d / "ckpt"
+
+
+def test_two_hosts_without_ssh_train_like_one_host(tmp_path, one_host):
+    plan, path, losses, _ = one_host
+    train = [*TRAIN, "--steps", "3"]
     with two_hosts() as hosts:
         procs = _start_on_hosts(hosts, path, [*train, "--log-json", str(tmp_path / "node0.json")])
         outs = _finish(procs, 240)
         assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
         sent = [_tx_bytes(ns, link) for ns, link, _ in hosts]
     # Rank 0 (on node 0) logs. Same plan, same ranks, same order of every sum: the same floats.
-    assert _losses(tmp_path / "node0.json") == _losses(tmp_path / "one-host.json")
+    assert _losses(tmp_path / "node0.json") == losses
     # Namespaces share no other path: every activation (and, back, its gradient) crossed this link, at
     # least 2 bytes a number: 3 steps x M micro-batches x b samples x seq x hidden.
     m = plan.model
@@ -140,7 +169,7 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     plan, path = _two_host_plan(tmp_path)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"hetero": {"timeout_s": 5}}))
-    train = [os.path.join(EXAMPLES, "train_gpt.py"), "--steps", "1000000", "--deepspeed_config", str(config)]
+    train = [*TRAIN, "--steps", "1000000", "--deepspeed_config", str(config)]
     with two_hosts() as hosts:
         procs = _start_on_hosts(hosts, path, train)
         wait_for_line(procs[0].stdout, r"^step +2 ", timeout=120)  # training under way across the link
@@ -153,3 +182,44 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     ranks = sorted(int(re.match(r"error: rank (\d+) ", l).group(1)) for l in errors)
     assert ranks == list(range(plan.world_size)) and all(" lost rank(s) " in l for l in errors), errors
     assert took_s < 5 + 30, took_s  # the timeout, plus the launcher reaping its ranks (a hang would be 60 s)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a mount namespace")
+def test_a_checkpoint_directory_the_hosts_do_not_share_ends_every_rank_with_one_line(tmp_path):
+    """Node 1 sees its own empty directory where node 0 saves: the save is refused on every rank (exit 2),
+    naming the directory and the host that cannot see it, instead of a traceback on one host and a hang."""
+    plan, path = _two_host_plan(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    train = [*TRAIN, "--steps", "3", "--save-dir", str(ckpt), "--save-every", "1"]
+    with two_hosts() as hosts:
+        procs = _start_on_hosts(hosts, path, train, private_dir=str(ckpt))
+        outs = _finish(procs, 240)
+    assert [p.returncode for p in procs] == [2, 2], "\n".join(o[-2000:] for o in outs)
+    lines = [l for o in outs for l in o.splitlines() if l.startswith("error:")]
+    assert len(lines) == plan.world_size, "\n".join(o[-2000:] for o in outs)
+    own = [l for l in lines if "is not shared by every host" in l]
+    assert len(own) == 3 and all("(host big) cannot see the directory rank 0 made there" in l for l in own), lines
+    others = [l for l in lines if l not in own]
+    assert others == ["error: checkpoint: rank 2 cannot see the checkpoint directory (see its message)"] * 2, lines
+    assert not (ckpt / "latest").exists()  # nothing published
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a mount namespace")
+def test_hosts_that_see_checkpoints_of_different_steps_refuse_to_resume(tmp_path, one_host):
+    """Each host holds a complete checkpoint, of different steps: every rank refuses to resume (exit 2)
+    rather than training on from two different steps."""
+    plan, path, _, saved = one_host
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    shutil.copytree(saved, ckpt)
+    shutil.copytree(saved, other)
+    meta = other / "global_step3" / "meta.json"
+    meta.write_text(json.dumps(dict(json.loads(meta.read_text()), global_steps=2)))
+    with two_hosts() as hosts:
+        procs = _start_on_hosts(hosts, path, [*TRAIN, "--steps", "5"], own_flags=("--resume", str(ckpt)),
+                                private_dir=str(ckpt), private_source=str(other))
+        outs = _finish(procs, 240)
+    assert [p.returncode for p in procs] == [2, 2], "\n".join(o[-2000:] for o in outs)
+    lines = [l for o in outs for l in o.splitlines() if l.startswith("error:")]
+    assert len(lines) == plan.world_size and len(set(lines)) == 1, lines
+    assert lines[0].startswith("error: checkpoint: ranks found checkpoints of different steps (2 to 3) in "), lines
