@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
+import hashlib
 import importlib
 import json
 import os
@@ -223,6 +224,30 @@ def _init_distributed(timeout_s: float) -> None:
                                timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
 
 
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # < 2**56: an int64
+
+
+def _check_every_rank_agrees(plan: Plan) -> None:
+    """The first collective: every rank runs the same plan under the same hethub version.
+
+    Why: on several hosts each host reads its own copy of plan.json (and has its own install). Ranks
+    under different plans would pair transfers that do not match and hang or train wrongly; here every
+    rank ends with exit 2 and one line naming the ranks that differ from rank 0.
+    """
+    import torch
+    import torch.distributed as dist
+    from . import __version__
+    mine = torch.tensor([_digest(plan.to_json()), _digest(__version__)], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    for i, what in ((0, "plan"), (1, "hethub version")):
+        differ = [r for r, d in enumerate(every) if int(d[i]) != int(every[0][i])]
+        if differ:
+            fail(f"{what}: rank(s) {', '.join(map(str, differ[:20]))} run another {what} than rank 0 (each host "
+                 f"reads its own copy: give every host the same {'plan file' if i == 0 else 'hethub'})")
+
+
 _SHUTDOWN_BARRIER_S = 60.0  # how long a finished rank waits at exit for the others to finish too
 _failed = False  # an uncaught exception on this rank: skip the barrier, end at once so peers see it
 
@@ -340,6 +365,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     _fix_local_rank(the_plan, rank)
     _init_distributed(hetero.timeout_s)
     _register_clean_shutdown()
+    _check_every_rank_agrees(the_plan)
     grid = HeteroGrid(the_plan, rank, ties)
     if grid.tp > 1:  # split this stage's layers over the replica's tensor-parallel group (hethub.tp)
         from deepspeed.accelerator import get_accelerator

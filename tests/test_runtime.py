@@ -199,6 +199,20 @@ def test_plan_world_mismatch_exits_2_on_every_rank(tmp_path):
                                                        "launched with 3"), err
 
 
+def test_ranks_given_different_plans_all_exit_2_naming_them(tmp_path):
+    """Each host reads its own plan.json: ranks 3 and 4 get a copy that splits stage 1's rows otherwise (a plan
+    of the same world, valid on its own). The first collective finds it; no transfer is ever paired wrongly."""
+    plan = stack_plan(*CASES["2to3"])
+    other = stack_plan([3], [[3, 3], [1, 2, 3]], 6, 3)
+    for rank in range(plan.world_size):
+        (tmp_path / f"plan{rank}.json").write_text((other if rank >= 3 else plan).to_json())
+    results = spawn(5, [WORKER, str(tmp_path / "plan{rank}.json"), str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
+    for rc, _out, err in results:
+        assert rc == 2 and err.strip().splitlines()[-1] == (
+            "error: plan: rank(s) 3, 4 run another plan than rank 0 (each host reads its own copy: give every "
+            "host the same plan file)"), err[-1500:]
+
+
 def test_plan_from_ds_config_hetero_section(tmp_path):
     """`"hetero": {"plan": ...}` in ds_config works without a plan argument; a wrong batch key is refused."""
     plan = stack_plan(*CASES["1to2"])

@@ -1,6 +1,6 @@
 """Worker for the equivalence tests: train a small layer stack under a plan, save losses and weights.
 
-usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16] [zero1] [schedule=PATH]
+usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16] [zero1] [schedule=PATH]   ({rank} in PLAN, OUT: this rank)
 With "single", trains the same layers in one process (the reference) without hethub.
 """
 import contextlib
@@ -53,6 +53,7 @@ def reference_step(model, opt, batches, loss, clip: float, cast=None) -> float:
 def main():
     plan_path, out_path, steps, clip = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
+    plan_path = plan_path.replace("{rank}", os.environ.get("RANK", "0"))  # a copy per rank, as hosts have
     single = "single" in sys.argv[5:]
     bf16 = "bf16" in sys.argv[5:]
     cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
