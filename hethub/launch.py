@@ -223,13 +223,25 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     host_layout(plan)
     if not rest:
         raise InputError("launch", "no training script given: hethub launch --hetero-plan plan.json train.py")
-    hostfile = os.path.join(tempfile.mkdtemp(prefix="hethub-"), "hostfile")
-    cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, hostfile, dry_run)
-    if dry_run:
-        print(" ".join(cmd))
-        if not local:
-            print(f"# {hostfile}:\n" + hostfile_text(plan), end="")
-        return 0
+    folder = tempfile.mkdtemp(prefix="hethub-")
+    keep = False
+    try:
+        cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"),
+                                 dry_run)
+        if dry_run:
+            print(" ".join(cmd))
+            if not local:  # the dry run prints the hostfile's path for the user to use: it stays
+                print(f"# {os.path.join(folder, 'hostfile')}:\n" + hostfile_text(plan), end="")
+                keep = True
+            return 0
+        return _run_launcher(cmd, env)
+    finally:
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)  # our own temporary folder: only the hostfile is in it
+
+
+def _run_launcher(cmd: list[str], env: dict) -> int:
+    """DeepSpeed's runner in a session of its own: Ctrl-C ends it and every rank it started."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait()

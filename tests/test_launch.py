@@ -129,6 +129,21 @@ def test_no_ssh_launch_finds_its_node_rank_by_host_name_or_address(tmp_path, mon
     assert cmd[cmd.index("--node_rank") + 1] == "1"
 
 
+def test_launch_leaves_no_temporary_folder_unless_a_dry_run_prints_its_hostfile(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("deepspeed")
+    from hethub.launch import run
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = tmp_path / "plan.json"
+    path.write_text(unequal_plan().to_json())
+    with pytest.raises(InputError, match="--include"):
+        run(str(path), ["--include", "big:0", "train.py"])
+    assert run(str(path), ["train.py"], local=True, dry_run=True) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    assert run(str(path), ["train.py"], dry_run=True) == 0
+    hostfile = capsys.readouterr().out.split("# ")[-1].split(":\n")[0]
+    assert open(hostfile).read() == "small slots=2\nbig slots=3\n"
+
+
 @pytest.mark.dist
 def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(tmp_path):
     pytest.importorskip("deepspeed")

@@ -29,22 +29,6 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
-def _namespaces_work() -> bool:
-    """Can this machine make a network namespace (root, iproute2)? Asked once, before any test starts a run."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False
-    name = f"hethub-probe-{os.getpid()}"
-    if _ip("netns", "add", name).returncode:
-        return False
-    _ip("netns", "del", name)
-    return True
-
-
-pytestmark = [pytest.mark.dist, pytest.mark.skipif(not _namespaces_work(),
-                                                   reason="needs root and iproute2 to make network namespaces")]
-TRAIN = [os.path.join(EXAMPLES, "train_gpt.py")]
-
-
 @contextlib.contextmanager
 def two_hosts():
     """[(namespace, interface, address)] for two hosts joined by a veth pair; removed on exit."""
@@ -67,6 +51,30 @@ def two_hosts():
     finally:
         for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
             _ip("netns", "del", ns)
+
+
+def _probe() -> tuple[bool, bool]:
+    """(two hosts can be made here, and node 1 can get UTS and mount namespaces of its own): the whole setup
+    tried once at collection, so a machine that allows only part of it skips these tests rather than fail."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        return False, False
+    try:
+        with two_hosts() as hosts:
+            ns = hosts[1][0]
+            if subprocess.run(["ip", "netns", "exec", ns, "true"], capture_output=True, timeout=30).returncode:
+                return False, False
+            own = shutil.which("unshare") is not None and subprocess.run(
+                ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c", "hostname probe"],
+                capture_output=True, timeout=30).returncode == 0
+            return True, own
+    except (AssertionError, OSError, subprocess.SubprocessError):
+        return False, False
+
+
+HOSTS_WORK, UNSHARE_WORKS = _probe()
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not HOSTS_WORK, reason="needs root and iproute2 to make two "
+                                                                          "hosts in network namespaces")]
+TRAIN = [os.path.join(EXAMPLES, "train_gpt.py")]
 
 
 def _tx_bytes(ns: str, link: str) -> int:
@@ -111,7 +119,7 @@ def _start_on_hosts(hosts, plan_path: str, script_args: list[str], own_flags: tu
             mount = f"mount --bind {private_source}" if private_source else "mount -t tmpfs hethub-test"
             cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c",
                    f'hostname big && {mount} {private_dir} && exec "$@"', "sh", *cmd[4:]]
-        elif node == 1 and shutil.which("unshare") and shutil.which("hostname"):
+        elif node == 1 and UNSHARE_WORKS:
             cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname big && exec "$@"', "sh",
                    *cmd[4:]]
         elif node == 1:
@@ -184,7 +192,7 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     assert took_s < 5 + 30, took_s  # the timeout, plus the launcher reaping its ranks (a hang would be 60 s)
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a mount namespace")
+@pytest.mark.skipif(not UNSHARE_WORKS, reason="needs unshare for a mount namespace")
 def test_a_checkpoint_directory_the_hosts_do_not_share_ends_every_rank_with_one_line(tmp_path):
     """Node 1 sees its own empty directory where node 0 saves: the save is refused on every rank (exit 2),
     naming the directory and the host that cannot see it, instead of a traceback on one host and a hang."""
@@ -205,7 +213,7 @@ def test_a_checkpoint_directory_the_hosts_do_not_share_ends_every_rank_with_one_
     assert not (ckpt / "latest").exists()  # nothing published
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a mount namespace")
+@pytest.mark.skipif(not UNSHARE_WORKS, reason="needs unshare for a mount namespace")
 def test_hosts_that_see_checkpoints_of_different_steps_refuse_to_resume(tmp_path, one_host):
     """Each host holds a complete checkpoint, of different steps: every rank refuses to resume (exit 2)
     rather than training on from two different steps."""
