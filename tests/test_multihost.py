@@ -4,7 +4,6 @@ reach each other over that link only (GLOO_SOCKET_IFNAME), and the run must trai
 same plan launched on one host.
 
 Skipped where the machine cannot make network namespaces (not root, no iproute2)."""
-import contextlib
 import json
 import os
 import re
@@ -17,69 +16,16 @@ import pytest
 
 from conftest import EXAMPLES, ROOT
 from dist_util import wait_for_line
+from hethub.netem import ADDRS, ip, probe, tx_bytes, two_hosts
 from hethub.partitioner import Plan
 from test_launch import unequal_plan
 
 pytest.importorskip("deepspeed")
 
-ADDRS = ("10.213.0.1", "10.213.0.2")  # private, inside namespaces of their own: nothing else sees them
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-@contextlib.contextmanager
-def two_hosts():
-    """[(namespace, interface, address)] for two hosts joined by a veth pair; removed on exit."""
-    tag = str(os.getpid())[-6:]
-    names, links = [f"hh{tag}a", f"hh{tag}b"], [f"hv{tag}a", f"hv{tag}b"]  # interface names: 15 chars at most
-    made = []
-    try:
-        for ns in names:
-            r = _ip("netns", "add", ns)
-            assert r.returncode == 0, f"ip netns add {ns}: {r.stderr.strip()}"
-            made.append(ns)
-        steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
-        for ns, link, addr in zip(names, links, ADDRS):
-            steps += [("link", "set", link, "netns", ns), ("-n", ns, "addr", "add", f"{addr}/24", "dev", link),
-                      ("-n", ns, "link", "set", link, "up"), ("-n", ns, "link", "set", "lo", "up")]
-        for step in steps:
-            r = _ip(*step)
-            assert r.returncode == 0, f"ip {' '.join(step)}: {r.stderr.strip()}"
-        yield list(zip(names, links, ADDRS))
-    finally:
-        for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
-            _ip("netns", "del", ns)
-
-
-def _probe() -> tuple[bool, bool]:
-    """(two hosts can be made here, and node 1 can get UTS and mount namespaces of its own): the whole setup
-    tried once at collection, so a machine that allows only part of it skips these tests rather than fail."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False, False
-    try:
-        with two_hosts() as hosts:
-            ns = hosts[1][0]
-            if subprocess.run(["ip", "netns", "exec", ns, "true"], capture_output=True, timeout=30).returncode:
-                return False, False
-            own = shutil.which("unshare") is not None and subprocess.run(
-                ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c", "hostname probe"],
-                capture_output=True, timeout=30).returncode == 0
-            return True, own
-    except (AssertionError, OSError, subprocess.SubprocessError):
-        return False, False
-
-
-HOSTS_WORK, UNSHARE_WORKS = _probe()
+HOSTS_WORK, UNSHARE_WORKS = probe()
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not HOSTS_WORK, reason="needs root and iproute2 to make two "
                                                                           "hosts in network namespaces")]
 TRAIN = [os.path.join(EXAMPLES, "train_gpt.py")]
-
-
-def _tx_bytes(ns: str, link: str) -> int:
-    r = _ip("-j", "-s", "-n", ns, "link", "show", "dev", link)
-    return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
 
 
 def _losses(path) -> list[float]:
@@ -161,7 +107,7 @@ def test_two_hosts_without_ssh_train_like_one_host(tmp_path, one_host):
         procs = _start_on_hosts(hosts, path, [*train, "--log-json", str(tmp_path / "node0.json")])
         outs = _finish(procs, 240)
         assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
-        sent = [_tx_bytes(ns, link) for ns, link, _ in hosts]
+        sent = [tx_bytes(h) for h in hosts]
     # Rank 0 (on node 0) logs. Same plan, same ranks, same order of every sum: the same floats.
     assert _losses(tmp_path / "node0.json") == losses
     # Namespaces share no other path: every activation (and, back, its gradient) crossed this link, at
@@ -181,7 +127,7 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     with two_hosts() as hosts:
         procs = _start_on_hosts(hosts, path, train)
         wait_for_line(procs[0].stdout, r"^step +2 ", timeout=120)  # training under way across the link
-        assert _ip("-n", hosts[0][0], "link", "set", hosts[0][1], "down").returncode == 0
+        assert ip("-n", hosts[0].namespace, "link", "set", hosts[0].interface, "down").returncode == 0
         t_cut = time.monotonic()
         outs = _finish(procs, 60)
         took_s = time.monotonic() - t_cut
