@@ -3,7 +3,7 @@
 Why: a heterogeneous plan prices every stage boundary that crosses hosts at the cluster's inter-node
 link. On one machine every rank talks over loopback, so neither the multi-host launch nor that price
 is ever exercised. Two namespaces, each with its own address, are two hosts that reach each other
-over one link only; ``tc``'s token bucket (tbf) on both ends gives that link a known rate. Used by
+over one link only; a token bucket (``tc`` tbf) on both ends gives that link a known rate. Used by
 ``tests/test_multihost.py`` and ``benchmarks/multihost.py``. Needs root and iproute2 (``ip``, ``tc``).
 """
 from __future__ import annotations
@@ -51,8 +51,11 @@ def two_hosts(rate_mbit: Optional[float] = None, tag: str = "") -> Iterator[list
                          ("-n", ns, "link", "set", link, "up"), ("-n", ns, "link", "set", "lo", "up")):
                 _must(["ip", *step])
             if rate_mbit:
-                # burst: 10 ms at the rate, at least 64 KiB (tbf drops what exceeds it, TCP then backs off)
-                burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.010))
+                # Token bucket (tbf) with a small bucket: 1 ms at the rate, at least four full-size packets. The
+                # link's offload packets are capped at one MTU (gso_max_size) to fit it; a 64 KiB bucket refilled
+                # during compute and let each next message out faster than the rate.
+                burst = max(4 * 1514, int(rate_mbit * 1e6 / 8 * 0.001))
+                _must(["ip", "-n", ns, "link", "set", "dev", link, "gso_max_size", "1500"])
                 _must(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate",
                        f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"])
         yield [Host(ns, link, addr) for ns, link, addr in zip(names, links, ADDRS)]

@@ -28,16 +28,20 @@ import numpy as np
 from .errors import InputError
 from .records import Cluster, ModelConfig, Plan, Profile
 
-BYTES_PER_ACT = 2  # 16-bit activations
+# Bytes per element of activations, the tensors crossing a stage boundary and gradients, by training dtype:
+# 16-bit formats keep 16-bit activations (fp8 too: matmul inputs are cast per layer, the residual stream stays
+# 16-bit); fp32 and tf32 keep 32-bit ones, fp64 64-bit. (An fp32 run priced at 16 bits sent twice the bytes
+# predicted: 2.9x measured vs 1.9x predicted slow-down on a 5 Mbit/s link, benchmarks/multihost.py.)
+ELEMENT_BYTES = {"fp8": 2.0, "bf16": 2.0, "fp16": 2.0, "tf32": 4.0, "fp32": 4.0, "fp64": 8.0}
 # Adam's optimizer state per parameter, by training dtype: with 16-bit weights an fp32 master copy and two
 # fp32 moments (Rajbhandari et al. 2020, "ZeRO", section 3.1); with 32/64-bit weights the two moments alone.
 # (hethub's own bf16 is autocast over fp32 weights: 8 + 8 bytes, the same 16 per parameter in all.)
 ADAM_STATE_BYTES = {"fp8": 12.0, "bf16": 12.0, "fp16": 12.0, "tf32": 8.0, "fp32": 8.0, "fp64": 16.0}
 # weights + gradients per parameter, by training dtype
 WEIGHT_GRAD_BYTES = {"fp8": 4.0, "bf16": 4.0, "fp16": 4.0, "tf32": 8.0, "fp32": 8.0, "fp64": 16.0}
-# bytes on the wire relative to 16-bit activations, by a boundary's wire dtype (fp8: codes + one fp32 scale
-# per hidden vector, ~1/2 for hidden sizes in the thousands)
-WIRE_FACTOR = {None: 1.0, "fp32": 2.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.5}
+# bytes per element on the wire of a boundary that casts to this dtype (fp8: codes + one fp32 scale per hidden
+# vector, ~1 byte for hidden sizes in the thousands)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> pinned host buffer)
 OPTIMIZER_PASSES = 2.0  # optimizer step reads and writes its 16 B/param state once each (memory-bound)
 
@@ -126,36 +130,38 @@ def block_matmul_flops(m: ModelConfig) -> float:
     return float(2 * s * h * (h + 2 * kv) + 2 * s * h * h + 2 * s * h * ffn * (3 if m.architecture == "llama" else 2))
 
 
-def layer_costs(m: ModelConfig, flash_attention: bool = True) -> LayerCosts:
+def layer_costs(m: ModelConfig, flash_attention: bool = True, element_bytes: float = 2.0) -> LayerCosts:
+    """Per planner layer costs; activations of ``element_bytes`` per element (``ELEMENT_BYTES`` by dtype)."""
     s, h, v = m.seq_length, m.hidden_size, m.vocab_size
     n = m.num_planner_layers
+    e = float(element_bytes)
     flops = np.zeros(n)
     params = np.zeros(n)
     act = np.zeros(n)
     act_rc = np.zeros(n)
-    out = np.full(n, float(BYTES_PER_ACT * s * h))
+    out = np.full(n, e * s * h)
     mem = np.zeros(n)
     mem_b = np.zeros(n)
     # embedding: lookup (+ learned positions for GPT); memory-bound
     params[0] = v * h + (s * h if m.architecture == "gpt" else 0)
-    mem[0] = BYTES_PER_ACT * s * h * 2
+    mem[0] = e * s * h * 2
     mem_b[0] = 4.0 * params[0]  # zero + accumulate a dense gradient as large as the table (fp32)
     flops[0] = s * h  # position add; negligible
     act[0] = act_rc[0] = 8 * s  # token ids (int64)
     # blocks
     flops[1:-1] = block_forward_flops(m)
     params[1:-1] = block_params(m)
-    act[1:-1] = block_activation_bytes(m, flash_attention)
-    act_rc[1:-1] = BYTES_PER_ACT * s * h
+    act[1:-1] = block_activation_bytes(m, flash_attention) * e / 2  # the formula counts 16-bit activations
+    act_rc[1:-1] = e * s * h
     # head: final norm + LM head (+ the loss's logits kept for backward)
     flops[-1] = 2.0 * s * h * v
     params[-1] = v * h + 2 * h  # tied or not, the head's stage holds the vocab x hidden weight (CostModel.range_params)
-    act[-1] = BYTES_PER_ACT * s * h * 2 + 4.0 * s * v  # norm input, head input, fp32 logits for the loss
+    act[-1] = e * s * h * 2 + 4.0 * s * v  # norm input, head input, fp32 logits for the loss
     act_rc[-1] = act[-1]
     out[-1] = 0.0
     split_p, split_a, tp = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
     split_p[1:-1] = block_params(m) - block_replicated_params(m)
-    split_a[1:-1] = block_activation_split(m, flash_attention)[1]
+    split_a[1:-1] = block_activation_split(m, flash_attention)[1] * e / 2
     tp[1:-1] = True
     wshare = np.full(n, 0.5)  # head: dW and dX are one matmul each
     wshare[0] = 1.0  # embedding: its backward is the weight's gradient alone (token ids have none)
@@ -205,7 +211,8 @@ class CostModel:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        self.layers = layer_costs(self.model, self.flash_attention)
+        self.element_bytes = ELEMENT_BYTES.get(self.dtype, 2.0)
+        self.layers = layer_costs(self.model, self.flash_attention, self.element_bytes)
         self._params_cum = np.concatenate([[0.0], np.cumsum(self.layers.params)])
         self._split_cum = np.concatenate([[0.0], np.cumsum(self.layers.params_split)])
         self._tp_times: dict[tuple[str, int], tuple] = {}
@@ -287,7 +294,7 @@ class CostModel:
         Megatron-style tensor parallelism (Shoeybi et al. 2019) splits each block: QKV and the first MLP
         matrices column-parallel, the attention output projection and the last MLP matrix row-parallel, so a
         block's compute is divided by tp and its output needs an all-reduce after attention and after the MLP
-        (two in forward, two in backward, each of s x h 16-bit activations per sample, ring, on the type's
+        (two in forward, two in backward, each of s x h activations per sample, ring, on the type's
         intra-node link). The embedding, the norms and the head are replicated: every rank of the group runs
         them whole. Measured (tp = 1) profiles get the same terms on top; a profile measured at this degree
         (``hethub profile --tensor-parallel``) replaces them for the layers it has.
@@ -313,13 +320,13 @@ class CostModel:
 
     def tp_allreduce_s(self, t: str, tp: int) -> tuple[np.ndarray, np.ndarray]:
         """Per layer: (seconds per sample, seconds per call) of one pass's tensor-parallel all-reduces — two per
-        block (after attention, after the MLP), each a ring over ``tp`` devices of s x h 16-bit values per
+        block (after attention, after the MLP), each a ring over ``tp`` devices of s x h activations per
         sample on the type's intra-node link; 0 for the replicated embedding and head."""
         n = self.model.num_planner_layers
         if tp <= 1:
             return np.zeros(n), np.zeros(n)
         gbps, lat = self._link_gbps(t, t, same_host=True)
-        volume, hops = ring_allreduce(BYTES_PER_ACT * self.model.seq_length * self.model.hidden_size, tp)
+        volume, hops = ring_allreduce(self.element_bytes * self.model.seq_length * self.model.hidden_size, tp)
         split = self.layers.tp_split
         return np.where(split, 2 * volume * 8 / (gbps * 1e9), 0.0), np.where(split, 2 * hops * lat, 0.0)
 
@@ -475,6 +482,10 @@ class CostModel:
             return gbps, net.inter_node_latency_us * 1e-6
         return net.inter_node_gbps, net.inter_node_latency_us * 1e-6
 
+    def wire_factor(self, dtype: Optional[str]) -> float:
+        """Bytes on the wire of a boundary casting to ``dtype`` relative to the activations' own (None: no cast)."""
+        return 1.0 if dtype is None else WIRE_BYTES[dtype] / self.element_bytes
+
     def p2p_s(self, nbytes: float, t_src: str, t_dst: str, same_host: bool) -> float:
         """Point-to-point transfer; across vendors add the device->host and host->device copies."""
         if nbytes <= 0:
@@ -501,10 +512,10 @@ class CostModel:
 
     def tie_sync_s(self, tied_params, types: Sequence[str], ranks: int):
         """All-reduce of a tied weight's gradient over the ``ranks`` replicas of the two stages holding it
-        (16-bit gradients, ring, inter-node link of the slowest type). ``tied_params`` may be an array."""
+        (gradients of ``element_bytes``, ring, inter-node link of the slowest type). ``tied_params`` may be an array."""
         if ranks <= 1:
             return np.zeros_like(np.asarray(tied_params, dtype=float)) if np.ndim(tied_params) else 0.0
-        nbytes = np.asarray(tied_params, dtype=float) * BYTES_PER_ACT
+        nbytes = np.asarray(tied_params, dtype=float) * self.element_bytes
         volume, hops = ring_allreduce(nbytes, ranks)
         out = np.max([hops * lat + volume * 8 / (gbps * 1e9) for gbps, lat in (self._link_gbps(t, t, False)
                                                                             for t in types)], axis=0)
@@ -512,7 +523,7 @@ class CostModel:
         return out if np.ndim(tied_params) else float(out)
 
     def sync_s(self, params, types: Sequence[str], width: int, one_node: bool, zero1: Optional[bool] = None):
-        """A stage's synchronisation after its last backward: the gradient all-reduce (16-bit gradients), and
+        """A stage's synchronisation after its last backward: the gradient all-reduce (``element_bytes`` each), and
         with ZeRO-1 the all-gather of the updated parameters (one more (w-1)/w of them, w-1 more hops).
 
         Replicas of one vendor use the slowest of their types' links. A stage whose replicas span vendors
@@ -521,7 +532,7 @@ class CostModel:
         """
         if width <= 1:
             return np.zeros_like(np.asarray(params, dtype=float)) if np.ndim(params) else 0.0
-        nbytes = np.asarray(params, dtype=float) * BYTES_PER_ACT
+        nbytes = np.asarray(params, dtype=float) * self.element_bytes
         (volume, hops), copies = ring_allreduce(nbytes, width), 2 * nbytes
         if self.sharded(zero1):
             volume, hops, copies = volume + (width - 1) / width * nbytes, hops + width - 1, copies + 2 * nbytes

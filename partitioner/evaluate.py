@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .costmodel import WIRE_FACTOR, CostModel
+from .costmodel import CostModel
 from .records import Plan, Predicted
 from .schedule import overlaps, peak_in_flight, trailing_weight_passes
 from .simulator import simulate
@@ -86,7 +86,7 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
             per_sender: dict[int, float] = {}
             per_nic: dict[str, float] = {}
             bd = plan.boundary(s)
-            row_bytes = float(cm.layers.out_bytes[last - 1]) * WIRE_FACTOR[bd.dtype if bd else None]
+            row_bytes = float(cm.layers.out_bytes[last - 1]) * cm.wire_factor(bd.dtype if bd else None)
             for i, j, lo, hi in boundary_transfers(plan, s):
                 same = st.replicas[i].host == nxt.replicas[j].host
                 t = cm.p2p_s((hi - lo) * row_bytes, st.type_of(st.replicas[i]), nxt.type_of(nxt.replicas[j]), same)

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .costmodel import WIRE_FACTOR, CostModel
+from .costmodel import CostModel
 from .errors import InputError
 from .outputs import write_atomic
 from .records import Plan
@@ -227,7 +227,7 @@ class _Replay:
             (sst, srep), (dst_st, drep) = self.where[src], self.where[dst]
             bd = self.plan.boundary(sst.index if kind == "A" else dst_st.index)
             layer = (sst.layers[1] if kind == "A" else dst_st.layers[1]) - 1
-            nbytes = rows * float(self.cm.layers.out_bytes[layer]) * WIRE_FACTOR[bd.dtype if bd else None]
+            nbytes = rows * float(self.cm.layers.out_bytes[layer]) * self.cm.wire_factor(bd.dtype if bd else None)
             same = srep.host == drep.host
             self.transfer_cache[k] = (self.cm.p2p_s(nbytes, sst.type_of(srep), dst_st.type_of(drep), same), same)
         return self.transfer_cache[k]

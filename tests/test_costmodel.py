@@ -25,6 +25,25 @@ def test_parameter_counts(name, billions):
     assert layer_costs(builtin_model(name)).params.sum() / 1e9 == pytest.approx(billions, rel=0.01)
 
 
+def test_boundary_bytes_follow_the_training_dtype_and_match_what_the_runtime_sends():
+    """Stage boundaries carry the activations' own element size: 2 bytes in 16-bit training, 4 in fp32 (an fp32
+    run priced at 2 bytes sent twice the predicted bytes across hosts); a boundary cast scales from there."""
+    torch = pytest.importorskip("torch")
+    from hethub.models import build_layers, counting_batches
+    m = builtin_model("gpt-tiny")
+    c16, c32 = CostModel(MIXED, m, dtype="bf16"), CostModel(MIXED, m, dtype="fp32")
+    assert c32.layers.out_bytes[1] == 2 * c16.layers.out_bytes[1] == 4 * m.seq_length * m.hidden_size
+    assert c32.layers.act_bytes[1] == 2 * c16.layers.act_bytes[1]
+    assert (c32.wire_factor(None), c32.wire_factor("bf16"), c16.wire_factor("fp32")) == (1.0, 0.5, 2.0)
+    # what an fp32 run of hethub's own layers hands to the next stage, per sample, after each layer but the head
+    layers = build_layers(m)
+    x, _ = counting_batches(0, 1, 3, m.seq_length, m.vocab_size)[0]
+    with torch.no_grad():
+        for i, layer in enumerate(layers[:-1]):
+            x = layer(x)
+            assert x.element_size() * x.numel() / 3 == c32.layers.out_bytes[i], i
+
+
 def test_activation_bytes_korthikanti():
     m = builtin_model("gpt-1.3b")  # ffn = 4h: s h (34 + 5 a s / h) bytes without flash attention
     s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
