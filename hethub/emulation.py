@@ -121,7 +121,8 @@ def parse_factors(text: str, what: str = "HETHUB_EMULATE_SLOWDOWN") -> dict[str,
         except ValueError:
             raise InputError(what, f"{item[:60]!r} is not TYPE=FACTOR") from None
         if not 1.0 <= factor <= MAX_SLOWDOWN:
-            raise InputError(what, f"{name.strip()[:60]}: factor must be in [1, {MAX_SLOWDOWN:g}], got {k.strip()[:20]}")
+            raise InputError(what, f"{name.strip()[:60]}: factor must be in [1, {MAX_SLOWDOWN:g}], "
+                                   f"got {k.strip()[:20]}")
         out[name.strip()] = factor
     return out
 

@@ -6,7 +6,8 @@ and an ``--include`` list (each host's slots) under which DeepSpeed numbers rank
 plan does, passes every other flag through unchanged, hands ``--hetero-plan`` to the script, and
 runs DeepSpeed's launcher. ``--local`` runs every rank on this machine (emulated clusters, tests).
 On several hosts DeepSpeed starts them over pdsh; without ssh, run it on every host with ``--no_ssh
---master_addr ADDR`` (node 0's address) and ``--node_rank K`` or none (this machine's host name finds it).
+--master_addr ADDR`` (node 0's address) and ``--node_rank K``, or none: the plan's host that is this
+machine (by host name or address) gives it.
 """
 from __future__ import annotations
 
