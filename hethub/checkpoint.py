@@ -281,13 +281,13 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
         error, result = str(exc), None
     _agree(engine, error, "could not load its layers")
     # Hosts that do not share the directory can each hold a complete checkpoint of another step
-    step = torch.tensor([engine.global_steps], dtype=torch.int64)  # set from the checkpoint's meta.json
-    low, high = step.clone(), step.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if int(low) != int(high):
+    # one MIN over (step, -step): the lowest and the highest step (set from each rank's meta.json) at once
+    steps = torch.tensor([engine.global_steps, -engine.global_steps], dtype=torch.int64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    low, high = int(steps[0]), -int(steps[1])
+    if low != high:
         from .runtime import fail
-        fail(f"checkpoint: ranks found checkpoints of different steps ({int(low)} to {int(high)}) in "
+        fail(f"checkpoint: ranks found checkpoints of different steps ({low} to {high}) in "
              f"{load_dir[:100]!r}: it is not shared by every host; load from a filesystem every host mounts")
     return result
 
