@@ -22,17 +22,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from runtime import FID_MODEL, write_result  # noqa: E402
 
-from hethub.demo import DEMO_CLUSTER  # noqa: E402
-from hethub.netem import ADDRS, probe, two_hosts  # noqa: E402
+from hethub.cli.demo import DEMO_CLUSTER  # noqa: E402
+from hethub.emulated.netem import ADDRS, probe, two_hosts  # noqa: E402
 from hethub.partitioner import Cluster, ModelConfig  # noqa: E402
 from hethub.partitioner.api import make_plan  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
 from hethub.partitioner.planner import PlannerOptions  # noqa: E402
-from hethub.profiler import profile_model  # noqa: E402
+from hethub.cli.profile import profile_model  # noqa: E402
 
-WORKER = os.path.join(ROOT, "hethub", "bench_worker.py")
+WORKER = os.path.join(ROOT, "hethub", "cli", "bench_worker.py")
 FAST = 6.0  # every rank idles 5/6 of its time: four ranks on two cores do not steal each other's cycles
 RATES_MBIT = (1000, 25, 10, 5)
 G = 32

@@ -20,17 +20,17 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from hethub.demo import DEMO_CLUSTER, DEMO_MODEL, FAST_SLOWDOWN, SLOWDOWN  # noqa: E402
-from hethub.models import build_layers  # noqa: E402
+from hethub.cli.demo import DEMO_CLUSTER, DEMO_MODEL, FAST_SLOWDOWN, SLOWDOWN  # noqa: E402
+from hethub.models.builtin import build_layers  # noqa: E402
 from hethub.partitioner import Cluster, ModelConfig  # noqa: E402
 from hethub.partitioner.api import make_plan  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan, even_split  # noqa: E402
 from hethub.partitioner.planner import PlannerOptions  # noqa: E402
-from hethub.profiler import profile_model  # noqa: E402
+from hethub.cli.profile import profile_model  # noqa: E402
 
-WORKER = os.path.join(ROOT, "hethub", "bench_worker.py")
+WORKER = os.path.join(ROOT, "hethub", "cli", "bench_worker.py")
 EMULATE = f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}"
 
 

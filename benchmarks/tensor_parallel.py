@@ -28,7 +28,7 @@ from hethub.partitioner import Cluster, ModelConfig, load_profile  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
-from hethub.profiler import profile_model  # noqa: E402
+from hethub.cli.profile import profile_model  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
 
@@ -61,9 +61,9 @@ def layer_worker(out: str, reps: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from hethub import tp
-    from hethub.megatron import MegatronBlock, cpu_compat
-    from hethub.models import Block
+    from hethub.runtime import tp
+    from hethub.models.megatron import MegatronBlock, cpu_compat
+    from hethub.models.builtin import Block
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))

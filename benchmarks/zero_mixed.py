@@ -22,12 +22,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from runtime import FID_CLUSTER, FID_FAST, FID_MODEL, FID_SLOW, run, write_result  # noqa: E402
 
-from hethub.models import build_layers  # noqa: E402
+from hethub.models.builtin import build_layers  # noqa: E402
 from hethub.partitioner import Cluster, ModelConfig, Plan  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
-from hethub.profiler import profile_model  # noqa: E402
+from hethub.cli.profile import profile_model  # noqa: E402
 
 EMULATE = f"FAST={FID_FAST:g},SLOW={FID_SLOW:g}"
 

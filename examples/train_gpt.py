@@ -15,8 +15,8 @@ import time
 import torch
 
 import hethub
-from hethub.emulation import parse_factors
-from hethub.models import build_layers, counting_batches, lm_loss
+from hethub.emulated.slowdown import parse_factors
+from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import InputError, load_plan, print_error
 
 

@@ -74,7 +74,7 @@ def main():
         plan = load_plan(args.hetero_plan)
     except InputError as exc:
         fail(str(exc))
-    from hethub.hf import causal_lm_loss, model_config, pipeline_layers
+    from hethub.models.hf import causal_lm_loss, model_config, pipeline_layers
     torch.manual_seed(0)  # every rank builds the same initial weights
     model = load_model(args.model)
     try:

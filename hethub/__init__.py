@@ -3,11 +3,15 @@
 The runtime (torch, deepspeed) is imported lazily so that ``import hethub.partitioner``
 and ``hethub plan`` never pull torch in.
 """
-__version__ = "0.1.0"
+import importlib
+
+from ._version import __version__
+
+__all__ = ["__version__", "initialize", "add_config_arguments"]
 
 
 def __getattr__(name):
     if name in ("initialize", "add_config_arguments"):
-        from . import runtime
-        return getattr(runtime, name)
+        # lazy: `import hethub` (the CLI, the planner) must not import torch and deepspeed
+        return getattr(importlib.import_module(".runtime", __name__), name)
     raise AttributeError(f"module 'hethub' has no attribute {name!r}")

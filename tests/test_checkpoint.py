@@ -64,7 +64,7 @@ def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path, opt, cl
 def test_bad_checkpoints_are_refused_with_a_reason(tmp_path):
     """One saved checkpoint, damaged two ways at once: a truncated layer file (stage 1's) and a layer of
     another shape (stage 0's). Every rank ends with exit 2 and its own reason."""
-    from hethub.checkpoint import resolve_tag
+    from hethub.runtime.checkpoint import resolve_tag
     from hethub.partitioner import InputError
     a = stack_plan(*PLAN_A)
     pa = _write(tmp_path, "a", a)

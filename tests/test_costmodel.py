@@ -29,7 +29,7 @@ def test_boundary_bytes_follow_the_training_dtype_and_match_what_the_runtime_sen
     """Stage boundaries carry the activations' own element size: 2 bytes in 16-bit training, 4 in fp32 (an fp32
     run priced at 2 bytes sent twice the predicted bytes across hosts); a boundary cast scales from there."""
     torch = pytest.importorskip("torch")
-    from hethub.models import build_layers, counting_batches
+    from hethub.models.builtin import build_layers, counting_batches
     m = builtin_model("gpt-tiny")
     c16, c32 = CostModel(MIXED, m, dtype="bf16"), CostModel(MIXED, m, dtype="fp32")
     assert c32.layers.out_bytes[1] == 2 * c16.layers.out_bytes[1] == 4 * m.seq_length * m.hidden_size

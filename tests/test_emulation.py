@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from hethub import emulation
-from hethub.emulation import SlowDown
+from hethub.emulated import slowdown as emulation
+from hethub.emulated.slowdown import SlowDown
 
 FWD_S, BWD_S, K = 1.0, 2.0, 3.0
 

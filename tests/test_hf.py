@@ -30,7 +30,7 @@ def _reference(kind, mb, M, steps):
 
 
 def _plan(kind, cuts, splits, mb, M, tps=None):
-    from hethub.hf import model_config
+    from hethub.models.hf import model_config
     from hethub.partitioner.placement import StageLayout, build_plan
     from test_runtime import CPU_CLUSTER
     m = model_config(train_hf.make_model(kind), seq_length=train_hf.SEQ)
@@ -93,7 +93,7 @@ def test_tied_gpt2_resumes_under_a_plan_that_moves_the_tie(tmp_path):
 
 
 def test_pipeline_layers_compute_what_the_model_computes():
-    from hethub.hf import causal_lm_loss, model_config, pipeline_layers
+    from hethub.models.hf import causal_lm_loss, model_config, pipeline_layers
     for kind in ("gpt2", "llama"):
         model = train_hf.make_model(kind)
         ids = torch.randint(0, train_hf.VOCAB, (3, train_hf.SEQ), generator=torch.Generator().manual_seed(0))
@@ -110,7 +110,7 @@ def test_pipeline_layers_compute_what_the_model_computes():
 
 
 def test_an_unknown_model_class_is_named_with_the_supported_ones():
-    from hethub.hf import pipeline_layers
+    from hethub.models.hf import pipeline_layers
     with pytest.raises(ValueError, match=r"model: hethub.hf knows GPT2LMHeadModel, LlamaForCausalLM, "
                                          r"MistralForCausalLM, Qwen2ForCausalLM, got Linear"):
         pipeline_layers(torch.nn.Linear(2, 2))
@@ -158,7 +158,7 @@ def test_example_trains_gpt2_from_a_config_under_hethub_launch(tmp_path):
 
 def test_tied_layer_specs_share_one_module_and_are_found_as_ties():
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    from hethub.ties import find_ties, resolve_tied_specs
+    from hethub.models.ties import find_ties, resolve_tied_specs
     emb = TiedLayerSpec("embed", torch.nn.Linear, 4, 4)
     head = TiedLayerSpec("embed", torch.nn.Linear, 4, 4, forward_fn=lambda m, x: x @ m.weight)
     layers = resolve_tied_specs([emb, LayerSpec(torch.nn.Linear, 4, 4), head])

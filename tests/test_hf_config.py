@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from hethub.cli import main
+from hethub.cli.main import main
 from hethub.partitioner import InputError
 from hethub.partitioner.costmodel import layer_costs
 from hethub.partitioner.hf import load_hf_model, model_config_from_hf

@@ -24,7 +24,7 @@ def unequal_plan() -> Plan:
 
 
 def test_hostfile_and_include_reproduce_the_plans_ranks():
-    from hethub.launch import host_layout, hostfile_text, include_arg
+    from hethub.cli.launch import host_layout, hostfile_text, include_arg
     plan = unequal_plan()
     layout = host_layout(plan)
     # DeepSpeed numbers ranks host by host (hostfile order), slots ascending (include list)
@@ -43,9 +43,9 @@ def test_hostfile_and_include_reproduce_the_plans_ranks():
 
 
 def test_local_rank_follows_the_plan_not_deepspeeds_rotation():
-    from hethub.runtime import plan_local_index
+    from hethub.runtime.startup import plan_local_index
     plan = unequal_plan()
-    layout = dict((h, s) for h, s in __import__("hethub.launch", fromlist=["x"]).host_layout(plan))
+    layout = dict((h, s) for h, s in __import__("hethub.cli.launch", fromlist=["x"]).host_layout(plan))
     rotated = 0
     for st in plan.stages:
         for rep in st.replicas:
@@ -57,7 +57,7 @@ def test_local_rank_follows_the_plan_not_deepspeeds_rotation():
 
 
 def test_plan_that_deepspeed_cannot_number_is_refused():
-    from hethub.launch import host_layout
+    from hethub.cli.launch import host_layout
     data = unequal_plan().model_dump()
     reps = [r for s in data["stages"] for r in s["replicas"]]
     a, b = reps[0], reps[-1]  # swap two ranks across hosts
@@ -73,7 +73,7 @@ def test_launch_dry_run_passes_flags_through(tmp_path):
     assert r.returncode == 0, r.stderr
     cmd = next(l for l in r.stdout.splitlines() if "deepspeed.launcher.runner" in l).split()
     assert cmd[cmd.index("--master_port") + 1] == "29600"
-    from hethub.launch import include_arg
+    from hethub.cli.launch import include_arg
     assert cmd[cmd.index("--include") + 1] == include_arg(unequal_plan()) == "small:0,1@big:0,1,2"
     i = cmd.index("train.py")
     assert cmd[i + 1:] == ["--hetero-plan", str(path), "--lr", "1"]
@@ -107,7 +107,7 @@ def test_multi_host_launch_without_what_it_needs_is_one_line(tmp_path, name):
 
 
 def test_no_ssh_launch_finds_its_node_rank_by_host_name_or_address(tmp_path, monkeypatch):
-    from hethub.launch import build_command
+    from hethub.cli.launch import build_command
     monkeypatch.setattr("socket.gethostname", lambda: "big.cluster.example")
     cmd, _ = build_command("p.json", unequal_plan(), ["--no_ssh", "--master_addr", "10.0.0.1", "train.py"], False,
                            str(tmp_path / "hostfile"))
@@ -131,7 +131,7 @@ def test_no_ssh_launch_finds_its_node_rank_by_host_name_or_address(tmp_path, mon
 
 def test_launch_leaves_no_temporary_folder_unless_a_dry_run_prints_its_hostfile(tmp_path, monkeypatch, capsys):
     pytest.importorskip("deepspeed")
-    from hethub.launch import run
+    from hethub.cli.launch import run
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     path = tmp_path / "plan.json"
     path.write_text(unequal_plan().to_json())

@@ -68,7 +68,7 @@ def test_megatron_core_layers_tensor_parallel_match_one_process(tmp_path):
     from conftest import ROOT
     from dist_util import free_port, rank_env
     sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
-    from hethub.megatron import model_config_from_megatron
+    from hethub.models.megatron import model_config_from_megatron
     from train_megatron import SEQ, VOCAB, megatron_config
     model = model_config_from_megatron(megatron_config(), VOCAB, SEQ, name="megatron-tiny")
     assert model.num_planner_layers == 5 and model.architecture == "llama"
@@ -105,7 +105,7 @@ def test_cost_model_reads_a_megatron_config():
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from hethub.megatron import model_config_from_megatron
+    from hethub.models.megatron import model_config_from_megatron
     from hethub.partitioner.costmodel import layer_costs
     tc = TransformerConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                            ffn_hidden_size=14336, gated_linear_unit=True, normalization="RMSNorm",

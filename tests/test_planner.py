@@ -176,7 +176,7 @@ def test_show_says_how_far_an_unproven_homogeneous_sum_could_rise(monkeypatch):
     from conftest import EXAMPLES
     from hethub.partitioner import api, load_plan
     from hethub.partitioner.records import SolverInfo
-    from hethub.show import print_plan
+    from hethub.cli.show import print_plan
     plan = load_plan(f"{EXAMPLES}/plan.json")
     sps = plan.predicted.samples_per_s
     lines = {}

@@ -118,7 +118,7 @@ def test_cli_bad_flag_one_line():
 
 
 def test_planning_package_does_not_import_torch():
-    code = ("import sys, hethub.partitioner, hethub.cli, hethub.show\n"
+    code = ("import sys, hethub.partitioner, hethub.cli, hethub.cli.show\n"
             "bad = [m for m in ('torch', 'deepspeed', 'triton') if m in sys.modules]\n"
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import EXAMPLES, ROOT
-from hethub.cli import main
+from hethub.cli.main import main
 from hethub.partitioner import InputError, load_cluster, load_model, load_plan, load_profile
 from hethub.partitioner.outputs import write_atomic
 
@@ -161,7 +161,7 @@ def test_bad_hetero_section_is_one_line_before_anything_starts(capsys, monkeypat
 
 
 def test_hetero_section_defaults_and_json_round_trip():
-    from hethub.runtime import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section
+    from hethub.runtime.startup import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section
     assert hetero_section({}) == HeteroSection() and HeteroSection().timeout_s == DEFAULT_TIMEOUT_S
     section = hetero_section({"hetero": {"plan": PLAN, "timeout_s": 30, "emulate_slowdown": {"SLOW": 3}}})
     assert section.timeout_s == 30.0 and section.emulate_slowdown == {"SLOW": 3.0}

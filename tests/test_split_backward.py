@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from hethub.split_backward import LinearCalls, SplitBackwardError, backward_input, backward_weight
+from hethub.runtime.split_backward import LinearCalls, SplitBackwardError, backward_input, backward_weight
 
 
 class Stage(nn.Module):

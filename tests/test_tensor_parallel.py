@@ -229,7 +229,7 @@ def _stack_tp_plan():
 
 @pytest.mark.parametrize("tp_plan,message", BAD_TP_PLANS)
 def test_a_bad_tp_plan_names_the_entry_or_layer(tp_plan, message):
-    from hethub import tp
+    from hethub.runtime import tp
     with pytest.raises(InputError) as err:
         tp.check_layers(_stack_tp_plan(), stack_layers(), tp.check_tp_plan(tp_plan))
     assert str(err.value).startswith(message)

@@ -51,7 +51,7 @@ def main():
             engine.save_checkpoint(save)
         a, b = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(a, b) for k, v in layers[i].state_dict().items()}
-        from hethub.zero import optimizer_state_bytes
+        from hethub.runtime.zero import optimizer_state_bytes
         opt_bytes = optimizer_state_bytes(engine.optimizer)
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params, "opt_bytes": opt_bytes},
                out.replace("{rank}", os.environ.get("RANK", "0")))

@@ -38,7 +38,7 @@ def batch(step: int, rows: int) -> torch.Tensor:
 
 def reference(kind: str, mb: int, M: int, steps: int) -> dict:
     """One process, as Hugging Face trains: losses, eval loss and every layer's weights (keys as hethub's)."""
-    from hethub.hf import pipeline_layers
+    from hethub.models.hf import pipeline_layers
     model = make_model(kind)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -63,7 +63,7 @@ def main():
     argv = sys.argv[5:]
     out = out.replace("{rank}", os.environ.get("RANK", "0"))
     import hethub
-    from hethub.hf import causal_lm_loss, pipeline_layers
+    from hethub.models.hf import causal_lm_loss, pipeline_layers
     from hethub.partitioner import load_plan
     plan = load_plan(plan_path)
     mb, M = plan.micro_batch_size, plan.num_micro_batches
@@ -72,7 +72,7 @@ def main():
         return
     model = make_model(kind)
     layers = pipeline_layers(model)
-    from hethub.hf import tp_plan
+    from hethub.models.hf import tp_plan
     engine, *_ = hethub.initialize(layers=layers, loss_fn=causal_lm_loss, plan=plan, config={"gradient_clipping": CLIP},
                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
                                    tp_plan=tp_plan(model) if any(s.tensor_parallel > 1 for s in plan.stages) else None)
@@ -89,7 +89,7 @@ def main():
     ids = batch(-1, mb * 2)
     eval_loss = float(engine.eval_batch(iter([(x, x) for x in ids.split(mb)]), num_micro_batches=2))
     first, last = engine.grid.stage.layers
-    from hethub.tp import full
+    from hethub.runtime.tp import full
     params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last) for k, v in layers[i].state_dict().items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "eval_loss": torch.tensor(eval_loss),
                 "params": params}, out)

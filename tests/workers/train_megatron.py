@@ -32,8 +32,8 @@ def batch(step, m, mb):
 def main():
     plan_path, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     single = len(sys.argv) > 4 and sys.argv[4] == "single"
-    from hethub.megatron import gpt_layers
-    from hethub.models import lm_loss
+    from hethub.models.megatron import gpt_layers
+    from hethub.models.builtin import lm_loss
     from hethub.partitioner import load_plan
     plan = load_plan(plan_path)
     mb, M, clip = plan.micro_batch_size, plan.num_micro_batches, 0.5
@@ -55,7 +55,7 @@ def main():
         for step in range(steps):
             losses.append(float(engine.train_batch(iter([batch(step, m, mb) for m in range(M)]))))
         a, b = engine.grid.stage.layers
-        from hethub.tp import full, is_sharded, shard_of
+        from hethub.runtime.tp import full, is_sharded, shard_of
         split = 0
         for i in range(a, b):
             for p in layers[i].parameters():

@@ -28,7 +28,7 @@ def make_layers(kind: str, plan):
         mid = [nn.Sequential(nn.Linear(HID, 2 * HID), nn.Tanh(), nn.Linear(2 * HID, HID)) for _ in range(n - 2)]
         layers = [nn.Linear(IN, HID), *mid, nn.Linear(HID, 4)]
     else:
-        from hethub.models import build_layers
+        from hethub.models.builtin import build_layers
         layers = build_layers(plan.model)
     return [layer.to(DTYPE) for layer in layers]
 
@@ -45,7 +45,7 @@ def batches(kind: str, plan, step: int):
         g = torch.Generator().manual_seed(100 + step)
         return [(torch.randn(mb, IN, generator=g, dtype=torch.float64).to(DTYPE),
                  torch.randn(mb, 4, generator=g, dtype=torch.float64).to(DTYPE)) for _ in range(M)]
-    from hethub.models import counting_batches
+    from hethub.models.builtin import counting_batches
     return counting_batches(step, M, mb, m.seq_length, m.vocab_size)
 
 
@@ -92,7 +92,7 @@ def main():
         if "--save" in argv:
             engine.save_checkpoint(argv[argv.index("--save") + 1])
         first, last = engine.grid.stage.layers
-    from hethub.tp import full
+    from hethub.runtime.tp import full
     params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last)
               for k, v in layers[i].state_dict(keep_vars=True).items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out)

@@ -13,9 +13,9 @@ torch.set_num_threads(1)
 
 def main():
     import hethub
-    from hethub.models import build_layers, counting_batches, lm_loss
+    from hethub.models.builtin import build_layers, counting_batches, lm_loss
     from hethub.partitioner import load_plan
-    from hethub.zero import optimizer_state_bytes
+    from hethub.runtime.zero import optimizer_state_bytes
     plan_path, out = sys.argv[1:3]
     m = load_plan(plan_path).model
     torch.manual_seed(0)

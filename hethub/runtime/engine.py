@@ -38,11 +38,12 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.checkpoint import checkpoint
 
-from . import ds_seams, split_backward
-from .kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
-from .partitioner.errors import print_error
-from .partitioner.schedule import Action, build_schedule
-from .topology import HeteroGrid
+from . import ds_seams
+from . import split_backward
+from ..kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
+from ..partitioner.errors import print_error
+from ..partitioner.schedule import Action, build_schedule
+from .grid import HeteroGrid
 from .tp import is_sharded, local
 
 ds_seams.check()  # the DeepSpeed names below that are not public API exist in this DeepSpeed
@@ -377,7 +378,7 @@ class HeteroPipelineEngine(PipelineEngine):
         t0 = time.perf_counter()
         split_backward.backward_weight(self._weights, self._wgrad.pop(a.mb))
         if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
-            from .emulation import idle_to
+            from ..emulated.slowdown import idle_to
             idle_to(self.emulate_slowdown, self._emulated_w_ref, "w", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ boundary transfers (non-blocking)

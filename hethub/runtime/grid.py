@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from .partitioner.records import Plan
-from .partitioner.schedule import overlaps
-from .ties import Tie, stages_of
+from ..partitioner.records import Plan
+from ..partitioner.schedule import overlaps
+from ..models.ties import Tie, stages_of
 
 
 class HeteroGrid:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .partitioner.records import Plan
+from ..partitioner.records import Plan
 
 
 def _hosts(stage) -> str:

@@ -1,7 +1,7 @@
 """One rank of a side-by-side run (``hethub demo``, ``benchmarks/runtime.py``): the same model, data and
 optimizer under hethub's plan or under vanilla DeepSpeed with its own partition.
 
-    python -m deepspeed.launcher.runner --num_gpus N hethub/bench_worker.py --mode hethub --hetero-plan P ...
+    python -m deepspeed.launcher.runner --num_gpus N hethub/cli/bench_worker.py --mode hethub --hetero-plan P ...
     ... --mode deepspeed --stages S --micro-batch B --micro-batches M --rank-types FAST,SLOW,...
 
 Emulated speeds come from ``--emulate TYPE=K`` (and, for vanilla DeepSpeed, which knows nothing of
@@ -19,9 +19,9 @@ import time
 import torch
 
 import hethub
-from hethub.emulation import SlowDown, parse_factors
-from hethub.models import build_layers, counting_batches, lm_loss
-from hethub.partitioner import ModelConfig
+from ..emulated.slowdown import SlowDown, parse_factors
+from ..models.builtin import build_layers, counting_batches, lm_loss
+from ..partitioner import ModelConfig
 
 
 def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optimizer):
@@ -29,7 +29,7 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from hethub.runtime import _init_distributed
+    from ..runtime.startup import _init_distributed
     _init_distributed(300)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rtype = a.rank_types.split(",")[rank]
@@ -98,7 +98,7 @@ def main() -> None:
         with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
             json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
     if a.state_out and a.mode == "hethub":
-        from hethub.zero import optimizer_state_bytes
+        from ..runtime.zero import optimizer_state_bytes
         with open(f"{a.state_out}.{rank}", "w", encoding="utf-8") as f:
             json.dump({"opt_bytes": optimizer_state_bytes(engine.optimizer)}, f)
     if rank == 0:

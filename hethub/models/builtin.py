@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .partitioner.records import ModelConfig
+from ..partitioner.records import ModelConfig
 
 
 class Embedding(nn.Module):

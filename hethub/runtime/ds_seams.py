@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from .partitioner.errors import InputError
+from ..partitioner.errors import InputError
 
 SUPPORTED = "deepspeed>=0.19.0,<0.20"
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .partitioner.errors import InputError
+from ..partitioner.errors import InputError
 
 
 class _Start(torch.autograd.Function):

@@ -20,8 +20,8 @@ import time
 
 from rich.console import Console
 
-from .partitioner.outputs import write_atomic
-from .partitioner.records import Cluster, ModelConfig
+from ..partitioner.outputs import write_atomic
+from ..partitioner.records import Cluster, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOWDOWN = 2.0  # SLOW vs FAST
@@ -75,10 +75,10 @@ def _stream(cmd: list[str], env: dict, label: str, console, timeout_s: float) ->
 def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, timeout_s: float = 300) -> int:
     import torch
 
-    from .partitioner.api import make_baseline, make_plan
-    from .partitioner.costmodel import CostModel
-    from .partitioner.planner import PlannerOptions
-    from .partitioner.simulator import simulate, write_png
+    from ..partitioner.api import make_baseline, make_plan
+    from ..partitioner.costmodel import CostModel
+    from ..partitioner.planner import PlannerOptions
+    from ..partitioner.simulator import simulate, write_png
     from .show import print_plan
 
     console = Console(width=None if Console().is_terminal else 160)
@@ -134,7 +134,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
 def _profile(model, console, out_dir: str) -> list:
     """Profiles of both emulated types at several micro-batch sizes (the cost model fits fixed + per-sample
     time per layer), written to ``out_dir``."""
-    from .profiler import profile_model
+    from .profile import profile_model
     t0 = time.perf_counter()
     profiles = []
     with console.status("profiling ...") if console.is_terminal else contextlib.nullcontext():

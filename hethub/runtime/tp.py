@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from .partitioner.errors import InputError
+from ..partitioner.errors import InputError
 
 STYLES = ("colwise", "rowwise")
 SELF = "self"  # a layer with split_tensor_parallel(group): it splits itself
@@ -74,7 +74,7 @@ def check_tp_plan(tp_plan: Optional[Mapping[str, str]]) -> dict[str, str]:
 
 def _known_plan(layer: nn.Module) -> Optional[dict[str, str]]:
     """hethub's own layers: blocks split per ``Block.TP_PLAN``; embedding and head run whole."""
-    from .models import Block, Embedding, Head
+    from ..models.builtin import Block, Embedding, Head
     if isinstance(layer, Block):
         names = dict(layer.named_modules())
         return {path: style for path, style in Block.TP_PLAN.items() if path in names}

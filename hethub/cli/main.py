@@ -11,9 +11,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .partitioner.errors import InputError, print_error
-from .partitioner.outputs import check_output_path, write_atomic
-from .partitioner.records import MAX_BATCH, MAX_BLOCKS
+from .._version import __version__
+from ..partitioner.errors import InputError, print_error
+from ..partitioner.outputs import check_output_path, write_atomic
+from ..partitioner.records import MAX_BATCH, MAX_BLOCKS
 
 
 def _int_in(lo: int, hi: int):
@@ -53,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .partitioner.records import load_plan
+    from ..partitioner.records import load_plan
     from .show import print_plan
     print_plan(load_plan(args.plan))
     return 0
@@ -92,11 +93,11 @@ class _SolveStatus:
 def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .partitioner.api import BASELINES, make_baseline, make_plan
-    from .partitioner.costmodel import CostModel
-    from .partitioner.errors import InfeasibleError
-    from .partitioner.planner import PlannerOptions
-    from .partitioner.records import ModelConfig, load_cluster, load_model, load_profiles, parse_record
+    from ..partitioner.api import BASELINES, make_baseline, make_plan
+    from ..partitioner.costmodel import CostModel
+    from ..partitioner.errors import InfeasibleError
+    from ..partitioner.planner import PlannerOptions
+    from ..partitioner.records import ModelConfig, load_cluster, load_model, load_profiles, parse_record
     from .show import print_plan
 
     cluster, model = load_cluster(args.cluster), load_model(args.model)
@@ -146,8 +147,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             except InfeasibleError as exc:
                 console.print(f"vs {kind}: baseline has no feasible plan ({exc.message})")
     if args.explain:
-        from .partitioner.api import solve
-        from .partitioner.explain import explain
+        from ..partitioner.api import solve
+        from ..partitioner.explain import explain
         for line in explain(plan, cm, opts, solve):
             console.print(f"explain: {line}", soft_wrap=True)
     console.print(f"wrote {args.output}")
@@ -156,10 +157,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _what_if(args: argparse.Namespace, cm, opts, console) -> int:
     """Plan the cluster as it is and as changed, with the same options; print both, write nothing."""
-    from .partitioner.api import solve
-    from .partitioner.costmodel import CostModel
-    from .partitioner.errors import InfeasibleError
-    from .partitioner.whatif import apply_what_if
+    from ..partitioner.api import solve
+    from ..partitioner.costmodel import CostModel
+    from ..partitioner.errors import InfeasibleError
+    from ..partitioner.whatif import apply_what_if
     changed = apply_what_if(cm.cluster, args.what_if)
     other = CostModel(changed, cm.model, profiles=[p for p in cm.profiles if p.device_type in changed.type_names],
                       memory_reserve_gib=cm.memory_reserve_gib, zero1=cm.zero1)
@@ -183,11 +184,11 @@ TIMELINE_BUDGET = 1_000  # (rank, micro-batch) pairs drawn in a PNG or Chrome tr
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .partitioner.costmodel import CostModel
-    from .partitioner.evaluate import closed_form_s, replay_iteration_s, replay_micro_batches, with_micro_batches
-    from .partitioner.records import load_plan, load_profiles
-    from .partitioner.schedule import build_schedule, format_schedule, read_schedule_file
-    from .partitioner.simulator import simulate, write_png, write_trace
+    from ..partitioner.costmodel import CostModel
+    from ..partitioner.evaluate import closed_form_s, replay_iteration_s, replay_micro_batches, with_micro_batches
+    from ..partitioner.records import load_plan, load_profiles
+    from ..partitioner.schedule import build_schedule, format_schedule, read_schedule_file
+    from ..partitioner.simulator import simulate, write_png, write_trace
 
     plan = load_plan(args.plan)
     inputs = (args.plan, args.schedule)
@@ -229,8 +230,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .partitioner.megatron_export import export_megatron
-    from .partitioner.records import load_plan
+    from ..partitioner.megatron_export import export_megatron
+    from ..partitioner.records import load_plan
     ex = export_megatron(load_plan(args.plan))
     print(" \\\n".join(ex.flags()))
     print(f"# data-parallel size {ex.data_parallel_size} (world = {ex.pipeline_model_parallel_size} x "
@@ -250,18 +251,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .partitioner.records import load_model
+    from ..partitioner.records import load_model
     model = load_model(args.model)
     check_output_path(args.output, "--output")
     import torch
 
-    from .profiler import measure_links, profile_model
+    from .profile import measure_links, profile_model
     dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     prof = profile_model(model, args.device_type, args.micro_batch_size, dtype, reps=args.reps,
                          slowdown=args.emulate_slowdown, progress=os.environ.get("RANK", "0") == "0",
                          tensor_parallel=args.tensor_parallel)
     if args.links:
-        from .partitioner.records import LinkProfile
+        from ..partitioner.records import LinkProfile
         prof = prof.model_copy(update={"links": [LinkProfile(**d) for d in measure_links()]})
     if os.environ.get("RANK", "0") == "0":
         write_atomic(args.output, prof.to_json() + "\n", "--output")
@@ -276,7 +277,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hethub", description="Plan and run DeepSpeed pipeline training across a heterogeneous "
                                            "GPU fleet.")
-    p.add_argument("--version", action="version", version=f"hethub {__import__('hethub').__version__}")
+    p.add_argument("--version", action="version", version=f"hethub {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     sp = sub.add_parser("plan", help="plan stages, widths and sample splits for a cluster and model")
@@ -394,6 +395,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_error("interrupted")
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

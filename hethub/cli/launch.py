@@ -22,8 +22,8 @@ import sys
 import tempfile
 from typing import Sequence
 
-from .partitioner.errors import InputError
-from .partitioner.records import Plan
+from ..partitioner.errors import InputError
+from ..partitioner.records import Plan
 
 # deepspeed flags that place ranks: the plan decides these
 _PLACEMENT_FLAGS = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "--num_nodes", "--num_gpus",
@@ -219,7 +219,7 @@ def _usage() -> str:
 
 
 def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
-    from .partitioner.records import load_plan
+    from ..partitioner.records import load_plan
     plan = load_plan(plan_path)
     host_layout(plan)
     if not rest:

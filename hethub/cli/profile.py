@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .emulation import SlowDown
-from .models import Block, Embedding, Head
-from .partitioner.errors import InputError
-from .partitioner.records import LayerProfile, ModelConfig, Profile, check_tensor_parallel
+from ..emulated.slowdown import SlowDown
+from ..models.builtin import Block, Embedding, Head
+from ..partitioner.errors import InputError
+from ..partitioner.records import LayerProfile, ModelConfig, Profile, check_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,7 +136,7 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         for kind, module, make_input in kinds:
             module = module.to(device=device, dtype=tdtype)
             if mesh is not None and kind == "block":
-                from .tp import parallelize
+                from ..runtime.tp import parallelize
                 parallelize(1, [module], {}, mesh)
             if slowdown != 1.0:
                 module = SlowDown(module, slowdown)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .partitioner.errors import InputError
+from ..partitioner.errors import InputError
 from .tp import full, gather_like, local, shard_of
 
 LATEST = "latest"
@@ -37,7 +37,7 @@ def _layer_file(d: str, idx: int, kind: str) -> str:
 
 def _local_layers(engine) -> list[tuple[int, torch.nn.Module]]:
     """(planner layer index, the user's module) for this stage, unwrapping emulation wrappers."""
-    from .emulation import SlowDown
+    from ..emulated.slowdown import SlowDown
     start = engine.grid.stage.layers[0]
     out = []
     for k, f in enumerate(engine.module.forward_funcs):
@@ -286,7 +286,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
     dist.all_reduce(steps, op=dist.ReduceOp.MIN)
     low, high = int(steps[0]), -int(steps[1])
     if low != high:
-        from .runtime import fail
+        from .startup import fail
         fail(f"checkpoint: ranks found checkpoints of different steps ({low} to {high}) in "
              f"{load_dir[:100]!r}: it is not shared by every host; load from a filesystem every host mounts")
     return result
@@ -303,7 +303,7 @@ def _agree(engine, error: Optional[str], what: str) -> None:
     failed = torch.tensor([engine.global_rank if error else engine.plan.world_size], dtype=torch.int64)
     dist.all_reduce(failed, op=dist.ReduceOp.MIN)
     if int(failed) < engine.plan.world_size:
-        from .runtime import fail
+        from .startup import fail
         fail(error or f"checkpoint: rank {int(failed)} {what} (see its message)")
 
 

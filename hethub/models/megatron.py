@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .partitioner.records import ModelConfig
+from ..partitioner.records import ModelConfig
 
 
 class _DeviceMemoryBuffer:
@@ -62,7 +62,7 @@ def cpu_compat() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     if not dist.is_initialized():
-        from .runtime import DEFAULT_TIMEOUT_S, _init_distributed
+        from ..runtime.startup import DEFAULT_TIMEOUT_S, _init_distributed
         _init_distributed(DEFAULT_TIMEOUT_S)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -114,7 +114,7 @@ class MegatronBlock(nn.Module):
         import torch.distributed as dist
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from .tp import mark_split
+        from ..runtime.tp import mark_split
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         pgs.tp = group
         with torch.random.fork_rng(devices=[]):  # the rebuild draws no numbers from the user's stream

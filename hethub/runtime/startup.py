@@ -20,10 +20,10 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 from pydantic import Field, field_validator
 
 from . import tp
-from .emulation import MAX_SLOWDOWN, parse_factors, slowdown_for
-from .partitioner.errors import InputError, print_error
-from .partitioner.records import Plan, Record, load_plan, parse_record
-from .ties import find_ties, resolve_tied_specs
+from ..emulated.slowdown import MAX_SLOWDOWN, parse_factors, slowdown_for
+from ..partitioner.errors import InputError, print_error
+from ..partitioner.records import Plan, Record, load_plan, parse_record
+from ..models.ties import find_ties, resolve_tied_specs
 
 DEFAULT_TIMEOUT_S = 300
 
@@ -49,7 +49,7 @@ def _load_config(config: Union[dict, str, None]) -> dict:
         return {}
     if isinstance(config, dict):
         return json.loads(json.dumps(config))  # deep copy; we fill in batch keys
-    from .partitioner.records import read_data_file
+    from ..partitioner.records import read_data_file
     data = read_data_file(str(config), "config")  # JSON (YAML also accepted)
     if not isinstance(data, dict):
         raise InputError("config", f"{config}: expected a JSON object, got {type(data).__name__}")
@@ -96,7 +96,7 @@ def resolve_plan(plan: Union[Plan, str, None], section: HeteroSection, args: Any
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
-        from .partitioner.records import parse_record
+        from ..partitioner.records import parse_record
         return parse_record(Plan, plan, "plan")
     return load_plan(str(plan))
 
@@ -175,9 +175,9 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
 def load_checked_schedule(plan: Plan, path: str, rank: int) -> list:
     """A hand-edited schedule file (``hetero.schedule``), checked before any collective: every rank's list
     present, transfers matched, structure sound, and a dry run that finishes (a deadlock names rank and step)."""
-    from .partitioner.costmodel import CostModel
-    from .partitioner.schedule import read_schedule_file
-    from .partitioner.simulator import simulate
+    from ..partitioner.costmodel import CostModel
+    from ..partitioner.schedule import read_schedule_file
+    from ..partitioner.simulator import simulate
     sched = read_schedule_file(str(path))
     simulate(plan, CostModel(plan.cluster, plan.model), sched)
     return sched[rank]
@@ -237,7 +237,7 @@ def _check_every_rank_agrees(plan: Plan) -> None:
     """
     import torch
     import torch.distributed as dist
-    from . import __version__
+    from .._version import __version__
     mine = torch.tensor([_digest(plan.to_json()), _digest(__version__)], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -296,7 +296,7 @@ def _emulated(layers: Sequence[Any], grid, hetero: HeteroSection) -> Sequence[An
     slowdown = slowdown_for(grid.device_type, hetero.emulate_slowdown)
     if slowdown == 1.0:
         return layers
-    from .emulation import SlowDown
+    from ..emulated.slowdown import SlowDown
     first, last = grid.stage.layers
     layers = list(layers)
     layers[first:last] = [SlowDown(layer, slowdown) for layer in layers[first:last]]
@@ -352,7 +352,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import HeteroPipelineEngine, HeteroPipelineModule
-    from .topology import HeteroGrid
+    from .grid import HeteroGrid
     from .zero import Zero1
 
     cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it

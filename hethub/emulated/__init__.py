@@ -1,0 +1,2 @@
+"""Emulated heterogeneity on one machine: ranks slowed to a device type's speed (``slowdown``) and hosts in network
+namespaces on a rate-limited link (``netem``). Test and benchmark helpers; training never needs them."""
