@@ -19,9 +19,9 @@ import time
 import torch
 
 import hethub
-from ..emulated.slowdown import SlowDown, parse_factors
-from ..models.builtin import build_layers, counting_batches, lm_loss
-from ..partitioner import ModelConfig
+from hethub.emulated.slowdown import SlowDown, parse_factors
+from hethub.models.builtin import build_layers, counting_batches, lm_loss
+from hethub.partitioner import ModelConfig
 
 
 def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optimizer):
@@ -29,8 +29,8 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from ..runtime.startup import _init_distributed
-    _init_distributed(300)
+    from hethub.runtime.startup import init_distributed
+    init_distributed(300)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rtype = a.rank_types.split(",")[rank]
     k = factors.get(rtype, 1.0)

@@ -62,8 +62,8 @@ def cpu_compat() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     if not dist.is_initialized():
-        from ..runtime.startup import DEFAULT_TIMEOUT_S, _init_distributed
-        _init_distributed(DEFAULT_TIMEOUT_S)
+        from ..runtime.startup import DEFAULT_TIMEOUT_S, init_distributed
+        init_distributed(DEFAULT_TIMEOUT_S)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     if not torch.cuda.is_available():

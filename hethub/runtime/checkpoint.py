@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..partitioner.errors import InputError
+from .errors import fail
 from .tp import full, gather_like, local, shard_of
 
 LATEST = "latest"
@@ -35,23 +36,11 @@ def _layer_file(d: str, idx: int, kind: str) -> str:
     return os.path.join(d, f"layer_{idx:02d}-{kind}_states.pt")
 
 
-def _local_layers(engine) -> list[tuple[int, torch.nn.Module]]:
-    """(planner layer index, the user's module) for this stage, unwrapping emulation wrappers."""
-    from ..emulated.slowdown import SlowDown
-    start = engine.grid.stage.layers[0]
-    out = []
-    for k, f in enumerate(engine.module.forward_funcs):
-        base = f.module if isinstance(f, SlowDown) else f
-        if isinstance(base, torch.nn.Module):
-            out.append((start + k, base))
-    return out
-
-
 def _param_names(engine) -> dict[int, tuple[int, str]]:
     """id(parameter) -> (layer index, parameter name inside the layer); a tied weight held by several local
     layers maps to the first of them."""
     out: dict[int, tuple[int, str]] = {}
-    for idx, layer in _local_layers(engine):
+    for idx, layer in engine.module.indexed_layers():
         for name, p in layer.named_parameters():
             out.setdefault(id(p), (idx, name))
     return out
@@ -158,7 +147,7 @@ def _gathered_state(engine, shard) -> list[dict]:
     for k in keys:
         padded = torch.zeros(shard.chunk, dtype=st[k].dtype, device=st[k].device)
         padded[:st[k].numel()].copy_(st[k].reshape(-1))
-        gathered[k] = engine.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total].cpu()
+        gathered[k] = engine.gradients.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total].cpu()
     scalars = {k: v for k, v in st.items() if k not in gathered}
     return shard.split_state(gathered, scalars) if st else []
 
@@ -187,7 +176,7 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     try:
         if engine.grid.replica_id == 0:
             owners = _tie_owners(engine)
-            for idx, layer in _local_layers(engine):
+            for idx, layer in engine.module.indexed_layers():
                 whole = {k: full(v).detach().cpu() for k, v in layer.state_dict(keep_vars=True).items()
                          if (idx, k) not in owners}
                 if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
@@ -286,7 +275,6 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
     dist.all_reduce(steps, op=dist.ReduceOp.MIN)
     low, high = int(steps[0]), -int(steps[1])
     if low != high:
-        from .startup import fail
         fail(f"checkpoint: ranks found checkpoints of different steps ({low} to {high}) in "
              f"{load_dir[:100]!r}: it is not shared by every host; load from a filesystem every host mounts")
     return result
@@ -303,7 +291,6 @@ def _agree(engine, error: Optional[str], what: str) -> None:
     failed = torch.tensor([engine.global_rank if error else engine.plan.world_size], dtype=torch.int64)
     dist.all_reduce(failed, op=dist.ReduceOp.MIN)
     if int(failed) < engine.plan.world_size:
-        from .startup import fail
         fail(error or f"checkpoint: rank {int(failed)} {what} (see its message)")
 
 
@@ -339,7 +326,7 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
     names = _param_names(engine)
     owners = _tie_owners(engine)
     states: dict[int, dict] = {}
-    for idx, layer in _local_layers(engine):
+    for idx, layer in engine.module.indexed_layers():
         state = _load(_layer_file(d, idx, "model"))
         for k, v in layer.state_dict().items():
             if k not in state and (idx, k) in owners:  # a tied weight: stored once, with its first layer
@@ -366,7 +353,7 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
         st = by_layer.get(o_idx, {}).get(o_name)
         if st is not None and place[0] in by_layer:
             by_layer[place[0]].setdefault(place[1], st)
-    for idx, layer in _local_layers(engine):
+    for idx, layer in engine.module.indexed_layers():
         _load_layer(layer, states[idx])
     if load_optimizer_states:
         _load_optimizer_state(engine, names, by_layer)

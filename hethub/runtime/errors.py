@@ -1,0 +1,55 @@
+"""How the runtime ends a rank: a bad input (exit 2) or a lost peer (exit 3), each as one line on stderr.
+
+Why one home: every part (start-up, transport, gradients, checkpoint) reaches the same two verdicts, and each
+must end the rank the same way, so peers see it gone within seconds rather than hanging in a collective.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, NoReturn, Sequence, TypeVar
+
+from ..partitioner.errors import print_error
+
+T = TypeVar("T")
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit 2 (on every rank: each rank reaches the same verdict from the same input)."""
+    print_error(message)
+    raise SystemExit(2)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+class Guard:
+    """Runs hethub's own communication calls; a failure (a peer died or hung) ends this rank with one line naming
+    the peers it was waiting for, the action and the step.
+
+    Only hethub's transfers and collectives go through a guard, so a user's error is never taken for a lost peer.
+    ``watch`` says what the next calls are (the executor before each action, a collective before it runs).
+    """
+
+    def __init__(self, rank: int, stage: int, world_size: int, step: Callable[[], int]):
+        self.rank, self.stage, self.world_size = rank, stage, world_size
+        self._step = step
+        self.peers: tuple[int, ...] = ()
+        self.what = "start-up"
+
+    def watch(self, peers: Sequence[int], what: str) -> None:
+        self.peers, self.what = tuple(peers), what
+
+    def __call__(self, fn: Callable[[], T], what: str = "") -> T:
+        try:
+            return fn()
+        except RuntimeError as exc:
+            self.lost(what or self.what, exc)
+
+    def lost(self, what: str, exc: BaseException) -> NoReturn:
+        peers = self.peers or tuple(range(self.world_size))
+        print_error(f"rank {self.rank} (stage {self.stage}) lost rank(s) "
+                    f"{', '.join(map(str, sorted(set(peers) - {self.rank})))} during {what} at "
+                    f"step {self._step()}: {first_line(exc)}")
+        os._exit(3)  # not SystemExit: gloo's threads may still hold the process

@@ -1,0 +1,124 @@
+"""Gradients and the other collectives over a stage's replicas: data-parallel and tied-weight reduction, the
+global gradient norm, the ZeRO-1 gather, and the loss every rank returns.
+
+Scaling is exact by construction: each replica's loss is its per-sample mean times ``samples / global_batch``,
+so a SUM over a stage's replicas is the gradient of the global mean loss (never an average). A stage whose
+replicas span vendors reduces through the host bridge (its gloo group, on host buffers), like a cross-vendor
+boundary.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .errors import Guard
+from .tp import is_sharded, local
+
+
+class Gradients:
+    """One rank's share of the step's collectives. ``zero1`` is this replica's ``hethub.zero.Zero1`` (or None)."""
+
+    def __init__(self, grid, module, device: torch.device, guard: Guard, zero1=None):
+        self.grid, self.module, self.device, self.guard, self.zero1 = grid, module, device, guard, zero1
+        layers = dict(module.indexed_layers())
+        self.tied = [(tie, group, _tied_parameter(tie, layers)) for tie, group in grid.tie_groups]
+        self.global_norm: Optional[float] = None  # of the last clip
+
+    def reduce(self) -> None:
+        """SUM within the stage's replicas, then across the stages holding a tied weight; ZeRO-1 takes its shard."""
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]  # tensor-parallel: own shard
+        if grads and self.grid.data_parallel_size > 1:
+            flat = _flatten_dense_tensors(grads)
+
+            def all_reduce(t, group):
+                dist.all_reduce(t, group=group)
+                return t
+            flat = self._stage_collective(all_reduce, flat, "AR")
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        self._reduce_tied()
+        if self.zero1 is not None:
+            self.zero1.load_grads()
+
+    def _stage_collective(self, fn: Callable, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """Run a collective over the stage's replicas (through the host bridge where they span vendors)."""
+        self.guard.peers = tuple(self.grid.dp_ranks)
+        group = self.grid.stage_bridge_group
+        if group is None:
+            return self.guard(lambda: fn(tensor, self.grid.get_data_parallel_group()), what)
+        host = tensor.to("cpu")
+        out = self.guard(lambda: fn(host, group), what + " (host bridge)")
+        return out.to(tensor.device)
+
+    def _reduce_tied(self) -> None:
+        """A weight tied across stages: replica 0 of each holding stage gives its stage's (already reduced)
+        gradient, the others zeros; the sum over every holder is the single-process gradient (hethub.models.ties)."""
+        for _tie, group, p in self.tied:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            first = self.grid.replica_id == 0 and self.grid.tp_rank == 0  # one contribution per stage
+            mine = g.detach().clone() if first else torch.zeros_like(g)
+            self.guard.peers = tuple(dist.get_process_group_ranks(group))
+            self.guard(lambda: dist.all_reduce(mine, group=group), "the tied-weight all-reduce")
+            p.grad = mine
+
+    def _norm_parameters(self) -> list:
+        """Parameters whose gradients this stage counts in the global norm: a tied weight only on its owner's
+        stage."""
+        a, b = self.grid.stage.layers
+        skip = {id(p) for tie, _group, p in self.tied if not a <= tie.owner[0] < b}
+        return [p for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+
+    def clip(self, max_norm: float) -> float:
+        """Clip by the global norm: each stage's squared norm once (replica 0 contributes), summed over stages.
+        In a tensor-parallel group a split parameter's shards add up on every rank; a whole one counts once."""
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        counted = [local(p.grad) for p in self._norm_parameters() if is_sharded(p) or self.grid.tp_rank == 0]
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.grid.replica_id == 0 and counted:
+            sq += sum(g.detach().double().pow(2).sum() for g in counted)
+        self.guard.peers = ()
+        self.guard(lambda: dist.all_reduce(sq), "the gradient norm's all-reduce")
+        total = float(sq.sqrt())
+        self.global_norm = total
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads + (self.zero1.shard_grads() if self.zero1 is not None else []):
+                g.mul_(coef)
+        return total
+
+    def after_step(self) -> None:
+        """ZeRO-1: every replica gathers the updated parameters from the shards."""
+        if self.zero1 is not None:
+            self.zero1.gather_parameters(self.all_gather_stage)
+
+    def all_gather_stage(self, t: torch.Tensor, what: str = "the ZeRO-1 all-gather") -> torch.Tensor:
+        """Concatenation of ``t`` (one size everywhere) over the stage's replicas, in replica order."""
+        def gather(x, group):
+            parts = [torch.empty_like(x) for _ in range(self.grid.data_parallel_size)]
+            dist.all_gather(parts, x, group=group)
+            return torch.cat(parts)
+        return self._stage_collective(gather, t, what)
+
+    def global_loss(self, total_loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """Sum of every replica's sample-weighted loss (already divided by the batch), on every rank."""
+        grid = self.grid
+        self.guard.peers = ()
+        with torch.no_grad():
+            if grid.stage_id == grid.pipe_parallel_size - 1:
+                loss = total_loss.detach().clone().double().reshape(1)  # float64: no rounding on the way
+                if grid.data_parallel_size > 1:
+                    self.guard(lambda: dist.all_reduce(loss, group=grid.get_data_parallel_group()), "loss broadcast")
+            else:
+                loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+            if grid.pipe_parallel_size > 1:
+                self.guard(lambda: dist.broadcast(loss, src=grid.last_stage_root), "loss broadcast")
+        return loss[0]
+
+
+def _tied_parameter(tie, layers: dict):
+    """This stage's Parameter of a tie (any of its local places: they are one object)."""
+    idx, name = next((i, n) for i, n in tie.places if i in layers)
+    return dict(layers[idx].named_parameters())[name]

@@ -1,0 +1,222 @@
+"""Boundary tensors between stages of unequal width: metadata, row-slice sends and receives, the host bridge.
+
+A replica owns rows ``[sample_start, sample_stop)`` of every micro-batch; a transfer (``partitioner.schedule``'s
+``Transfer``) names a peer and the rows both own. Sends are packed (and cast to the boundary's wire dtype) by
+``hethub.kernels.pack`` and posted as ``isend``s that return at once; receives are posted ahead and waited for
+only when the forward or backward needs their rows. A boundary whose ``transport`` is ``"host"`` (vendors differ)
+goes through the grid's gloo host group on host buffers.
+
+The first activations a stage sends carry a metadata message (dtype, requires-grad, trailing shape of each
+tensor), once; in a tensor-parallel group the lead alone talks to the neighbouring stages and broadcasts what it
+received to the group.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
+from .errors import Guard
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+          torch.uint8, torch.int8, torch.int16]
+META_LEN = 64  # int64 slots of one tensor-metadata message
+Meta = list[tuple[torch.dtype, tuple, bool]]  # (dtype, trailing shape, requires grad) per tensor
+
+
+def encode_meta(tensors: Sequence[tuple[torch.Tensor, bool]]) -> torch.Tensor:
+    """(dtype, requires grad, trailing shape) of each (tensor, requires grad) as one int64 message."""
+    meta = torch.zeros(META_LEN, dtype=torch.int64)
+    meta[0] = len(tensors)
+    pos = 1
+    for t, req in tensors:
+        if pos + 2 + t.dim() > META_LEN:
+            raise ValueError("hethub: too many or too high-dimensional tensors cross a stage boundary")
+        meta[pos] = DTYPES.index(t.dtype)
+        meta[pos + 1] = int(req)
+        meta[pos + 2] = t.dim() - 1
+        meta[pos + 3:pos + 2 + t.dim()] = torch.tensor(t.shape[1:], dtype=torch.int64)
+        pos += 2 + t.dim()
+    return meta
+
+
+def decode_meta(meta: torch.Tensor) -> Meta:
+    m, out, pos = meta.tolist(), [], 1
+    for _ in range(m[0]):
+        dtype, req, nd = DTYPES[m[pos]], bool(m[pos + 1]), m[pos + 2]
+        out.append((dtype, tuple(m[pos + 3:pos + 3 + nd]), req))
+        pos += 3 + nd
+    return out
+
+
+class _Posted:
+    """A posted receive: its works, the buffers they fill, what they hold, and the rows they go to."""
+
+    def __init__(self, works: list, pieces: list, specs: Sequence[tuple[torch.dtype, tuple]], ranges: list):
+        self.works, self.pieces, self.specs, self.ranges = works, pieces, specs, ranges
+
+
+class Transport:
+    """One rank's boundary traffic. Built once per engine; ``reset`` starts an iteration."""
+
+    def __init__(self, grid, device: torch.device, guard: Guard):
+        self.grid, self.device, self.guard = grid, device, guard
+        self.rows = grid.sample_stop - grid.sample_start  # this replica's rows of a micro-batch
+        self.is_lead = grid.tp_rank == 0  # talks to the neighbouring stages (every rank without TP)
+        self.recv_meta: Optional[Meta] = None  # what this rank receives from the previous stage
+        self._recv_meta_lead: Optional[Meta] = None  # ... as the lead received it (shared with a TP group once)
+        self._meta_sent = False
+        self.waited_s = 0.0  # seconds spent waiting for receives since the executor last read it
+        self.reset()
+
+    def reset(self) -> None:
+        self._recvs: dict[tuple[str, int], _Posted] = {}  # ("A"|"G", mb) -> posted receive
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, buffer) in flight
+
+    def reset_shapes(self) -> None:
+        """The next activations carry metadata again (shapes changed between iterations)."""
+        self.recv_meta, self._recv_meta_lead, self._meta_sent = None, None, False
+
+    # ------------------------------------------------------------------ the four transfers of a schedule
+    def send_activations(self, outputs: tuple, transfers) -> None:
+        if not self.is_lead:
+            return  # the group's lead sends the (replicated) output once
+        if not self._meta_sent:
+            self._send_meta(outputs, transfers)
+            self._meta_sent = True
+        self._post_sends(outputs, transfers, self.grid.next_boundary)
+
+    def recv_activations(self, mb: int, transfers) -> None:
+        if not self.is_lead:
+            return  # the lead receives and shares at the forward (take)
+        if self._recv_meta_lead is None:
+            self._recv_meta_from(transfers)
+        self._post_recvs("A", mb, [(d, s) for d, s, _ in self._recv_meta_lead], transfers, self.grid.prev_boundary)
+
+    def send_grads(self, grads: Sequence[torch.Tensor], transfers) -> None:
+        if self.is_lead:
+            self._post_sends(grads, transfers, self.grid.prev_boundary)
+
+    def recv_grads(self, mb: int, outputs: Sequence[torch.Tensor], transfers) -> None:
+        if self.is_lead:
+            self._post_recvs("G", mb, [(o.dtype, tuple(o.shape[1:])) for o in outputs], transfers,
+                             self.grid.next_boundary)
+
+    def take(self, kind: str, mb: int, like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """This replica's full tensors of a posted receive. In a tensor-parallel group the lead received them
+        and broadcasts them to the others (``like``: tensors of the shapes to expect, for gradients)."""
+        out = self._take_own(kind, mb) if self.is_lead else None
+        if self.grid.tp > 1:
+            out = self._tp_share(kind, out, like)
+        return out
+
+    def wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, _buf in sends:
+            self.guard(work.wait)
+
+    # ------------------------------------------------------------------ metadata
+    def _send_meta(self, outputs: tuple, peers) -> None:
+        meta = encode_meta([(t, t.is_floating_point() and t.requires_grad) for t in outputs])
+        for p in peers:
+            self._sends.append((self.guard(lambda: dist.isend(meta, p.peer)), meta))
+
+    def _recv_meta_from(self, peers) -> None:
+        metas = [torch.zeros(META_LEN, dtype=torch.int64) for _ in peers]
+        for w in [self.guard(lambda: dist.irecv(m, p.peer)) for m, p in zip(metas, peers)]:
+            self.guard(w.wait)
+        if any(not torch.equal(m, metas[0]) for m in metas):
+            raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
+        self._recv_meta_lead = decode_meta(metas[0])
+        if self.grid.tp == 1:
+            self.recv_meta = self._recv_meta_lead
+
+    # ------------------------------------------------------------------ row slices
+    def _route(self, boundary):
+        """(process group, through host memory?) for a boundary: the bridge uses the gloo group on host buffers."""
+        if boundary is not None and boundary.transport == "host":
+            return self.grid.host_group, True
+        return None, False
+
+    def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, boundary) -> None:
+        """isend each peer its rows of every tensor, packed (and cast to the boundary's wire dtype)."""
+        base = self.grid.sample_start
+        ranges = [(t.start - base, t.stop - base) for t in transfers]
+        group, host = self._route(boundary)
+        wire = boundary.dtype if boundary is not None else None
+        for x in tensors:
+            x = x.detach()
+            if x.dtype in WIRE_DTYPES:
+                buf = pack(x, ranges, wire_dtype_for(x.dtype, wire))
+            else:  # integer side inputs (masks, ids) and float64 travel as they are
+                buf = torch.cat([x[a:b] for a, b in ranges]) if ranges else x[:0]
+            if host and buf.device.type != "cpu":
+                buf = buf.to("cpu", non_blocking=False)
+            off = 0
+            for (a, b), t in zip(ranges, transfers):
+                piece = buf[off:off + b - a]
+                self._sends.append((self.guard(lambda: dist.isend(piece, t.peer, group=group)), piece))
+                off += b - a
+
+    def _post_recvs(self, kind: str, mb: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
+                    boundary) -> None:
+        """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers."""
+        base = self.grid.sample_start
+        ranges = [(t.start - base, t.stop - base) for t in transfers]
+        group, host = self._route(boundary)
+        wire = boundary.dtype if boundary is not None else None
+        where = "cpu" if host else self.device
+        works, pieces = [], []
+        for dtype, shape in specs:
+            wdt = wire_dtype_for(dtype, wire) if dtype in WIRE_DTYPES else None
+            bdt, row_shape = wire_layout(dtype, shape, wdt)
+            for (a, b), t in zip(ranges, transfers):
+                buf = torch.empty((b - a, *row_shape), dtype=bdt, device=where)
+                works.append(self.guard(lambda: dist.irecv(buf, t.peer, group=group)))
+                pieces.append(buf)
+        self._recvs[(kind, mb)] = _Posted(works, pieces, specs, ranges)
+
+    def _take_own(self, kind: str, mb: int) -> list[torch.Tensor]:
+        """Wait for a posted receive; unpack and up-cast its pieces into this replica's full tensors."""
+        posted = self._recvs.pop((kind, mb))
+        t0 = time.perf_counter()
+        for w in posted.works:
+            self.guard(w.wait)
+        self.waited_s += time.perf_counter() - t0
+        out, k, ranges = [], 0, posted.ranges
+        for dtype, shape in posted.specs:
+            mine = posted.pieces[k:k + len(ranges)]
+            k += len(ranges)
+            buf = (torch.cat(mine) if len(mine) > 1 else mine[0]).to(self.device)
+            full = torch.empty((self.rows, *shape), dtype=dtype, device=self.device)
+            if dtype in WIRE_DTYPES:
+                unpack(buf, full, ranges)
+            else:
+                off = 0
+                for a, b in ranges:
+                    full[a:b].copy_(buf[off:off + b - a])
+                    off += b - a
+            out.append(full)
+        return out
+
+    def _tp_share(self, kind: str, tensors: Optional[list], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Broadcast the lead's received tensors over the tensor-parallel group (shapes of activations from
+        the lead's meta, shared once; gradients are shaped like this rank's own outputs)."""
+        group, lead = self.grid.tp_group, self.grid.tp_lead
+        self.guard.peers = tuple(self.grid.tp_ranks)
+        what = "the tensor-parallel broadcast"
+        if kind == "A" and self.recv_meta is None:  # the lead has it from the previous stage
+            meta = torch.zeros(META_LEN, dtype=torch.int64)
+            if self.is_lead:
+                meta = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead)])
+            self.guard(lambda: dist.broadcast(meta, src=lead, group=group), what)
+            self.recv_meta = decode_meta(meta)
+        if tensors is None:
+            tensors = ([torch.empty((self.rows, *shape), dtype=d, device=self.device) for d, shape, _ in self.recv_meta]
+                       if kind == "A" else [torch.empty_like(t) for t in like])
+        for t in tensors:
+            self.guard(lambda: dist.broadcast(t, src=lead, group=group), what)
+        return tensors
