@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pack import FP8, Range, _check_pack, _check_unpack, _fp8_shape
+from .layout import FP8, Range, check_pack, check_unpack, fp8_shape
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -99,7 +99,7 @@ def _row_map(ranges: Sequence[Range], device) -> torch.Tensor:
 
 
 def pack_triton(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    total, wire = _check_pack(x, ranges, dtype)
+    total, wire = check_pack(x, ranges, dtype)
     x = x.contiguous()  # non-contiguous input: one extra copy, then the same kernel
     src_rows = _row_map(ranges, x.device)
     dst_rows = torch.arange(total, dtype=torch.int64, device=x.device)
@@ -109,7 +109,7 @@ def pack_triton(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.
         if total and D:
             _copy_rows[(total, triton.cdiv(D, BLOCK))](x, out, src_rows, dst_rows, D, OUT_ID=_ID[wire], BLOCK=BLOCK)
         return out
-    T, H = _fp8_shape(x.shape)
+    T, H = fp8_shape(x.shape)
     row_bytes = T * H + 4 * T
     out = torch.empty((total, row_bytes), dtype=torch.uint8, device=x.device)
     if total and T and H:
@@ -118,7 +118,7 @@ def pack_triton(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.
 
 
 def unpack_triton(buf: torch.Tensor, out: torch.Tensor, ranges: Sequence[Range]) -> torch.Tensor:
-    total = _check_unpack(buf, out, ranges)
+    total = check_unpack(buf, out, ranges)
     if not out.is_contiguous():
         tmp = unpack_triton(buf, out.contiguous(), ranges)
         out.copy_(tmp)
@@ -132,7 +132,7 @@ def unpack_triton(buf: torch.Tensor, out: torch.Tensor, ranges: Sequence[Range])
             _copy_rows[(total, triton.cdiv(D, BLOCK))](buf, out, src_rows, dst_rows, D, OUT_ID=_ID[out.dtype],
                                                       BLOCK=BLOCK)
         return out
-    T, H = _fp8_shape(out.shape)
+    T, H = fp8_shape(out.shape)
     if total and T and H:
         _unpack_fp8[(total, T)](buf.contiguous(), out, dst_rows, T, H, T * H + 4 * T, OUT_ID=_ID[out.dtype],
                                 BLOCK_H=triton.next_power_of_2(H))

@@ -6,7 +6,8 @@ Pure Python + numpy/PuLP/HiGHS: it never imports torch, deepspeed or triton
 from .errors import InfeasibleError, InputError, print_error
 from .records import (Cluster, DeviceType, LayerInfo, LayerProfile, ModelConfig, Network, Node, Plan, Predicted,
                       Profile, Replica, SolverInfo, Stage, builtin_device_type, builtin_model, load_cluster,
-                      load_model, load_plan, load_profile)
+                      load_plan, load_profile)
+from .loaders import load_model
 
 __all__ = ["InputError", "InfeasibleError", "print_error", "Cluster", "DeviceType", "LayerInfo", "LayerProfile", "ModelConfig",
            "Network", "Node", "Plan", "Predicted", "Profile", "Replica", "SolverInfo", "Stage",

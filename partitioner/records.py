@@ -316,22 +316,6 @@ def builtin_model(name: str) -> ModelConfig:
     return ModelConfig(name=name, **MODELS[name])
 
 
-def load_model(spec: str) -> ModelConfig:
-    """A built-in model name (``gpt-1.3b``), a YAML/JSON file path, or ``hf:path/config.json`` (a Hugging Face
-    config, see ``partitioner.hf``)."""
-    if spec in MODELS:
-        return builtin_model(spec)
-    if spec.startswith("hf:"):
-        from .hf import load_hf_model
-        return load_hf_model(spec[3:])
-    if not os.path.exists(spec):
-        raise InputError("model", f"no file and no built-in model named {spec!r} (built-in: {', '.join(MODELS)})")
-    data = read_data_file(spec, "model")
-    if isinstance(data, dict) and "name" not in data:
-        data = {"name": os.path.splitext(os.path.basename(spec))[0], **data}
-    return parse_record(ModelConfig, data, "model")
-
-
 def load_cluster(path: str) -> Cluster:
     return parse_record(Cluster, read_data_file(path, "cluster"), "cluster")
 

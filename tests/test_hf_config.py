@@ -7,7 +7,7 @@ from hethub.cli.main import main
 from hethub.partitioner import InputError
 from hethub.partitioner.costmodel import layer_costs
 from hethub.partitioner.hf import load_hf_model, model_config_from_hf
-from hethub.partitioner.records import load_model
+from hethub.partitioner.loaders import load_model
 
 GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None, "vocab_size": 50257,
         "n_positions": 1024, "tie_word_embeddings": True}

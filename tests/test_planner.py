@@ -8,7 +8,8 @@ from hethub.partitioner.api import make_baseline, make_plan
 from hethub.partitioner.baselines import partition_balanced, partition_uniform
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.evaluate import predict
-from hethub.partitioner.planner import PlannerOptions, search, units_for, widths_for
+from hethub.partitioner.planner import PlannerOptions, search
+from hethub.partitioner.search.candidates import units_for, widths_for
 
 TWO_TYPE = Cluster.model_validate({
     "name": "a100-v100", "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 8},
@@ -101,7 +102,7 @@ def test_mixed_type_plans_are_valid_and_some_instances_need_them():
 
 
 def test_mixed_splits_are_speed_proportional_and_undominated():
-    from hethub.partitioner.planner import mixed_splits
+    from hethub.partitioner.search.candidates import mixed_splits
     fixed_a, per_a, fixed_b, per_b, b = 0.01, 0.1, 0.02, 0.3, 16
     splits = mixed_splits(fixed_a, per_a, fixed_b, per_b, b, 8, 8, keep=100)
     assert splits
@@ -205,7 +206,7 @@ def test_a_boundary_between_device_types_is_priced_across_hosts():
     from hethub.partitioner import load_cluster
     from hethub.partitioner.evaluate import closed_form_s
     from hethub.partitioner.placement import StageLayout, build_plan
-    from hethub.partitioner.planner import candidates, objective_of
+    from hethub.partitioner.search.candidates import candidates, objective_of
     cluster, model = load_cluster(f"{EXAMPLES}/cluster.yaml"), builtin_model("gpt-1.3b")
     cm, types = CostModel(cluster, model), list(cluster.type_names)
     c = candidates(cm, units_for(model, None), 8, 1, types, cluster.count_by_type(), max_tp=8)

@@ -8,9 +8,9 @@ import pytest
 
 from hethub.partitioner import InfeasibleError, builtin_model
 from hethub.partitioner.costmodel import CostModel
-from hethub.partitioner.planner import (PlannerOptions, _layer_granular_shapes, chain_is_feasible, micro_batch_sizes,
-                                        objective_of, search)
-from hethub.partitioner.shapes import DualBound, ShapeSearch, greedy_shapes, identical_blocks, order_chain
+from hethub.partitioner.planner import PlannerOptions, _layer_granular_shapes, micro_batch_sizes, search
+from hethub.partitioner.search.candidates import chain_is_feasible, objective_of
+from hethub.partitioner.search.shapes import DualBound, ShapeSearch, greedy_shapes, identical_blocks, order_chain
 from conftest import EXAMPLES
 from test_planner import TWO_TYPE, random_instance
 
@@ -59,7 +59,7 @@ def test_shapes_match_brute_force(seed):
         assert got.objective == pytest.approx(ref.objective, rel=1e-6)
     # the time-limit fallback: every greedy plan is a feasible chain, never better than the optimum
     n = cm.model.num_planner_layers
-    for _, b, M, c, t_lb in shapes.jobs:
+    for b, M, c, t_lb in ((j.b, j.M, j.cand, j.t_lb) for j in shapes.jobs):
         for perm in itertools.permutations(sorted({int(v) for v in c.vendor})):
             for f in ShapeSearch.CAPS:
                 plan = greedy_shapes(c, n, counts, M, perm, t_lb * f)
@@ -70,9 +70,9 @@ def test_shapes_match_brute_force(seed):
         assert shapes.stats()["gap"] <= 1e-4  # HiGHS stops within its relative MIP gap (1e-4)
     # the dual bound of each size never passes that size's optimum (the brute force's best chain of the size),
     # asked to prove twice the optimum so that it refines as far as it can
-    jobs = {j[1]: j for j in shapes.jobs}
+    jobs = {j.b: j for j in shapes.jobs}
     for alt in ref_stats["alternatives"]:
-        _, b, M, c, t_lb = jobs[alt.b]
+        M, c, t_lb = jobs[alt.b].M, jobs[alt.b].cand, jobs[alt.b].t_lb
         assert DualBound(c, n, counts, M, t_lb).bound(2 * alt.objective, 0.05) <= alt.objective * (1 + 1e-9)
 
 
@@ -116,7 +116,7 @@ def test_long_models_of_identical_blocks_plan_at_layer_granularity():
 
 def test_unbounded_knapsack_step_equals_the_loop_it_replaces():
     """``_take_any_number`` (vectorised per residue) against the plain loop g[x] = max(g[x], g[x-d] + m)."""
-    from hethub.partitioner.shapes import _take_any_number
+    from hethub.partitioner.search.shapes import _take_any_number
     rng = np.random.default_rng(7)
     for _ in range(300):
         n = int(rng.integers(1, 60))
@@ -130,7 +130,7 @@ def test_unbounded_knapsack_step_equals_the_loop_it_replaces():
 
 def test_bounded_knapsack_step_equals_taking_each_count():
     """``_take_up_to`` (binary splitting) against max over k <= f of g[x - k d] + k m, computed directly."""
-    from hethub.partitioner.shapes import _take_up_to
+    from hethub.partitioner.search.shapes import _take_up_to
     rng = np.random.default_rng(11)
     for _ in range(300):
         n = int(rng.integers(1, 60))
@@ -150,7 +150,7 @@ def test_a_search_cut_short_by_the_time_limit_falls_back_or_says_so(monkeypatch)
     cm = CostModel(cluster, builtin_model("llama-140b"))
     sol, stats = search(cm, 1024, PlannerOptions(time_limit_s=0.3))
     assert sol.cands is not None and 0 < stats["gap"] < 1
-    monkeypatch.setattr("hethub.partitioner.shapes.greedy_shapes", lambda *a: None)
+    monkeypatch.setattr("hethub.partitioner.search.shapes.greedy_shapes", lambda *a: None)
     with pytest.raises(InfeasibleError, match=r"--time-limit: no plan found within 0.3 s"):
         search(cm, 1024, PlannerOptions(time_limit_s=0.3))
 
@@ -167,7 +167,7 @@ def test_the_dual_bound_closes_most_of_the_gap_the_simple_bound_leaves():
     shapes = ShapeSearch(cm, 8, PlannerOptions(time_limit_s=30, micro_batch_sizes=(2,)), None, types, counts, [2])
     shapes.run()
     assert shapes.stats()["status"] == "optimal"
-    simple, b, M, c, t_lb = shapes.jobs[0]
+    simple, b, M, c, t_lb = shapes.jobs[0][:5]
     best = shapes.best.objective
     dual = DualBound(c, cm.model.num_planner_layers, counts, M, t_lb).bound(best, 1.0)
     assert simple < 0.7 * best

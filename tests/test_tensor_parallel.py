@@ -6,7 +6,8 @@ import pytest
 from hethub.partitioner import Cluster, InputError, Plan, builtin_model
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.placement import StageLayout, build_plan
-from hethub.partitioner.planner import PlannerOptions, search, tensor_parallel_degrees
+from hethub.partitioner.planner import PlannerOptions, search
+from hethub.partitioner.search.candidates import tensor_parallel_degrees
 from hethub.partitioner.records import ModelConfig
 
 NODE8 = Cluster.model_validate({"name": "a100x16", "nodes": [{"host": "n0", "device_type": "A100-80GB", "count": 8},

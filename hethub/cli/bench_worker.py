@@ -16,20 +16,20 @@ import os
 import statistics
 import time
 
+import deepspeed
 import torch
+from deepspeed.pipe import PipelineModule
 
 import hethub
 from hethub.emulated.slowdown import SlowDown, parse_factors
 from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import ModelConfig
+from hethub.runtime.startup import init_distributed
+from hethub.runtime.zero import optimizer_state_bytes
 
 
 def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optimizer):
     """DeepSpeed's own pipeline: PipelineModule(partition_method=...), equal widths, its TrainSchedule."""
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-
-    from hethub.runtime.startup import init_distributed
     init_distributed(300)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rtype = a.rank_types.split(",")[rank]
@@ -98,7 +98,6 @@ def main() -> None:
         with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
             json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
     if a.state_out and a.mode == "hethub":
-        from ..runtime.zero import optimizer_state_bytes
         with open(f"{a.state_out}.{rank}", "w", encoding="utf-8") as f:
             json.dump({"opt_bytes": optimizer_state_bytes(engine.optimizer)}, f)
     if rank == 0:

@@ -10,18 +10,28 @@ mixed cluster's fastest part alone) and DeepSpeed's own ``parameters`` partition
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import torch
 from rich.console import Console
+from rich.table import Table
 
+from ..partitioner.api import make_baseline, make_plan
+from ..partitioner.costmodel import CostModel
 from ..partitioner.outputs import write_atomic
+from ..partitioner.planner import PlannerOptions
 from ..partitioner.records import Cluster, ModelConfig
+from ..partitioner.simulator import simulate, write_png
+from .profile import profile_model
+from .show import print_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOWDOWN = 2.0  # SLOW vs FAST
@@ -73,13 +83,7 @@ def _stream(cmd: list[str], env: dict, label: str, console, timeout_s: float) ->
 
 
 def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, timeout_s: float = 300) -> int:
-    import torch
 
-    from ..partitioner.api import make_baseline, make_plan
-    from ..partitioner.costmodel import CostModel
-    from ..partitioner.planner import PlannerOptions
-    from ..partitioner.simulator import simulate, write_png
-    from .show import print_plan
 
     console = Console(width=None if Console().is_terminal else 160)
     os.makedirs(out_dir, exist_ok=True)
@@ -134,7 +138,6 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
 def _profile(model, console, out_dir: str) -> list:
     """Profiles of both emulated types at several micro-batch sizes (the cost model fits fixed + per-sample
     time per layer), written to ``out_dir``."""
-    from .profile import profile_model
     t0 = time.perf_counter()
     profiles = []
     with console.status("profiling ...") if console.is_terminal else contextlib.nullcontext():
@@ -165,7 +168,6 @@ def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -177,7 +179,6 @@ def _layout(plan) -> str:
 
 
 def _report(console, runs, out_dir: str, plan_path: str, png: str) -> int:
-    from rich.table import Table
     table = Table(title="one iteration = the same global batch, same model, same data, same ranks' speeds")
     for col in ("plan", "stages", "devices used", "predicted s/it", "measured s/it", "measured samples/s"):
         table.add_column(col, justify="left" if col == "plan" else "right")
@@ -208,3 +209,7 @@ def _report(console, runs, out_dir: str, plan_path: str, png: str) -> int:
         console.print("error: the loss did not fall")
         ok = False
     return 0 if ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(args.output_dir, args.steps, args.global_batch)

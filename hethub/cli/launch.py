@@ -23,7 +23,7 @@ import tempfile
 from typing import Sequence
 
 from ..partitioner.errors import InputError
-from ..partitioner.records import Plan
+from ..partitioner.records import Plan, load_plan
 
 # deepspeed flags that place ranks: the plan decides these
 _PLACEMENT_FLAGS = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "--num_nodes", "--num_gpus",
@@ -74,7 +74,7 @@ def parse_deepspeed_flags(args: list[str]):
     """DeepSpeed's runner parser on ``args``; its usage text and error become one line (hethub's own flags
     must come first, and a misplaced one is the usual cause)."""
     try:
-        from deepspeed.launcher import runner
+        from deepspeed.launcher import runner  # lazy: a planning-only install has no DeepSpeed (one line below)
     except ImportError:
         raise InputError("launch", "needs DeepSpeed: pip install 'hethub[runtime]'") from None
     usage = io.StringIO()
@@ -219,7 +219,6 @@ def _usage() -> str:
 
 
 def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
-    from ..partitioner.records import load_plan
     plan = load_plan(plan_path)
     host_layout(plan)
     if not rest:

@@ -8,18 +8,26 @@ only where the device reports it (CUDA/ROCm).
 """
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 import statistics
 import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from rich.progress import Progress
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..emulated.slowdown import SlowDown
 from ..models.builtin import Block, Embedding, Head
 from ..partitioner.errors import InputError
-from ..partitioner.records import LayerProfile, ModelConfig, Profile, check_tensor_parallel
+from ..partitioner.loaders import load_model
+from ..partitioner.outputs import check_output_path, write_atomic
+from ..runtime.tp import parallelize
+from ..partitioner.records import LayerProfile, LinkProfile, ModelConfig, Profile, check_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,8 +90,6 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
 def _tp_group(tensor_parallel: int):
     """(all-reduce-max of an int over the group, mesh) for a profile measured tensor-parallel: the world of
     processes a launcher started, which must be exactly ``tensor_parallel`` of them."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != tensor_parallel:
         raise InputError("--tensor-parallel", f"{tensor_parallel} needs {tensor_parallel} processes under a launcher "
@@ -128,7 +134,6 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
     rows: dict[str, dict] = {}
     bar = None
     if progress:
-        from rich.progress import Progress
         bar = Progress(transient=True)
         bar.start()
         task = bar.add_task(f"profiling {model.name} on {device_type}", total=len(kinds))
@@ -136,7 +141,6 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         for kind, module, make_input in kinds:
             module = module.to(device=device, dtype=tdtype)
             if mesh is not None and kind == "block":
-                from ..runtime.tp import parallelize
                 parallelize(1, [module], {}, mesh)
             if slowdown != 1.0:
                 module = SlowDown(module, slowdown)
@@ -152,7 +156,6 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         layers.append(LayerProfile(index=info.index, kind=info.kind, forward_ms=r["forward_ms"],
                                    backward_ms=r["backward_ms"], activation_bytes=r["activation_bytes"],
                                    peak_memory_bytes=r["peak_memory_bytes"]))
-    import socket
     return Profile(device_type=device_type, model=model, micro_batch_size=micro_batch_size, dtype=dtype,
                    emulated_slowdown=slowdown, tensor_parallel=tensor_parallel, layers=layers,
                    host=socket.gethostname())
@@ -160,7 +163,6 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
 
 def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int = 5) -> list[dict]:
     """Under a launcher: p2p bandwidth from rank 0 to every other rank, and all-reduce bandwidth of the world."""
-    import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -195,3 +197,22 @@ def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int 
     out.append({"src_rank": 0, "dst_rank": world - 1, "op": "allreduce", "bytes": nbytes,
                 "gbps": 2 * (world - 1) / max(world, 1) * nbytes * 8 / t / 1e9})
     return out
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    check_output_path(args.output, "--output")
+    dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    prof = profile_model(model, args.device_type, args.micro_batch_size, dtype, reps=args.reps,
+                         slowdown=args.emulate_slowdown, progress=os.environ.get("RANK", "0") == "0",
+                         tensor_parallel=args.tensor_parallel)
+    if args.links:
+        prof = prof.model_copy(update={"links": [LinkProfile(**d) for d in measure_links()]})
+    if os.environ.get("RANK", "0") == "0":
+        write_atomic(args.output, prof.to_json() + "\n", "--output")
+        block = next((l for l in prof.layers if l.kind == "block"), prof.layers[0])
+        tp = f", tensor parallel {prof.tensor_parallel}" if prof.tensor_parallel > 1 else ""
+        print(f"wrote {args.output}: {len(prof.layers)} layers of {model.name} on {args.device_type} "
+              f"(micro-batch {prof.micro_batch_size}, {dtype}{tp}); block forward {block.forward_ms:.3f} ms, "
+              f"backward {block.backward_ms:.3f} ms" + (f", {len(prof.links)} links" if prof.links else ""))
+    return 0

@@ -1,10 +1,12 @@
 """Human summary of a plan (``hethub show``): a rich table, one row per stage."""
 from __future__ import annotations
 
+import argparse
+
 from rich.console import Console
 from rich.table import Table
 
-from ..partitioner.records import Plan
+from ..partitioner.records import Plan, load_plan
 
 
 def _hosts(stage) -> str:
@@ -77,3 +79,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if idle:
         console.print(f"idle devices ({len(idle)}): "
                       + ", ".join(f"{h}:{k} ({t})" for h, k, t in idle[:12]) + (" ..." if len(idle) > 12 else ""))
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print_plan(load_plan(args.plan))
+    return 0

@@ -20,12 +20,16 @@ the default generator; and the causal mask is passed explicitly (Megatron builds
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..partitioner.records import ModelConfig
+from ..runtime.startup import DEFAULT_TIMEOUT_S, init_distributed
+from ..runtime.tp import mark_split
 
 
 class _DeviceMemoryBuffer:
@@ -57,12 +61,10 @@ class _DefaultGeneratorTracker:
 
 def cpu_compat() -> None:
     """Initialise megatron-core's parallel state for TP = PP = 1 and keep its CUDA-only calls off this path."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
     if not dist.is_initialized():
-        from ..runtime.startup import DEFAULT_TIMEOUT_S, init_distributed
         init_distributed(DEFAULT_TIMEOUT_S)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -109,12 +111,9 @@ class MegatronBlock(nn.Module):
         QKV and first MLP matrix, row-parallel output projections; norms and row-parallel biases whole) and
         copy this rank's part of every weight into it. A tensor that shrank along one dim is a shard: the
         fused SwiGLU input matrix [gate; up] is two blocks, each split on its own (megatron's layout)."""
-        import dataclasses
 
-        import torch.distributed as dist
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from ..runtime.tp import mark_split
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         pgs.tp = group
         with torch.random.fork_rng(devices=[]):  # the rebuild draws no numbers from the user's stream

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..partitioner.errors import InputError
 from .errors import fail
@@ -107,7 +108,6 @@ def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     shard (a DTensor, a marked plain tensor, or under ZeRO-1 a plain tensor shaped like the shard), gathered
     over the group
     (collective: every rank of the group calls it, in the same order)."""
-    from torch.distributed.tensor import DTensor
     if isinstance(v, DTensor):
         return full(v)
     if isinstance(p, DTensor) and v.dim() > 0 and tuple(v.shape) == tuple(local(p).shape):
@@ -118,7 +118,6 @@ def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _state_for(p: torch.Tensor, v: Any, flat: bool) -> Any:
     """A whole optimizer state tensor from a file laid out for parameter ``p``: this rank's shard of it, as a
     DTensor like ``p`` (or a plain shard for ZeRO-1's flat state, ``flat``)."""
-    from torch.distributed.tensor import DTensor
     if not (torch.is_tensor(v) and v.dim() > 0):
         return v
     part = shard_of(v, p).to(local(p).device)

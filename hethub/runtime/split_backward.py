@@ -33,6 +33,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointFunction
 
 
@@ -74,7 +75,6 @@ class _Call:
 
 def _plain_linear(m: nn.Module) -> bool:
     """A Linear whose forward is ``F.linear(x, weight, bias)`` on plain tensors (not a tensor-parallel DTensor)."""
-    from torch.distributed.tensor import DTensor
     return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
             and not any(isinstance(p, DTensor) for p in (m.weight, m.bias) if p is not None))
 

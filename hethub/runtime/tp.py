@@ -31,8 +31,12 @@ from fnmatch import fnmatch
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..models.builtin import Block, Embedding, Head
 from ..partitioner.errors import InputError
 
 STYLES = ("colwise", "rowwise")
@@ -74,7 +78,6 @@ def check_tp_plan(tp_plan: Optional[Mapping[str, str]]) -> dict[str, str]:
 
 def _known_plan(layer: nn.Module) -> Optional[dict[str, str]]:
     """hethub's own layers: blocks split per ``Block.TP_PLAN``; embedding and head run whole."""
-    from ..models.builtin import Block, Embedding, Head
     if isinstance(layer, Block):
         names = dict(layer.named_modules())
         return {path: style for path, style in Block.TP_PLAN.items() if path in names}
@@ -134,7 +137,6 @@ def check_layers(plan, layers: Sequence[Any], tp_plan: Mapping[str, str]) -> Non
 
 def parallelize(first_idx: int, layers: Sequence[Any], tp_plan: Mapping[str, str], mesh) -> None:
     """Split this stage's layers in place over ``mesh`` (this replica's tensor-parallel group)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for k, layer in enumerate(layers):
         found, _ = layer_plan(first_idx + k, layer, tp_plan)
@@ -150,13 +152,11 @@ def parallelize(first_idx: int, layers: Sequence[Any], tp_plan: Mapping[str, str
 
 def is_sharded(t: torch.Tensor) -> bool:
     """A DTensor split over its mesh, or a tensor marked by ``mark_split`` (its rank holds a part)."""
-    from torch.distributed.tensor import DTensor
     return split_of(t) is not None or (isinstance(t, DTensor) and any(p.is_shard() for p in t.placements))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's own shard (the same storage), anything else as is."""
-    from torch.distributed.tensor import DTensor
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.to_local()
@@ -165,7 +165,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (collective over the group for a split one: every rank of it must call)."""
-    from torch.distributed.tensor import DTensor
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.full_tensor()
@@ -175,7 +174,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def gather_like(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The whole of ``v``, this rank's shard laid out as the marked plain tensor ``p`` (``v`` may be ``p``
     or optimizer state shaped like it); anything else as is. Collective over the group."""
-    import torch.distributed as dist
     split = split_of(p)
     if split is None or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
         return v
@@ -189,8 +187,6 @@ def gather_like(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole tensor, laid out as ``like`` (a DTensor or a marked tensor) is: no
     communication."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
     split = split_of(like)
     if split is not None and whole.dim() > 0:
         n, r = dist.get_world_size(split.group), dist.get_rank(split.group)

@@ -1,6 +1,6 @@
 """Layer-granular planning for models whose blocks are identical: a MILP over stage *shapes*, not chains.
 
-Why: the chain MILP (``planner.solve_milp``) has one binary per (layer range, device type, width, tensor
+Why: the chain MILP (``search.chain.solve_milp``) has one binary per (layer range, device type, width, tensor
 parallel, recompute); at 160 blocks that is ~13,000 ranges times the configurations, so large models were
 cut into 4-block units — which is what kept HETHUB-like plans away from their balance point. When every
 block costs the same (every built-in model and every Hugging Face decoder), a middle stage's cost, memory
@@ -21,7 +21,7 @@ one type) depend on the order, which the counts do not fix: the MILP charges onl
 (one bridge per vendor run, one boundary per type's run but the last, two runs for the type of both the
 first and the last stage), so its bound stays valid, and the chain is then ordered — the stages by in-flight
 capacity, grouped by vendor (and within a vendor by type) where memory allows — and priced exactly with
-``planner.objective_of``.
+``search.candidates.objective_of``.
 """
 from __future__ import annotations
 
@@ -33,9 +33,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .costmodel import CostModel
-from .planner import (FIELDS, OPTIMAL_GAP, Candidates, _milp_solver, _quiet_stdout, candidates, chain_is_feasible,
-                      objective_of, tensor_parallel_degrees)
+import pulp
+
+from ..costmodel import CostModel
+from .candidates import (FIELDS, Candidates, Job, Solution, candidates, chain_is_feasible, objective_of,
+                         tensor_parallel_degrees)
+from .milp import OPTIMAL_GAP, MilpModel
 
 
 def identical_blocks(cm: CostModel, types: Sequence[str], max_tp: int) -> bool:
@@ -183,7 +186,7 @@ def _take_any_number(g: np.ndarray, d: int, m: float) -> np.ndarray:
     return (np.maximum.accumulate(grid - j, axis=0) + j).ravel()[:n]
 
 
-def sum_lower_bound(c: Candidates, n: int) -> float:
+def blocks_sum_lower_bound(c: Candidates, n: int) -> float:
     """A lower bound on the sum of stage costs: every block, at the lowest cost per block any stage has
     (a stage's cost is at least its blocks times its own cost per block; the embedding and head add)."""
     first, end = c.first_unit, c.end_unit
@@ -343,7 +346,7 @@ class DualBound:
         return float(min(heap[0][0] if heap else math.inf, cutoff, self.whole_s))
 
 
-class ShapeMilp:
+class ShapeMilp(MilpModel):
     """The counts MILP over shape candidates ``c`` for one micro-batch size and one order of the vendors.
 
     The stages form one run per vendor, in ``vendor_order`` (vendors the plan leaves out have empty runs):
@@ -355,13 +358,10 @@ class ShapeMilp:
 
     def __init__(self, c: Candidates, n: int, counts: Sequence[int], M: int, vendor_order: Sequence[int],
                  z_lower: float = 0.0, z_upper: Optional[float] = None):
-        import pulp
-        self.pulp, self.c, self.n, self.M = pulp, c, n, M
+        super().__init__("hethub_shapes")
+        self.c, self.n, self.M = c, n, M
         L = n - 2
-        self.prob = prob = pulp.LpProblem("hethub_shapes", pulp.LpMinimize)
-        var = getattr(prob, "add_variable", None) or (
-            lambda name, lowBound=None, upBound=None, cat="Continuous": pulp.LpVariable(name, lowBound, upBound, cat))
-        lin = lambda terms: pulp.LpAffineExpression(terms)  # noqa: E731
+        prob, var, lin = self.prob, self.var, self.lin
         first, end = c.first_unit, c.end_unit
         self.is_first = first == 0
         self.is_last = (end == n) & (first > 0)
@@ -453,7 +453,7 @@ class ShapeMilp:
         c, prob, ks, M = self.c, self.prob, self.ks, self.M
         big = M + self.n
         of = {v: [k for k in ks if c.vendor[k] == v] for v in order}
-        used = {v: var(f"used{v}", cat=self.pulp.LpBinary) for v in order}
+        used = {v: var(f"used{v}", cat=pulp.LpBinary) for v in order}
         for k in ks:
             prob += used[int(c.vendor[k])] >= self.u[k]
         self.beta: dict[int, object] = {}
@@ -469,7 +469,7 @@ class ShapeMilp:
             prob += later_n == lin([(self.x[k], 1.0) for w in after for k in of[w] if self.is_mid[k]])
             later = later_n + 1
             if after:
-                beta = {k: var(f"beta{k}", cat=self.pulp.LpBinary) for k in of[v]
+                beta = {k: var(f"beta{k}", cat=pulp.LpBinary) for k in of[v]
                         if not (self.is_last[k] or self.is_whole[k])}
                 total = lin([(b, 1.0) for b in beta.values()])
                 for w in after:  # one bridge exactly when this run and a later one are used
@@ -503,27 +503,15 @@ class ShapeMilp:
                 cap = int(c.in_flight[k])
                 prob += upto[cap] + later <= float(cap) + big * (1 - self.u[k])
 
-    def solve(self, solver: str, time_limit_s: float, cutoff: Optional[float]):
+    def solve_counts(self, solver: str, time_limit_s: float, cutoff: Optional[float]):
         """(counts per candidate or None, status, dual bound)."""
-        pulp = self.pulp
-        with _quiet_stdout():
-            self.prob.solve(_milp_solver(solver, time_limit_s, cutoff))
-        bound = 0.0
-        if solver == "highs":
-            info = self.prob.solverModel.getInfo()
-            bound = float(info.mip_dual_bound) if math.isfinite(info.mip_dual_bound) else 0.0
-        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            if self.prob.status == pulp.LpStatusInfeasible or self.prob.sol_status == pulp.LpSolutionInfeasible:
-                return None, "infeasible", math.inf
-            if cutoff is not None and solver == "highs" and self.prob.solverModel.getModelStatus() == \
-                    __import__("highspy").HighsModelStatus.kObjectiveBound:
-                return None, "infeasible", float(cutoff)
-            return None, "timeout", bound
+        out = self.solve(solver, time_limit_s, cutoff)
+        if not out.solved:
+            return None, out.status, out.bound
         counts = {k: int(round(self.x[k].value() or 0)) for k in self.ks}
-        status = "optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "feasible"
-        self.value = float(self.pulp.value(self.prob.objective))
+        self.value = float(pulp.value(self.prob.objective))
         self.bridged = [k for k, b in self.beta.items() if (b.value() or 0) > 0.5]
-        return {k: v for k, v in counts.items() if v > 0}, status, bound
+        return {k: v for k, v in counts.items() if v > 0}, out.status, out.bound
 
 
 def order_chain(c: Candidates, chosen: dict[int, int], bridged: Sequence[int], vendor_order: Sequence[int],
@@ -668,7 +656,6 @@ class ShapeSearch:
 
     def __init__(self, cm: CostModel, global_batch: int, opts, progress, types: list[str], counts: list[int],
                  sizes: list[int]):
-        from .planner import Solution
         self._Solution, self._time = Solution, time
         self.cm, self.G, self.opts, self.progress = cm, global_batch, opts, progress
         self.types, self.counts, self.sizes = types, counts, sizes
@@ -685,11 +672,11 @@ class ShapeSearch:
                                  opts.max_tensor_parallel, mixed=opts.mixed_types, schedule=opts.schedule,
                                  zero1=opts.zero1_stages)
             t_lb = blocks_lower_bound(c, self.n, counts, M, self.sample_s) if len(c) else math.inf
-            lb = (M - 1) * t_lb + sum_lower_bound(c, self.n) if math.isfinite(t_lb) else math.inf
-            self.jobs.append((lb, b, M, c, t_lb))
+            lb = (M - 1) * t_lb + blocks_sum_lower_bound(c, self.n) if math.isfinite(t_lb) else math.inf
+            self.jobs.append(Job(lb, b, M, c, t_lb))
             self.bounds[b] = lb
-        self.jobs.sort(key=lambda j: j[0])
-        self.candidates = sum(len(j[3]) for j in self.jobs)
+        self.jobs.sort(key=lambda j: j.lower_bound_s)
+        self.candidates = sum(len(j.cand) for j in self.jobs)
         self.slices: dict[int, tuple] = {}  # per size, the slices of Z still open (``_slices``)
         self.milps = 0
         self.timeouts = 0  # MILPs stopped by their time limit (none: every size was searched to the end)
@@ -724,7 +711,7 @@ class ShapeSearch:
                              cap if math.isfinite(cap) else None)
             self.milps += 1
             started = self._time.perf_counter()
-            chosen, status, milp_bound = milp.solve(self.opts.solver, min(share, self.left()), cutoff)
+            chosen, status, milp_bound = milp.solve_counts(self.opts.solver, min(share, self.left()), cutoff)
             seconds -= self._time.perf_counter() - started
             self.timeouts += status == "timeout"
             bound = min(bound, milp_bound)  # infeasible: inf, or the cutoff when nothing beats it
@@ -749,7 +736,8 @@ class ShapeSearch:
         """When the time limit ended the MILPs before any plan: the best greedy plan (``greedy_shapes``) over the
         sizes and a few caps, so a short limit gives a plan rather than an error (its gap says how good). Sizes in
         order of their bound; once it has a plan, it stops at the time limit."""
-        for _, b, M, c, t_lb in self.jobs:
+        for j in self.jobs:
+            b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
             if not math.isfinite(t_lb):
                 continue
             vendors = sorted({int(v) for v in c.vendor})
@@ -780,9 +768,10 @@ class ShapeSearch:
         quick = max(self.opts.time_limit_s / (2 * max(1, len(self.jobs))), 2.0)
         # pass 1: sizes with few candidates within 2x their bound first (HiGHS may take seconds to find a first
         # plan in a large MILP), each group in order of its bound
-        small = lambda j: int((j[3].pace_s <= j[4] * self.CAPS[-1]).sum()) <= self.SMALL  # noqa: E731
+        small = lambda j: int((j.cand.pace_s <= j.t_lb * self.CAPS[-1]).sum()) <= self.SMALL  # noqa: E731
         per_size = self.DUAL_SHARE * self.opts.time_limit_s / max(1, len(self.jobs))
-        for _, b, M, c, t_lb in sorted(self.jobs, key=lambda j: (not small(j), j[0])):
+        for j in sorted(self.jobs, key=lambda j: (not small(j), j.lower_bound_s)):
+            b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
             self.dual_bound(b, M, c, t_lb, min(per_size, self.left()))  # may spare this size its MILPs
             if self.best is not None and math.isfinite(t_lb) and not self.settled(self.bounds[b]):
                 self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, min(quick, self.left())))
@@ -800,18 +789,20 @@ class ShapeSearch:
                     break
             self._report(b)
         if self.best is None:  # pass 2 without an incumbent: nothing to prove against, each size's whole range
-            for _, b, M, c, t_lb in self.jobs:
+            for j in self.jobs:
+                b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
                 if math.isfinite(t_lb) and self.left() > 0.2:
-                    todo = sum(1 for j in self.jobs if not self.beaten(self.bounds[j[1]]))
+                    todo = sum(1 for j in self.jobs if not self.beaten(self.bounds[j.b]))
                     seconds = self.left() / max(1, todo)
                     self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, math.inf, seconds))
                     self._report(b)
         while self.best is not None and self.left() > 0.2:  # pass 2: the size with the lowest bound next
-            todo = [j for j in self.jobs if math.isfinite(j[4]) and not self.settled(self.bounds[j[1]])
-                    and (j[1] not in self.slices or self.slices[j[1]][1])]  # an open slice left to work on
+            todo = [j for j in self.jobs if math.isfinite(j.t_lb) and not self.settled(self.bounds[j.b])
+                    and (j.b not in self.slices or self.slices[j.b][1])]  # an open slice left to work on
             if not todo:
                 break
-            _, b, M, c, t_lb = min(todo, key=lambda j: self.bounds[j[1]])
+            j = min(todo, key=lambda j: self.bounds[j.b])
+            b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
             seconds = max(self.left() / len(todo), min(2.0, self.left()))
             self.bounds[b] = max(self.bounds[b], self._slices(b, M, c, t_lb, seconds))
             self._report(b)
@@ -821,9 +812,9 @@ class ShapeSearch:
         # the replays (up to DUAL_SHARE of the limit, never past 0.85 of it)
         end = self._time.perf_counter() + min(self.DUAL_SHARE * self.opts.time_limit_s,
                                               self.left() + 0.1 * self.opts.time_limit_s)
-        todo = [j for j in self.jobs if not self.settled(self.bounds[j[1]])]
-        for k, (_, b, M, c, t_lb) in enumerate(todo):
-            self.dual_bound(b, M, c, t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
+        todo = [j for j in self.jobs if not self.settled(self.bounds[j.b])]
+        for k, j in enumerate(todo):
+            self.dual_bound(j.b, j.M, j.cand, j.t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
 
     def _slices(self, b: int, M: int, c: Candidates, t_lb: float, seconds: float) -> float:
         """Size b's bound against the incumbent, proven slice by slice of the bottleneck Z, within ``seconds``
@@ -887,7 +878,7 @@ class ShapeSearch:
 
     def _report(self, b: int) -> None:
         if self.progress is not None:
-            self.progress({"micro_batch_size": b, "done": sum(1 for j in self.jobs if self.beaten(self.bounds[j[1]])),
+            self.progress({"micro_batch_size": b, "done": sum(1 for j in self.jobs if self.beaten(self.bounds[j.b])),
                            "total": len(self.jobs),
                            "incumbent_s": self.best.objective if self.best is not None else math.inf,
                            "bound_s": min(self.bounds.values()),

@@ -1,0 +1,135 @@
+"""``hethub plan``: plan a cluster and model, write plan.json, compare with the baselines (torch-free)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from rich.console import Console
+
+from ..partitioner.api import BASELINES, make_baseline, make_plan, solve
+from ..partitioner.costmodel import CostModel
+from ..partitioner.errors import InfeasibleError, InputError
+from ..partitioner.explain import explain
+from ..partitioner.loaders import load_model
+from ..partitioner.outputs import check_output_path, write_atomic
+from ..partitioner.planner import PlannerOptions
+from ..partitioner.records import ModelConfig, load_cluster, load_profiles, parse_record
+from ..partitioner.whatif import apply_what_if
+from .show import print_plan
+
+
+class _SolveStatus:
+    """The planner's live status: a spinner line on a terminal, a plain line every few seconds otherwise."""
+
+    def __init__(self, console, every_s: float = 5.0):
+        self.console, self.every_s, self.last = console, every_s, -1e9
+        self.status = console.status("planning: building candidate stages ...") if console.is_terminal else None
+
+    def __enter__(self):
+        if self.status:
+            self.status.__enter__()
+        else:
+            print("planning: building candidate stages ...", flush=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.status:
+            self.status.__exit__(*exc)
+
+    def __call__(self, s: dict) -> None:
+        inc, bound = s["incumbent_s"], s["bound_s"]
+        gap = (inc - bound) / inc if inc < float("inf") and inc > 0 else float("nan")
+        line = (f"planning: micro-batch {s['micro_batch_size']} ({s['done']}/{s['total']} sizes settled), "
+                f"incumbent {inc:.4g} s, bound {bound:.4g} s, gap {gap:.1%}, {s['elapsed_s']:.1f} s")
+        if self.status:
+            self.status.update(line)
+        elif s["elapsed_s"] - self.last >= self.every_s:
+            self.last = s["elapsed_s"]
+            print(line, flush=True)
+
+
+def _inputs(args: argparse.Namespace) -> tuple[CostModel, PlannerOptions, list[str]]:
+    """The cost model and planner options the flags ask for, and every input file (never overwritten)."""
+    cluster, model = load_cluster(args.cluster), load_model(args.model)
+    if args.seq_length:
+        model = parse_record(ModelConfig, {**model.model_dump(), "seq_length": args.seq_length}, "--seq-length")
+    profile_files = ([os.path.join(args.profiles, f) for f in os.listdir(args.profiles)]
+                     if args.profiles and os.path.isdir(args.profiles) else [])
+    inputs = [args.cluster, args.model, *profile_files]
+    check_output_path(args.output, "--output", inputs)
+    sizes = None
+    if args.micro_batch_sizes:
+        try:
+            sizes = tuple(int(x) for x in args.micro_batch_sizes.split(","))
+        except ValueError:
+            raise InputError("--micro-batch-sizes", f"expected integers like 4,8,16, got {args.micro_batch_sizes!r}")
+    profiles = load_profiles(args.profiles) if args.profiles else ()
+    cm = CostModel(cluster, model, profiles=profiles, memory_reserve_gib=args.memory_reserve_gib, zero1=args.zero1)
+    opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
+                          max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
+                          max_units=args.max_units, equal_widths=args.equal_widths,
+                          max_tensor_parallel=args.max_tensor_parallel, mixed_types=not args.no_mixed_stages,
+                          schedule=args.schedule, zero1_stages=not args.no_zero1_stages)
+    return cm, opts, inputs
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cm, opts, inputs = _inputs(args)
+    console = Console(width=None if Console().is_terminal else 160)
+    for note in cm.notes:
+        console.print(f"note: {note}")
+    if args.what_if:
+        return _what_if(args, cm, opts, console)
+    if args.baseline:
+        plan = make_baseline(args.baseline, cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm)
+    else:
+        with _SolveStatus(console) as status:
+            plan = make_plan(cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm,
+                             with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective)
+    write_atomic(args.output, plan.to_json() + "\n", "--output", inputs)
+    print_plan(plan, console)
+    split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
+                    if s.tensor_parallel > 1 and not cm.tp_measured(s.device_type, s.tensor_parallel)})
+    if cm.profiles and split:  # no profile measured at that degree
+        console.print("note: tensor parallel " + ", ".join(f"{t} x{k}" for t, k in split) + " priced analytically on "
+                      "top of the t = 1 profiles (blocks' compute / t, plus their all-reduces on the intra-node link); "
+                      "hethub profile --tensor-parallel T measures them")
+    if not args.baseline and not args.no_compare:
+        _compare(plan, cm, opts, args.global_batch, console)
+    if args.explain:
+        for line in explain(plan, cm, opts, solve):
+            console.print(f"explain: {line}", soft_wrap=True)
+    console.print(f"wrote {args.output}")
+    return 0
+
+
+def _compare(plan, cm: CostModel, opts: PlannerOptions, global_batch: int, console) -> None:
+    """The plan's speed-up over each baseline's plan of the same cluster and model."""
+    for kind in BASELINES:
+        try:
+            base = make_baseline(kind, cm.cluster, cm.model, global_batch, opts=opts, cost_model=cm)
+            console.print(f"vs {kind}: {plan.predicted.samples_per_s / base.predicted.samples_per_s:.2f}x "
+                          f"({base.predicted.samples_per_s:.4g} samples/s)")
+        except InfeasibleError as exc:
+            console.print(f"vs {kind}: baseline has no feasible plan ({exc.message})")
+
+
+def _what_if(args: argparse.Namespace, cm, opts, console) -> int:
+    """Plan the cluster as it is and as changed, with the same options; print both, write nothing."""
+    changed = apply_what_if(cm.cluster, args.what_if)
+    other = CostModel(changed, cm.model, profiles=[p for p in cm.profiles if p.device_type in changed.type_names],
+                      memory_reserve_gib=cm.memory_reserve_gib, zero1=cm.zero1)
+    results = []
+    for label, model in (("now", cm), ("what-if", other)):
+        try:
+            plan = solve(model, args.global_batch, opts)
+            results.append(plan.predicted.samples_per_s)
+            console.print(f"{label}: {plan.predicted.samples_per_s:.4g} samples/s on {plan.world_size} of "
+                          f"{model.cluster.num_devices} devices, {plan.num_stages} stages")
+        except InfeasibleError as exc:
+            results.append(0.0)
+            console.print(f"{label}: no feasible plan ({exc.message})")
+    before, after = results
+    change = f"{after / before - 1:+.1%}" if before > 0 else "from infeasible"
+    console.print(f"what-if {args.what_if!r}: {before:.4g} -> {after:.4g} samples/s ({change}); no plan written")
+    return 0

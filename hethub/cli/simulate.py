@@ -1,0 +1,53 @@
+"""``hethub simulate``: replay one iteration of a plan event by event, against its prediction (torch-free)."""
+from __future__ import annotations
+
+import argparse
+
+from ..partitioner.costmodel import CostModel
+from ..partitioner.evaluate import closed_form_s, replay_iteration_s, replay_micro_batches, with_micro_batches
+from ..partitioner.outputs import check_output_path
+from ..partitioner.records import load_plan, load_profiles
+from ..partitioner.schedule import build_schedule, format_schedule, read_schedule_file
+from ..partitioner.simulator import simulate, write_png, write_trace
+
+TIMELINE_BUDGET = 1_000  # (rank, micro-batch) pairs drawn in a PNG or Chrome trace
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    inputs = (args.plan, args.schedule)
+    for path, flag in ((args.trace, "--trace"), (args.png, "--png")):
+        if path:
+            check_output_path(path, flag, inputs)
+    cm = CostModel(plan.cluster, plan.model, profiles=load_profiles(args.profiles) if args.profiles else ())
+    m = plan.num_micro_batches if args.schedule else replay_micro_batches(plan)
+    shown = plan if m == plan.num_micro_batches else with_micro_batches(plan, m)
+    sched = read_schedule_file(args.schedule) if args.schedule else build_schedule(shown)
+    if args.print_schedule:
+        for r in sorted(sched):
+            print(f"{r}: {format_schedule(sched[r])}")
+    res = simulate(shown, cm, sched if args.schedule else None)
+    it = res.iteration_s if shown is plan else replay_iteration_s(plan, cm, t1=res.iteration_s)
+    if shown is not plan:
+        print(f"note: {plan.num_micro_batches} micro-batches on {plan.world_size} ranks: replayed {m} and "
+              f"{max(plan.num_stages + 1, m // 2)}, extrapolated linearly; busy and timeline show {m}")
+    pred = (f"predicted {plan.predicted.iteration_s * 1e3:.3f} ms, {plan.predicted.iteration_s / it - 1:+.1%}"
+            if plan.predicted is not None else "the plan holds no prediction")
+    print(f"schedule: {args.schedule if args.schedule else plan.schedule}")
+    print(f"iteration {it * 1e3:.3f} ms, {plan.global_batch_size / it:.4g} samples/s, "
+          f"bubble {res.bubble_fraction:.1%} ({pred}; closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
+    for st in plan.stages:
+        print(f"stage {st.index} ({st.device_type}): busy " +
+              ", ".join(f"r{r.rank} {res.busy[r.rank]:.0%}" for r in st.replicas))
+    if (args.trace or args.png) and shown.world_size * shown.num_micro_batches > TIMELINE_BUDGET and not args.schedule:
+        m_t = max(2 * plan.num_stages + 2, TIMELINE_BUDGET // plan.world_size)
+        shown = with_micro_batches(plan, min(m_t, plan.num_micro_batches))
+        res = simulate(shown, cm)
+        print(f"note: the timeline shows the first {shown.num_micro_batches} of {plan.num_micro_batches} micro-batches")
+    if args.trace:
+        write_trace(res, shown, args.trace, inputs)
+        print(f"wrote {args.trace}")
+    if args.png:
+        write_png(res, shown, args.png, inputs=inputs)
+        print(f"wrote {args.png}")
+    return 0

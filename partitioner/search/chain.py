@@ -1,0 +1,336 @@
+"""The chain search: non-uniform stages, per-stage device type and width, sample splits, micro-batch size,
+recompute — as a MILP over candidate stages (PuLP; HiGHS by default, CBC as fallback).
+
+Planning objective (1F1B, one iteration), for stages s with per-micro-batch cost c_s (forward +
+backward of its share of the micro-batch, plus the transfer of its output boundary) and pace
+p_s = max(compute, transfer) (the runtime posts transfers non-blocking, so they overlap the compute):
+
+    T = (M - 1) * max_s p_s + sum_s c_s + max_s allreduce_s + max_s optimizer_s
+
+Under schedule zb-h1 (``--schedule zb-h1``) every stage after the first sends its input gradient before computing
+its weights' (w_s): c_s is charged without w_s, and allreduce_s waits for the W's after its last B (w_s; the
+last stage 2 w_s): the plan-time form of ``evaluate.iteration_s``, which the replay then checks.
+
+Formulation (for each micro-batch size b, M = G / b, solved separately — decomposition):
+- one binary x_c per candidate stage c = (unit range [i, j), device type t, width w, recompute r);
+  a stage's w replicas split the micro-batch evenly (ceil(b / w) samples at most, w <= b);
+- flow over unit boundaries: exactly one chain of candidates from 0 to U;
+- bottleneck (pace) rows per unit, written sparsely with a running load (measured before the planner was written:
+  one row per *layer* gives an LP bound of 3.99 vs 0.53 with one row per candidate);
+- device rows: sum of widths of type t <= devices of type t;
+- 1F1B memory, exactly: a stage starting at unit i keeps min(S_i, M) micro-batches in flight,
+  where S_i = number of stages from i to the end (a linear recursion r_i = r_{i+1} + sum x_c).
+  A candidate that fits k < M in-flight micro-batches gets r_i + (U - k) x_c <= U, aggregated over
+  the candidates starting at i (at most one of them is chosen).
+
+Candidate pruning: only the smallest width for each distinct ceil(b / w) (more devices for the same
+samples per replica never helps); recompute only where it lets the stage hold more micro-batches.
+Models with more than ``max_units`` planner layers have their blocks grouped into equal chunks
+(every block of a model has the same cost, so this only restricts where stages may cut).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import pulp
+
+from ..errors import InputError
+from .candidates import Candidates, chain_is_feasible, objective_of
+from .milp import MilpModel
+
+
+def chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: Optional[np.ndarray] = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Cheapest memory-feasible chains by (start boundary u, stages from u to the end r).
+
+    dp[u, r] = min over candidates k starting at u (allowed by ``ok``, holding min(r, M) micro-batches)
+    of cost[k] + dp[j_k, r - 1]; arg[u, r] is that k. The 1F1B memory rule is exact here, device
+    limits are not (callers relax or check them).
+    """
+    R = U
+    dp = np.full((U + 1, R + 1), np.inf)
+    dp[U, 0] = 0.0
+    arg = np.full((U + 1, R + 1), -1)
+    need = np.minimum(np.arange(1, R + 1), M)  # in-flight micro-batches for r = 1..R
+    order = np.argsort(c.first_unit, kind="stable")
+    i_sorted = c.first_unit[order]
+    for u in range(U - 1, -1, -1):
+        lo, hi = np.searchsorted(i_sorted, u), np.searchsorted(i_sorted, u, side="right")
+        ks = order[lo:hi]
+        if ok is not None:
+            ks = ks[ok[ks]]
+        if not len(ks):
+            continue
+        vals = cost[ks, None] + dp[c.end_unit[ks], :R]  # a chain of r stages from u: this one + r-1 from j
+        vals = np.where(c.in_flight[ks, None] >= need[None, :], vals, np.inf)
+        best = vals.argmin(axis=0)
+        dp[u, 1:] = vals[best, np.arange(R)]
+        arg[u, 1:] = ks[best]
+    return dp, arg
+
+
+def min_devices_chain(c: Candidates, U: int, T: float, M: int) -> float:
+    """Fewest devices (all types together) of a chain whose stages all cost <= T and fit 1F1B memory."""
+    dp, _ = chain_dp(c, U, M, c.devices.astype(float), c.pace_s <= T)
+    return float(dp[0].min())
+
+
+def sum_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
+    """A lower bound on the sum of stage costs of any feasible chain (Lagrangian relaxation of the device total).
+
+    For any lambda >= 0: min over memory-feasible chains of sum(c + lambda w) - lambda N <= the true
+    minimum of sum(c) subject to sum(w) <= N. The best of a few lambdas is taken.
+    """
+    scale = float(np.median(c.cost_s / c.devices))
+    best = 0.0
+    for lam in (0.0, 0.1 * scale, 0.3 * scale, scale, 3 * scale):
+        dp, _ = chain_dp(c, U, M, c.cost_s + lam * c.devices)
+        best = max(best, float(dp[0].min()) - lam * total_devices)
+    return best
+
+
+def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int, M: int) -> float:
+    """Smallest stage pace T for which some chain fits the device total (a relaxation: a valid bound on Z)."""
+    values = np.unique(c.pace_s)
+    lo, hi = 0, len(values) - 1
+    if min_devices_chain(c, U, values[hi], M) > total_devices:
+        return math.inf
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if min_devices_chain(c, U, values[mid], M) <= total_devices:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(values[lo])
+
+
+def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: float, weights: np.ndarray
+                    ) -> Optional[list[int]]:
+    """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
+    the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
+    dp, arg = chain_dp(c, U, M, c.uses_matrix(len(counts)) @ weights, c.pace_s <= T)
+    r = int(dp[0].argmin())
+    if not np.isfinite(dp[0, r]):
+        return None
+    chain, u = [], 0
+    while u < U:
+        k = int(arg[u, r])
+        chain.append(k)
+        u, r = int(c.end_unit[k]), r - 1
+    return chain if chain_is_feasible(c, chain, counts, M) else None
+
+
+def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float) -> Optional[list[int]]:
+    """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound."""
+    counts_a = np.asarray(counts, dtype=float)
+    best, best_obj = None, math.inf
+    values = np.unique(c.pace_s)
+    for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
+        T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
+        for weights in (1.0 / counts_a, np.ones_like(counts_a)):
+            chain = heuristic_chain(c, U, counts, M, T, weights)
+            if chain is not None:
+                obj = objective_of(c, chain, M)
+                if obj < best_obj:
+                    best, best_obj = chain, obj
+        if best is not None and factor >= 1.2:
+            break
+    return best
+
+
+class _Milp(MilpModel):
+    """The candidate-chain MILP for one micro-batch size, built row family by row family."""
+
+    def __init__(self, c: Candidates, U: int, M: int, z_lower: float):
+        super().__init__("hethub_plan")
+        self.c, self.U, self.M = c, U, M
+        n = len(c)
+        self.x = [self.var(f"x{k}", cat=pulp.LpBinary) for k in range(n)]
+        self.Z = self.var("Z", lowBound=z_lower)  # bottleneck per-micro-batch cost
+        self.A = self.var("A", lowBound=0)  # slowest all-reduce
+        self.O = self.var("O", lowBound=0)  # slowest optimizer step
+        self.prob += (M - 1) * self.Z + self.affine([(k, float(c.cost_s[k])) for k in range(n)]) + self.A + self.O
+        self.starts: list[list[int]] = [[] for _ in range(U + 1)]
+        self.ends: list[list[int]] = [[] for _ in range(U + 1)]
+        for k in range(n):
+            self.starts[c.first_unit[k]].append(k)
+            self.ends[c.end_unit[k]].append(k)
+
+    def affine(self, terms) -> pulp.LpAffineExpression:
+        return self.lin([(self.x[k], coef) for k, coef in terms])
+
+    def flow_rows(self) -> None:
+        """One chain of candidates from boundary 0 to boundary U."""
+        lpSum, x = pulp.lpSum, self.x
+        self.prob += lpSum(x[k] for k in self.starts[0]) == 1
+        self.prob += lpSum(x[k] for k in self.ends[self.U]) == 1
+        for p in range(1, self.U):
+            self.prob += lpSum(x[k] for k in self.ends[p]) == lpSum(x[k] for k in self.starts[p])
+
+    def load_rows(self) -> None:
+        """Running loads y[u] = value of the stage covering unit u (for c, ar, opt); bottleneck rows per unit."""
+        c = self.c
+        self.loads: dict[str, list] = {}
+        for top, vals, name in ((self.Z, c.pace_s, "c"), (self.A, c.allreduce_s, "ar"), (self.O, c.optimizer_s, "opt")):
+            prev = None
+            self.loads[name] = []
+            for u in range(self.U):
+                y = self.var(f"y_{name}_{u}", lowBound=0)
+                self.loads[name].append(y)
+                expr = self.affine([(k, float(vals[k])) for k in self.starts[u]] +
+                                   [(k, -float(vals[k])) for k in self.ends[u]])
+                self.prob += (y == (prev if prev is not None else 0) + expr)
+                self.prob += top >= y
+                prev = y
+
+    def vendor_rows(self) -> None:
+        """A boundary between vendors: z[p] = 1 when the stage ending at p and the one starting there differ
+        in vendor; q[p] >= the ending stage's bridge penalty then, added to its cost (sum and bottleneck)."""
+        c = self.c
+        vendors = set(c.vendor.tolist())
+        if len(vendors) <= 1:
+            return
+        for p in range(1, self.U):
+            if not self.ends[p] or not self.starts[p]:
+                continue
+            z = self.var(f"z_{p}", lowBound=0, upBound=1)
+            for vid in vendors:
+                e_v = [(k, 1.0) for k in self.ends[p] if c.vendor[k] == vid]
+                s_v = [(k, -1.0) for k in self.starts[p] if c.vendor[k] == vid]
+                if e_v:
+                    self.prob += z >= self.affine(e_v + s_v)
+            pmax = float(max(c.bridge_s[k] for k in self.ends[p]))
+            if pmax <= 0:
+                continue
+            q = self.var(f"q_{p}", lowBound=0)
+            self.prob += q >= self.affine([(k, float(c.bridge_s[k])) for k in self.ends[p]]) - pmax * (1 - z)
+            self.prob.objective += q
+            # the bottleneck: the ending stage's bridged pace when the vendor changes (vacuous when it does not)
+            bmax = float(max(c.bridged_pace_s[k] for k in self.ends[p]))
+            self.prob += self.Z >= self.affine([(k, float(c.bridged_pace_s[k])) for k in self.ends[p]]) - bmax * (1 - z)
+
+    def host_rows(self) -> None:
+        """A boundary between hosts: y[p] = 1 unless the stage ending at p and the one starting there are pure stages
+        of one device type; h[p] >= the ending stage's inter-node price then (``Candidates.hop_s``)."""
+        c = self.c
+        for p in range(1, self.U):
+            if not self.ends[p] or not self.starts[p]:
+                continue
+            hmax = float(max(c.hop_s[k] for k in self.ends[p]))
+            if hmax <= 0:
+                continue
+            y = self.var(f"y_{p}", lowBound=0, upBound=1)
+            for t in set(c.type_idx[k] for k in self.ends[p]):
+                e_t = [(k, 1.0) for k in self.ends[p] if c.type_idx[k] == t]
+                s_t = [(k, -1.0) for k in self.starts[p] if c.type_idx[k] == t and c.type2_idx[k] < 0]
+                self.prob += y >= self.affine(e_t + s_t)
+            h = self.var(f"h_{p}", lowBound=0)
+            self.prob += h >= self.affine([(k, float(c.hop_s[k])) for k in self.ends[p]]) - hmax * (1 - y)
+            self.prob.objective += h
+            pmax = float(max(c.hopped_pace_s[k] for k in self.ends[p]))
+            self.prob += self.Z >= self.affine([(k, float(c.hopped_pace_s[k])) for k in self.ends[p]]) - pmax * (1 - y)
+
+    def memory_rows(self) -> None:
+        """Stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); a candidate that holds
+        only k < M micro-batches in flight needs r[u] <= k."""
+        r_next = None
+        for u in range(self.U - 1, -1, -1):
+            r = self.var(f"r_{u}", lowBound=0)
+            self.prob += r == (r_next if r_next is not None else 0) + pulp.lpSum(self.x[k] for k in self.starts[u])
+            tight = [k for k in self.starts[u] if self.c.in_flight[k] < self.M]
+            if tight:
+                self.prob += r + self.affine([(k, float(self.U - self.c.in_flight[k])) for k in tight]) <= self.U
+            r_next = r
+
+    def device_rows(self, counts: Sequence[int]) -> None:
+        for ti, cnt in enumerate(counts):
+            use = self.c.uses(ti)
+            ks = np.flatnonzero(use)
+            if len(ks):
+                self.prob += self.affine([(k, float(use[k])) for k in ks]) <= cnt
+
+
+def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str, time_limit_s: float,
+               z_lower: float = 0.0, cutoff: Optional[float] = None) -> tuple[Optional[list[int]], float, float, str]:
+    """(chosen candidates in order or None, objective, lower bound, status: optimal|feasible|infeasible|timeout).
+
+    ``cutoff``: only solutions below it are of interest (an incumbent from another micro-batch size).
+
+    ``z_lower`` is a valid lower bound on the bottleneck (``bottleneck_lower_bound``): with it the LP
+    relaxation no longer spreads a fraction of every stage thin to make the bottleneck look cheap.
+    """
+    if len(c) == 0:
+        return None, math.inf, math.inf, "infeasible"
+    milp = _Milp(c, U, M, z_lower)
+    milp.flow_rows()
+    milp.load_rows()
+    milp.vendor_rows()
+    milp.host_rows()
+    milp.memory_rows()
+    milp.device_rows(counts)
+    out = milp.solve(solver, time_limit_s, cutoff)
+    if not out.solved:
+        return None, math.inf, out.bound, out.status
+    chosen = sorted((k for k in range(len(c)) if (milp.x[k].value() or 0) > 0.5), key=lambda k: c.first_unit[k])
+    obj = objective_of(c, chosen, M)
+    return chosen, obj, (obj if out.status == "optimal" else min(out.bound, obj)), out.status
+
+
+def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_nodes: int = 20_000_000,
+                      deadline: float = math.inf, time_limit_s: float = math.inf
+                      ) -> Optional[tuple[list[int], float]]:
+    """Enumerate every chain of candidates (small instances only): the reference for the MILP.
+
+    Depth-first over chains, pruning only what cannot matter: a partial chain that already uses more
+    devices of a type than exist, or whose partial objective (every term only grows as stages are
+    added) already reaches the best complete chain's.
+    """
+    starts: list[list[int]] = [[] for _ in range(U + 1)]
+    for k in np.argsort(c.cost_s, kind="stable"):
+        starts[c.first_unit[k]].append(int(k))
+    cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
+    pc, hpc, bpc = c.pace_s.tolist(), c.hopped_pace_s.tolist(), c.bridged_pace_s.tolist()
+    w, t = (c.width * c.tp).tolist(), c.type_idx.tolist()
+    w2, t2 = (c.width2 * c.tp).tolist(), c.type2_idx.tolist()  # a mixed stage's second type (-1: none)
+    vend, pen, hop = c.vendor.tolist(), c.bridge_s.tolist(), c.hop_s.tolist()
+    used = [0] * len(counts)
+    best: list = [None, math.inf]
+    nodes = [0]
+
+    def walk(u: int, chain: list[int], mx: float, sm: float, mar: float, mop: float):
+        # mx/sm count every stage's cost; the last stage's host and bridge penalties are added once its successor
+        # is known
+        nodes[0] += 1
+        if nodes[0] > max_nodes:
+            raise InputError("--solver", f"brute force is for small instances: more than {max_nodes} partial "
+                                         f"chains; use --solver highs")
+        if nodes[0] % 4096 == 0 and time.perf_counter() > deadline:
+            raise InputError("--time-limit", f"brute force did not finish within {time_limit_s:g} s; it is for "
+                                             f"small instances: use --solver highs")
+        if (M - 1) * mx + sm + mar + mop >= best[1]:
+            return
+        if u == U:
+            if chain_is_feasible(c, chain, counts, M):
+                best[0], best[1] = list(chain), (M - 1) * mx + sm + mar + mop
+            return
+        for k in starts[u]:
+            if used[t[k]] + w[k] > counts[t[k]] or (t2[k] >= 0 and used[t2[k]] + w2[k] > counts[t2[k]]):
+                continue
+            used[t[k]] += w[k]
+            used[t2[k]] += w2[k]  # 0 (on the last type) for a pure stage
+            bridged = bool(chain) and vend[chain[-1]] != vend[k]
+            hopped = bool(chain) and (t[chain[-1]] != t[k] or t2[k] >= 0)
+            extra = (pen[chain[-1]] if bridged else 0.0) + (hop[chain[-1]] if hopped else 0.0)
+            prev_pace = bpc[chain[-1]] if bridged else hpc[chain[-1]] if hopped else 0.0
+            chain.append(k)
+            walk(int(c.end_unit[k]), chain, max(mx, pc[k], prev_pace), sm + cc[k] + extra, max(mar, ar[k]),
+                 max(mop, opt[k]))
+            chain.pop()
+            used[t[k]] -= w[k]
+            used[t2[k]] -= w2[k]
+
+    walk(0, [], 0.0, 0.0, 0.0, 0.0)
+    return None if best[0] is None else (best[0], objective_of(c, best[0], M))
