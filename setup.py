@@ -1,10 +1,9 @@
 """hethub: DeepSpeed pipeline training across heterogeneous GPU fleets.
 
-Layout: the runtime lives in ``hethub/``; the planner in ``partitioner/`` and the
-Triton kernels in ``kernels/`` are installed as ``hethub.partitioner`` and
-``hethub.kernels`` through ``package_dir`` (no symlinks), so each module has exactly
-one import name and no top-level name collides with a PyPI package (``kernels``,
-``partitioner``).
+Layout: the runtime, CLI, model adapters and emulation helpers live in ``hethub/`` (one sub-package each);
+the planner in ``partitioner/`` and the Triton kernels in ``kernels/`` are installed as ``hethub.partitioner``
+and ``hethub.kernels`` through ``package_dir`` (no symlinks), so each module has exactly one import name and no
+top-level name collides with a PyPI package (``kernels``, ``partitioner``).
 """
 from setuptools import setup
 
@@ -24,7 +23,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["hethub", "hethub.partitioner", "hethub.kernels"],
+    packages=["hethub", "hethub.cli", "hethub.emulated", "hethub.models", "hethub.runtime",
+              "hethub.partitioner", "hethub.partitioner.search", "hethub.kernels"],
     package_dir={"hethub": "hethub", "hethub.partitioner": "partitioner", "hethub.kernels": "kernels"},
     package_data={"hethub": ["py.typed"]},
     install_requires=CORE,

@@ -1,7 +1,7 @@
 """Multi-host benchmark: plans run across two emulated hosts whose link is rate-limited, measured side by side
 with what the cost model predicts at that rate.
 
-Two network namespaces (hethub.netem) are two hosts of two FAST ranks each (this CPU emulated FAST x slower);
+Two network namespaces (hethub.emulated.netem) are two hosts of two FAST ranks each (this CPU emulated FAST x slower);
 `tc` limits their link, each way, to the rate of the row, and the cluster file says the same rate
 (`inter_node_gbps`). One `hethub launch --no_ssh` per host.
 (a) one hand-made plan, stage 0 on host A and stage 1 on host B, at each rate: measured vs predicted

@@ -5,7 +5,7 @@ import time
 from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
-from .baselines import deepspeed_baseline
+from .baselines import BASELINES, DEEPSPEED_METHODS, deepspeed_baseline
 from .costmodel import CostModel
 from .errors import InfeasibleError, InputError
 from .evaluate import choose_by_simulation
@@ -13,7 +13,6 @@ from .placement import build_plan
 from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
 
-BASELINES = ("uniform", "parameters", "fastest-only")
 
 
 def fastest_type(cm: CostModel) -> str:
@@ -134,7 +133,7 @@ def make_baseline(kind: str, cluster: Cluster, model: ModelConfig, global_batch:
     if kind == "fastest-only":
         t = fastest_type(cm)
         plan = solve(cm, global_batch, PlannerOptions(**{**opts.__dict__, "device_types": (t,)}))
-    elif kind in ("uniform", "parameters"):
+    elif kind in DEEPSPEED_METHODS:
         plan = deepspeed_baseline(cm, global_batch, kind)
     else:
         raise InputError("--baseline", f"unknown baseline {kind!r} (one of {', '.join(BASELINES)})")

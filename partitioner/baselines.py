@@ -20,6 +20,11 @@ from .evaluate import choose_by_simulation, fits_memory
 from .placement import StageLayout, build_plan, even_split
 from .records import Plan
 
+# DeepSpeed's own partition methods, equal widths over every device; "fastest-only": hethub's planner on the
+# fastest type's devices alone (``api.make_baseline``).
+DEEPSPEED_METHODS = ("uniform", "parameters")
+BASELINES = (*DEEPSPEED_METHODS, "fastest-only")
+
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
     """DeepSpeed's ``partition_uniform``: boundaries of equal parts (the first ones take the remainder)."""

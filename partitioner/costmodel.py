@@ -400,7 +400,7 @@ class CostModel:
     def range_params(self, first, last, tp: int = 1):
         """Parameters one rank of a stage of layers [first, last) holds (in a tensor-parallel group of ``tp``:
         the blocks' split matrices divided tp ways). A tied embedding/head weight (``tie_embeddings``) is held
-        by both its stages (memory on both, hethub.ties), and once when one stage has both ends.
+        by both its stages (memory on both, hethub.models.ties), and once when one stage has both ends.
         ``first``/``last`` may be arrays (the planner prices every layer range at once)."""
         cum = self._params_cum
         out = cum[last] - cum[first]
@@ -430,7 +430,7 @@ class CostModel:
     def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1,
                               zero1: Optional[bool] = None) -> float:
         """Adam's state for layers [first, last) on one replica. With ZeRO-1 a replica of a stage of width w
-        holds ceil(n / w) of the stage's n parameters' state (hethub.zero splits the flattened parameters
+        holds ceil(n / w) of the stage's n parameters' state (hethub.runtime.zero splits the flattened parameters
         element by element), so this is the figure a rank measures, not an average."""
         return float(self._optimizer_state_of(self.stage_params(first, last, tp), width, zero1))
 
@@ -478,9 +478,13 @@ class CostModel:
         if same_host:
             return net.intra_gbps(t_src), net.intra_node_latency_us * 1e-6
         if self.cluster.device_type(t_src).vendor != self.cluster.device_type(t_dst).vendor:
-            gbps = net.cross_vendor_gbps or net.inter_node_gbps
-            return gbps, net.inter_node_latency_us * 1e-6
+            return self.cross_vendor_link()
         return net.inter_node_gbps, net.inter_node_latency_us * 1e-6
+
+    def cross_vendor_link(self) -> tuple[float, float]:
+        """(Gbit/s, latency s) of the host bridge between vendors: ``cross_vendor_gbps``, else the inter-node link."""
+        net = self.cluster.network
+        return net.cross_vendor_gbps or net.inter_node_gbps, net.inter_node_latency_us * 1e-6
 
     def wire_factor(self, dtype: Optional[str]) -> float:
         """Bytes on the wire of a boundary casting to ``dtype`` relative to the activations' own (None: no cast)."""
@@ -503,7 +507,7 @@ class CostModel:
         first, last = st.layers
         one_node = len({r.host for r in st.replicas}) == 1
         out = self.sync_s(self.range_params(first, last, st.tensor_parallel), st.types, st.width, one_node,
-                          plan.zero1 or st.zero1)
+                          plan.shards_optimizer(st))
         tied = self.tied_params(first, last)
         if tied:
             ends = [plan.stages[0], plan.stages[-1]]
@@ -538,8 +542,7 @@ class CostModel:
             volume, hops, copies = volume + (width - 1) / width * nbytes, hops + width - 1, copies + 2 * nbytes
         vendors = {self.cluster.device_type(t).vendor for t in types}
         if len(vendors) > 1:
-            net = self.cluster.network
-            gbps, lat = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
+            gbps, lat = self.cross_vendor_link()
             out = hops * lat + volume * 8 / (gbps * 1e9) + copies / (PCIE_GBPS * 1e9)
         else:
             out = np.max([hops * lat + volume * 8 / (gbps * 1e9)

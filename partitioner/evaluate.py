@@ -95,7 +95,7 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                     per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         ar = cm.stage_sync_s(plan, s)
-        z = plan.zero1 or st.zero1
+        z = plan.shards_optimizer(st)
         opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
         mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
                                     st.width, tp, z)
@@ -128,7 +128,7 @@ def fits_memory(plan: Plan, cm: CostModel) -> bool:
     """Every replica's peak (its share, its schedule's in-flight count) within its own type's memory."""
     S, M = plan.num_stages, plan.num_micro_batches
     return all(cm.stage_memory_bytes(*st.layers, r.samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
-                                     st.width, st.tensor_parallel, plan.zero1 or st.zero1)
+                                     st.width, st.tensor_parallel, plan.shards_optimizer(st))
                <= cm.memory_limit_bytes(st.type_of(r)) for s, st in enumerate(plan.stages) for r in st.replicas)
 
 

@@ -433,6 +433,15 @@ class Replica(Record):
         return list(self.slots) if self.slots is not None else [self.slot + k for k in range(tensor_parallel)]
 
 
+# The pipeline schedules a plan may name (``partitioner.schedule`` writes them as action lists).
+SCHEDULES = {
+    "1f1b": "PipeDream-flush: each backward in one pass",
+    "zb-h1": "1F1B whose stages after the first split each backward into B (input gradients, sent upstream at "
+             "once) and W (weight gradients) right after it; the last stage runs its last B before its "
+             "second-to-last W (Qi et al. 2023, ZB-H1's memory: one micro-batch more on the last stage only)",
+}
+
+
 class Stage(Record):
     index: int = Field(ge=0)
     layers: tuple[int, int]  # half-open [first, last) over the planner's layer list
@@ -516,7 +525,7 @@ class Plan(Record):
     zero1: bool = False
     # The pipeline schedule the runtime runs (partitioner.schedule): "1f1b", or "zb-h1", which splits each
     # backward into input and weight gradients so that gradients reach the previous stage sooner.
-    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
 
@@ -540,6 +549,10 @@ class Plan(Record):
             for r in st.replicas:
                 out[st.type_of(r)] = out.get(st.type_of(r), 0) + st.tensor_parallel
         return out
+
+    def shards_optimizer(self, stage: "Stage") -> bool:
+        """Whether a stage's optimizer state is sharded over its replicas (ZeRO-1): the plan's or the stage's own."""
+        return self.zero1 or stage.zero1
 
     def locate(self, rank: int) -> tuple[int, int]:
         """(stage index, replica index) of a global rank."""

@@ -25,7 +25,7 @@ the iteration every send still in flight is waited for.
 alternates one forward and one backward, then drains; receives of activations are posted one
 micro-batch ahead (at most two in flight), receives of gradients right after the forward that makes
 them. Sends in flight per rank are bounded by 1F1B itself: a stage is at most S-s micro-batches ahead
-of its last backward. The runtime (``hethub.engine``) executes exactly these lists and the simulator
+of its last backward. The runtime (``hethub.runtime.executor``) executes exactly these lists and the simulator
 (``simulator.simulate``) replays them, so what is predicted is what runs.
 """
 from __future__ import annotations
@@ -35,15 +35,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import InputError
-from .records import Plan
+from .records import SCHEDULES, Plan
 
-
-SCHEDULES = {
-    "1f1b": "PipeDream-flush: each backward in one pass",
-    "zb-h1": "1F1B whose stages after the first split each backward into B (input gradients, sent upstream at "
-             "once) and W (weight gradients) right after it; the last stage runs its last B before its "
-             "second-to-last W (Qi et al. 2023, ZB-H1's memory: one micro-batch more on the last stage only)",
-}
+__all__ = ["SCHEDULES", "Action", "Transfer", "build_schedule", "parse_schedule", "format_schedule"]
 
 
 def peak_in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:

@@ -216,7 +216,7 @@ class _Replay:
             wgrad = (self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp)
                      if any(a.kind == "W" for a in self.sched[rank]) else 0.0)
             self.durations[rank] = {"F": fwd, "B": bwd - wgrad, "W": wgrad,
-                                    "OPT": self.cm.optimizer_s(t, first, last, st.width, tp, self.plan.zero1 or st.zero1),
+                                    "OPT": self.cm.optimizer_s(t, first, last, st.width, tp, self.plan.shards_optimizer(st)),
                                     "TPF": tp_f, "TPB": tp_b}
         return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import ROOT
 from dist_util import spawn
-from test_runtime import stack_plan
+from plans import stack_plan
 
 pytestmark = pytest.mark.dist
 

@@ -5,13 +5,7 @@ import pytest
 from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model
 from hethub.partitioner.costmodel import (CostModel, block_activation_bytes, block_forward_flops,
                                           calibrate_efficiency, layer_costs)
-
-MIXED = Cluster.model_validate({
-    "name": "mixed",
-    "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 4}, {"host": "v", "device_type": "V100-32GB", "count": 4},
-              {"host": "m", "device_type": "MI250X", "count": 2}],
-    "network": {"intra_node_gbps": 2400, "inter_node_gbps": 100}})
-
+from instances import MIXED
 
 def test_block_flops_match_the_textbook_formula():
     m = builtin_model("gpt-1.3b")  # MHA, ffn = 4h: 24 s h^2 + 4 s^2 h

@@ -32,7 +32,7 @@ def _reference(kind, mb, M, steps):
 def _plan(kind, cuts, splits, mb, M, tps=None):
     from hethub.models.hf import model_config
     from hethub.partitioner.placement import StageLayout, build_plan
-    from test_runtime import CPU_CLUSTER
+    from plans import CPU_CLUSTER
     m = model_config(train_hf.make_model(kind), seq_length=train_hf.SEQ)
     bounds = [0, *cuts, m.num_planner_layers]
     tps = tps or [1] * len(splits)

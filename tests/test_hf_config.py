@@ -21,7 +21,7 @@ def test_gpt2_small_is_124m_with_tied_embeddings():
     assert (m.architecture, m.num_layers, m.ffn_hidden_size, m.seq_length, m.tie_embeddings) == \
         ("gpt", 12, 3072, 1024, True)
     from hethub.partitioner.costmodel import CostModel
-    from test_costmodel import MIXED
+    from instances import MIXED
     cm = CostModel(MIXED, m)
     n = m.num_planner_layers
     assert 123e6 < cm.stage_params(0, n) < 126e6  # GPT-2 small: 124.4M (tied head counted once)

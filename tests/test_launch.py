@@ -8,20 +8,8 @@ import time
 import pytest
 
 from conftest import EXAMPLES, ROOT, run_cli
-from hethub.partitioner import Cluster, InputError, ModelConfig, Plan
-from hethub.partitioner.placement import StageLayout, build_plan
-
-UNEQUAL = Cluster.model_validate({
-    "name": "unequal", "device_types": {"X": {"vendor": "cpu", "peak_tflops": 1, "memory_gib": 8, "memory_gbps": 10}},
-    "nodes": [{"host": "big", "device_type": "X", "count": 3}, {"host": "small", "device_type": "X", "count": 2}]})
-MODEL = ModelConfig(name="m", architecture="gpt", num_layers=2, hidden_size=8, num_attention_heads=2,
-                    ffn_hidden_size=16, vocab_size=16, seq_length=4)
-
-
-def unequal_plan() -> Plan:
-    # stage 0 on 2 slots, stage 1 on 3: the placement puts them on nodes with 3 and 2 slots
-    return build_plan(MODEL, UNEQUAL, [StageLayout((0, 2), "X", (2, 2)), StageLayout((2, 4), "X", (2, 1, 1))], 4, 2)
-
+from hethub.partitioner import InputError, Plan
+from plans import unequal_plan
 
 def test_hostfile_and_include_reproduce_the_plans_ranks():
     from hethub.cli.launch import host_layout, hostfile_text, include_arg

@@ -61,9 +61,9 @@ def test_the_slowest_replica_paces_the_stage_in_cost_and_replay():
 
 @pytest.mark.dist
 def test_a_mixed_stage_trains_like_one_process(tmp_path):
-    from test_runtime import _run_and_compare
+    from plans import run_and_compare
     plan = mixed_plan((4, 2))
-    got, _ = _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
+    got, _ = run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
     types = [torch.load(str(tmp_path / f"rank{r}.pt"), weights_only=True)["device_type"] for r in range(3)]
     assert types == ["FAST", "FAST", "SLOWER"]  # each rank knows its own type (emulation, device checks)
 
@@ -72,7 +72,7 @@ def test_a_mixed_stage_trains_like_one_process(tmp_path):
 def test_a_stage_spanning_vendors_all_reduces_through_the_host_bridge(tmp_path):
     """One replica of each vendor in stage 1 (uneven split), ZeRO-1 and clipping: the gradient all-reduce and
     ZeRO-1's all-gather run on the stage's gloo group over host buffers, and training matches one process."""
-    from test_runtime import _run_and_compare
+    from plans import run_and_compare
     two = Cluster.model_validate({
         "name": "two-vendors",
         "device_types": {"NV": {"vendor": "nvidia", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20},
@@ -85,6 +85,6 @@ def test_a_stage_spanning_vendors_all_reduces_through_the_host_bridge(tmp_path):
     cm = CostModel(two, MODEL, dtype="fp32")
     assert cm.sync_s(cm.stage_params(3, 7), plan.stages[1].types, 2, False) > cm.sync_s(
         cm.stage_params(3, 7), ["NV"], 2, False)  # priced as the bridge
-    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, extra=["zero1"])
+    run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, extra=["zero1"])
     bridged = [torch.load(str(tmp_path / f"rank{r}.pt"), weights_only=True)["stage_bridge"] for r in range(3)]
     assert bridged == [False, True, True]  # only stage 1 spans vendors

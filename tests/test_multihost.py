@@ -18,7 +18,7 @@ from conftest import EXAMPLES, ROOT
 from dist_util import wait_for_line
 from hethub.emulated.netem import ADDRS, ip, probe, tx_bytes, two_hosts
 from hethub.partitioner import Plan
-from test_launch import unequal_plan
+from plans import unequal_plan
 
 pytest.importorskip("deepspeed")
 

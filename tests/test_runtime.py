@@ -4,7 +4,6 @@ For each width pattern, N steps of SGD with gradient clipping on a small layer s
 loss at every step (rel. 1e-5) and the same final weights (abs. 1e-5) as a single process training
 the same layers on the same global batches. SGD, not Adam: Adam hides gradient-scale errors.
 """
-import os
 import re
 import subprocess
 import sys
@@ -14,88 +13,17 @@ import torch
 
 from conftest import ROOT
 from dist_util import spawn
-from hethub.partitioner import Cluster
-from hethub.partitioner.placement import StageLayout, build_plan
-from hethub.partitioner.records import ModelConfig
-from hethub.partitioner.schedule import build_schedule, format_schedule
+from hethub.partitioner.schedule import build_schedule
+from plans import (CASES, CLIP, STEPS, WORKER, run_and_compare, single_process, stack_plan, write_plan,
+                   write_schedule)
 
 pytestmark = pytest.mark.dist
 
 pytest.importorskip("deepspeed")
 
-WORKER = os.path.join("tests", "workers", "train_stack.py")
-CPU_CLUSTER = Cluster.model_validate({
-    "name": "cpu-box",
-    "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20}},
-    "nodes": [{"host": "localhost", "device_type": "CPU", "count": 8}]})
-STACK = ModelConfig(name="stack", architecture="gpt", num_layers=5, hidden_size=12, num_attention_heads=1,
-                    ffn_hidden_size=12, vocab_size=6, seq_length=1)  # 7 planner layers
-
-
-def stack_plan(cuts, splits, micro_batch, micro_batches, boundaries=()):
-    bounds = [0, *cuts, STACK.num_planner_layers]
-    layouts = [StageLayout((bounds[i], bounds[i + 1]), "CPU", tuple(s)) for i, s in enumerate(splits)]
-    plan = build_plan(STACK, CPU_CLUSTER, layouts, micro_batch, micro_batches)
-    if boundaries:
-        from hethub.partitioner import Plan
-        plan = Plan.model_validate({**plan.model_dump(), "boundaries": list(boundaries)})
-    return plan
-
-
-CASES = {
-    "1to1": ([3], [[4], [4]], 4, 3),
-    "1to2": ([4], [[4], [2, 2]], 4, 3),
-    "2to1": ([2], [[2, 2], [4]], 4, 3),
-    "2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3),
-    "3to2": ([3], [[2, 2, 2], [3, 3]], 6, 2),
-    "1to2to1": ([2, 5], [[4], [2, 2], [4]], 4, 3),  # both a 1 -> 2 and a 2 -> 1 boundary
-    "uneven2to3": ([4], [[4, 2], [1, 2, 3]], 6, 3),
-    # the cross-vendor bridge (host buffers over a separate gloo group), lossless wire
-    "bridge2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3, [{"after_stage": 0, "transport": "host"}]),
-}
-STEPS, CLIP = 10, 0.05  # the clip threshold is low enough that clipping is active on every step
-
-
-def _single(tmp_path, plan_path):
-    out = str(tmp_path / "single.pt")
-    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return torch.load(out, weights_only=True)
-
-
-def _run_and_compare(tmp_path, plan, rtol, atol, sched=None, extra=()):
-    plan_path = str(tmp_path / "plan.json")
-    with open(plan_path, "w") as f:
-        f.write(plan.to_json())
-    extra = [*extra, f"schedule={_write_schedule(tmp_path, sched)}"] if sched else list(extra)
-    results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
-                                      *extra], timeout=90)
-    for rank, (rc, _out, err) in enumerate(results):
-        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
-    ref = _single(tmp_path, plan_path)
-    seen = set()
-    got = {}
-    for rank in range(plan.world_size):
-        got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
-        torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=0)
-        torch.testing.assert_close(got["eval_loss"], ref["eval_loss"], rtol=rtol, atol=0)
-        for k, v in got["params"].items():
-            torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=atol, msg=f"rank {rank} param {k}")
-            seen.add(k)
-    assert seen == set(ref["params"]), "every layer's weights were checked"
-    sched = sched or build_schedule(plan)
-    for rank in range(plan.world_size):  # each rank ran exactly its schedule's actions, in order
-        got_trace = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)["trace"]
-        assert got_trace == format_schedule(sched[rank]), f"rank {rank}"
-    # Sanity: training moved the weights and the loss.
-    assert not torch.equal(ref["losses"][0], ref["losses"][-1])
-    return got, ref
-
-
 @pytest.mark.parametrize("name", [n for n in CASES if n not in ("1to2", "2to1")])  # both are inside 1to2to1
 def test_equivalence_with_single_process(tmp_path, name):
-    _run_and_compare(tmp_path, stack_plan(*CASES[name]), rtol=1e-5, atol=1e-5)
+    run_and_compare(tmp_path, stack_plan(*CASES[name]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["1to2to1"])
@@ -105,7 +33,7 @@ def test_zb_h1_split_backward_trains_like_one_process(tmp_path, name):
     plan = stack_plan(*CASES[name]).model_copy(update={"schedule": "zb-h1"})
     sched = build_schedule(plan)
     assert all(any(a.kind == "W" for a in sched[r.rank]) == (st.index > 0) for st in plan.stages for r in st.replicas)
-    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
+    run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -115,7 +43,7 @@ def test_recompute_stage_runs_its_forward_again_and_trains_like_one_process(tmp_
     plan = stack_plan(*CASES["1to2to1"])
     plan = plan.model_copy(update={"schedule": schedule, "stages": [
         st.model_copy(update={"recompute": st.index == 1}) for st in plan.stages]})
-    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
+    run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5)
     per_run = STEPS * plan.num_micro_batches
     for st in plan.stages:
         for rep in st.replicas:
@@ -127,15 +55,8 @@ def test_recompute_stage_runs_its_forward_again_and_trains_like_one_process(tmp_
 def test_lossy_wire_dtype_through_the_bridge(tmp_path, wire, rtol):
     """A bf16/fp8 wire (cast in pack, up-cast in unpack) trains close to, but not exactly like, one process."""
     plan = stack_plan([3], [[3, 3], [2, 2, 2]], 6, 3, [{"after_stage": 0, "transport": "host", "dtype": wire}])
-    got, ref = _run_and_compare(tmp_path, plan, rtol=rtol, atol=rtol)
+    got, ref = run_and_compare(tmp_path, plan, rtol=rtol, atol=rtol)
     assert not torch.equal(got["losses"], ref["losses"])  # the cast really happened
-
-
-def _write_schedule(tmp_path, sched) -> str:
-    path = str(tmp_path / "schedule.txt")
-    with open(path, "w") as f:
-        f.write("# rank: actions\n" + "".join(f"{r}: {format_schedule(a)}\n" for r, a in sorted(sched.items())))
-    return path
 
 
 def _reordered(plan, keys_for_stage):
@@ -166,13 +87,13 @@ def test_hand_edited_schedule_runs_exactly_and_as_written(tmp_path):
     """A schedule file (ds_config hetero.schedule) replaces the plan's 1F1B: the ranks execute it action by
     action and still train exactly like one process."""
     plan = stack_plan(*CASES["1to2to1"])
-    _run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, sched=_reordered(plan, _gpipe))
+    run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, sched=_reordered(plan, _gpipe))
 
 
 def test_deadlocking_schedule_is_refused_before_launch_with_rank_and_step(tmp_path):
     plan = stack_plan(*CASES["1to2"])
-    path = _write(tmp_path, plan)
-    sched = _write_schedule(tmp_path, _reordered(plan, _circular))
+    path = write_plan(tmp_path, plan)
+    sched = write_schedule(tmp_path, _reordered(plan, _circular))
     results = spawn(plan.world_size, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0", f"schedule={sched}"],
                     timeout=60)
     for rc, _out, err in results:
@@ -181,16 +102,9 @@ def test_deadlocking_schedule_is_refused_before_launch_with_rank_and_step(tmp_pa
         assert re.match(r"error: rank 0 step \d+: deadlock: B0 waits for data from rank\(s\) 1, 2", lines[0]), err
 
 
-def _write(tmp_path, plan):
-    path = str(tmp_path / "plan.json")
-    with open(path, "w") as f:
-        f.write(plan.to_json())
-    return path
-
-
 def test_plan_world_mismatch_exits_2_on_every_rank(tmp_path):
     plan = stack_plan(*CASES["2to3"])  # needs 5 ranks
-    path = _write(tmp_path, plan)
+    path = write_plan(tmp_path, plan)
     results = spawn(3, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
     for rc, _out, err in results:
         assert rc == 2
@@ -216,7 +130,7 @@ def test_ranks_given_different_plans_all_exit_2_naming_them(tmp_path):
 def test_plan_from_ds_config_hetero_section(tmp_path):
     """`"hetero": {"plan": ...}` in ds_config works without a plan argument; a wrong batch key is refused."""
     plan = stack_plan(*CASES["1to2"])
-    path = _write(tmp_path, plan)
+    path = write_plan(tmp_path, plan)
     code = (
         "import sys, json, torch; sys.path.insert(0, 'tests/workers'); import train_stack as t, hethub\n"
         f"cfg = {{'hetero': {{'plan': {path!r}}}, 'train_batch_size': int(sys.argv[1])}}\n"
@@ -237,7 +151,7 @@ def test_a_tensor_parallel_plan_launched_on_too_few_ranks_is_refused(tmp_path):
     data["model"]["num_attention_heads"] = 2  # so that 2 divides the heads
     data["stages"][1]["tensor_parallel"] = 2  # the replica becomes a group of 2 (ranks 1, 2)
     from hethub.partitioner import Plan
-    path = _write(tmp_path, Plan.model_validate(data))
+    path = write_plan(tmp_path, Plan.model_validate(data))
     results = spawn(2, [WORKER, path, str(tmp_path / "r{rank}.pt"), "1", "0"], timeout=60)
     for rc, _out, err in results:
         assert rc == 2 and err.strip().splitlines()[-1] == \
@@ -261,7 +175,7 @@ def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = torch.load(out, weights_only=True)
-    fp32 = _single(tmp_path, plan_path)
+    fp32 = single_process(tmp_path, plan_path)
     for rank in range(plan.world_size):
         got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-2, atol=0)

@@ -12,7 +12,7 @@ from hethub.partitioner.planner import PlannerOptions, _layer_granular_shapes, m
 from hethub.partitioner.search.candidates import chain_is_feasible, objective_of
 from hethub.partitioner.search.shapes import DualBound, ShapeSearch, greedy_shapes, identical_blocks, order_chain
 from conftest import EXAMPLES
-from test_planner import TWO_TYPE, random_instance
+from instances import TWO_TYPE, random_instance
 
 
 def one_run_per_vendor(vendors) -> bool:

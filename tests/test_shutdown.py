@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dist_util import spawn
-from test_runtime import CASES, _write, stack_plan
+from plans import CASES, stack_plan, write_plan
 
 pytestmark = pytest.mark.dist
 WORKER = os.path.join("tests", "workers", "train_stack.py")
@@ -19,7 +19,7 @@ def test_finished_runs_exit_0_on_every_rank_six_times(tmp_path):
     destroy_process_group, a rank aborted at exit in about 1 of 3 such runs (six runs catch that 91% of
     the time)."""
     from concurrent.futures import ThreadPoolExecutor
-    path = _write(tmp_path, stack_plan(*CASES["1to1"]))
+    path = write_plan(tmp_path, stack_plan(*CASES["1to1"]))
 
     def one(run):
         return spawn(2, [WORKER, path, str(tmp_path / f"r{run}-{{rank}}.pt"), "1", "0"], timeout=120,
@@ -30,7 +30,7 @@ def test_finished_runs_exit_0_on_every_rank_six_times(tmp_path):
 
 
 def test_a_users_error_shows_its_traceback_and_peers_name_its_rank(tmp_path):
-    path = _write(tmp_path, stack_plan(*CASES["1to2"]))
+    path = write_plan(tmp_path, stack_plan(*CASES["1to2"]))
     t0 = time.monotonic()
     results = spawn(3, [WORKER, path, str(tmp_path / "r{rank}.pt"), "5", "0"], timeout=90,
                     extra_env={"FAIL_AT": "1:2"})

@@ -109,6 +109,7 @@ import torch  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 from dist_util import run_plan, spawn  # noqa: E402
+from plans import stack_layers  # noqa: E402
 
 WORKER = os.path.join("tests", "workers", "train_tp.py")
 TINY = ModelConfig(name="gpt-tp", architecture="gpt", num_layers=4, hidden_size=32, num_attention_heads=4,
@@ -117,7 +118,7 @@ TOL = 1e-9  # float64 throughout: only the order of sums differs
 
 
 def _cpu_plan(model, stages, mb=6, M=2):
-    from test_runtime import CPU_CLUSTER
+    from plans import CPU_CLUSTER
     # a stage is (layers, samples, tensor_parallel[, recompute])
     return build_plan(model, CPU_CLUSTER, [StageLayout(l, "CPU", s, tensor_parallel=t, recompute=bool(r and r[0]))
                                            for l, s, t, *r in stages], mb, M)
@@ -217,11 +218,6 @@ BAD_TP_PLANS = [
 ]
 
 
-def stack_layers():
-    from torch import nn
-    return [nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)), nn.Linear(16, 4)]
-
-
 def _stack_tp_plan():
     m = ModelConfig(name="stack", architecture="gpt", num_layers=1, hidden_size=16, num_attention_heads=2,
                     ffn_hidden_size=32, vocab_size=8, seq_length=1)
@@ -244,7 +240,7 @@ def test_a_bad_tp_plan_ends_every_rank_with_exit_2_before_any_collective(tmp_pat
     with open(path, "w") as f:
         f.write(plan.to_json())
     code = ("import sys, torch; from torch import nn; sys.path.insert(0, 'tests'); import hethub\n"
-            "from test_tensor_parallel import stack_layers\n"
+            "from plans import stack_layers\n"
             f"hethub.initialize(layers=stack_layers(), loss_fn=nn.functional.mse_loss, plan={path!r},\n"
             f"                  tp_plan={tp_plan!r}, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))\n")
     for rc, _out, err in spawn(plan.world_size, ["-c", code], timeout=60):

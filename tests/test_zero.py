@@ -9,7 +9,7 @@ import torch
 
 from conftest import ROOT
 from dist_util import run_plan, spawn
-from test_runtime import CASES, _write, stack_plan
+from plans import CASES, stack_plan, write_plan
 
 pytestmark = pytest.mark.dist
 WORKER = os.path.join("tests", "workers", "resume.py")
@@ -84,12 +84,12 @@ def test_optimizer_state_per_rank_is_the_cost_models_figure(tmp_path):
     from hethub.partitioner.costmodel import CostModel
     from hethub.partitioner.placement import StageLayout, build_plan
     from hethub.partitioner.records import ModelConfig
-    from test_runtime import CPU_CLUSTER
+    from plans import CPU_CLUSTER
     m = ModelConfig(name="gpt-mem", architecture="gpt", num_layers=4, hidden_size=32, num_attention_heads=2,
                     ffn_hidden_size=64, vocab_size=64, seq_length=8)
     plan = build_plan(m, CPU_CLUSTER, [StageLayout((0, 2), "CPU", (6,)), StageLayout((2, 4), "CPU", (4, 2)),
                                        StageLayout((4, 6), "CPU", (2, 2, 2))], 6, 2)
-    path = _write(tmp_path, plan)
+    path = write_plan(tmp_path, plan)
     out = str(tmp_path / "mem{rank}.json")
     for rank, (rc, _o, err) in enumerate(spawn(plan.world_size, [os.path.join("tests", "workers", "zero_memory.py"),
                                                                   path, out], timeout=120)):
@@ -111,7 +111,7 @@ def test_optimizer_state_per_rank_is_the_cost_models_figure(tmp_path):
 ])
 def test_unsupported_zero_is_refused_on_every_rank(tmp_path, zero, plan_zero1, fragment):
     plan = stack_plan(*CASES["1to2"]).model_copy(update={"zero1": plan_zero1})
-    path = _write(tmp_path, plan)
+    path = write_plan(tmp_path, plan)
     code = ("import sys, torch; sys.path.insert(0, 'tests/workers'); import train_stack as t, hethub\n"
             f"cfg = {{'zero_optimization': {{'stage': {zero}}}}}\n"
             f"hethub.initialize(layers=t.make_layers(7), loss_fn=t.loss_fn, config=cfg, plan={path!r},\n"

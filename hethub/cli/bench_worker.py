@@ -43,7 +43,7 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
     return engine, dp
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     hethub.add_config_arguments(p)
     p.add_argument("--mode", choices=["hethub", "deepspeed"], required=True)
@@ -62,7 +62,22 @@ def main() -> None:
     p.add_argument("--zero1", action="store_true", help="hethub mode: ZeRO-1 within each stage")
     p.add_argument("--state-out", default=None, help="hethub mode: write each rank's optimizer-state bytes to FILE.RANK")
     p.add_argument("--local_rank", type=int, default=-1)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def _write_rank_files(a: argparse.Namespace, engine, rank: int) -> None:
+    """hethub mode: each rank's action timeline and optimizer-state bytes, where asked for."""
+    if a.timeline:
+        t0 = engine.executed_s[0][0]
+        with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
+            json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
+    if a.state_out:
+        with open(f"{a.state_out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"opt_bytes": optimizer_state_bytes(engine.optimizer)}, f)
+
+
+def main() -> None:
+    a = _args()
     torch.set_num_threads(1)
     with open(a.model_json, encoding="utf-8") as f:
         model = ModelConfig.model_validate_json(f.read())
@@ -93,13 +108,8 @@ def main() -> None:
         log.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
         if rank == 0:
             print(f"step {step + 1}/{a.steps} loss {loss:.4f} {log[-1]['seconds']:.3f} s", flush=True)
-    if a.timeline and a.mode == "hethub":
-        t0 = engine.executed_s[0][0]
-        with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
-            json.dump([(n, s - t0, e - t0, w) for n, (s, e, w) in zip(engine.executed, engine.executed_s)], f)
-    if a.state_out and a.mode == "hethub":
-        with open(f"{a.state_out}.{rank}", "w", encoding="utf-8") as f:
-            json.dump({"opt_bytes": optimizer_state_bytes(engine.optimizer)}, f)
+    if a.mode == "hethub":
+        _write_rank_files(a, engine, rank)
     if rank == 0:
         times = [e["seconds"] for e in log]
         with open(a.out, "w", encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 """``hethub demo``: plan a built-in mixed cluster, then train on it side by side, emulated on this machine.
 
 The cluster: 2 "FAST" ranks and 4 "SLOW" ranks (SLOW 2x slower than FAST). Every rank is emulated
-(hethub.emulation): FAST idles until each layer has taken 4x its fastest time on this CPU, SLOW 8x,
+(hethub.emulated.slowdown): FAST idles until each layer has taken 4x its fastest time on this CPU, SLOW 8x,
 so six ranks on two cores compute only a fraction of the time and do not steal each other's cycles.
 Steps: profile the model under both emulations; plan with those profiles; then run, back to back on
 the same machine, hethub's plan (through ``hethub launch --local``), the best FAST-only plan (the

@@ -18,7 +18,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["launch"]:  # DeepSpeed's flags pass through unparsed: see hethub.launch
+        if argv[:1] == ["launch"]:  # DeepSpeed's flags pass through unparsed: see hethub.cli.launch
             launch = importlib.import_module(".launch", __package__)  # lazy: DeepSpeed's runner, only here
             plan, local, dry, rest = launch.parse_launch_args(argv[1:])
             return launch.run(plan, rest, local=local, dry_run=dry)

@@ -8,7 +8,8 @@ import argparse
 
 from .._version import __version__
 from ..partitioner.errors import InputError
-from ..partitioner.records import MAX_BATCH, MAX_BLOCKS
+from ..partitioner.baselines import BASELINES
+from ..partitioner.records import MAX_BATCH, MAX_BLOCKS, SCHEDULES
 
 
 def _int_in(lo: int, hi: int):
@@ -77,7 +78,7 @@ def _add_plan(sub) -> None:
     sp.add_argument("--solver", choices=["highs", "cbc", "brute-force"], default="highs")
     sp.add_argument("--time-limit", type=_float_in(0, 86400, lo_open=True), default=60.0,
                     help="solver time limit, seconds (brute force too)")
-    sp.add_argument("--baseline", choices=["uniform", "parameters", "fastest-only"],
+    sp.add_argument("--baseline", choices=list(BASELINES),
                     help="plan the way a baseline would, for comparison")
     sp.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sizes to consider "
                                                  "(default: divisors of the global batch up to --max-micro-batch)")
@@ -95,7 +96,7 @@ def _add_plan(sub) -> None:
     sp.add_argument("--no-mixed-stages", action="store_true",
                     help="one device type per stage (default: a stage may mix two types of one vendor, "
                          "speed-proportional splits)")
-    sp.add_argument("--schedule", choices=["1f1b", "zb-h1"], default="1f1b",
+    sp.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                     help="pipeline schedule the plan runs: 1f1b (default), or zb-h1, which sends each input gradient "
                          "before computing the weights' (1F1B's memory but one micro-batch more on the last stage)")
     sp.add_argument("--equal-widths", action="store_true",

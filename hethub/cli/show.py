@@ -38,7 +38,7 @@ def plan_table(plan: Plan) -> Table:
     for st in plan.stages:
         row = [str(st.index), f"[{st.layers[0]}, {st.layers[1]})",
                "+".join(st.types), str(st.width), str(st.tensor_parallel), "+".join(str(r.samples) for r in st.replicas),
-               _ranks(st), _hosts(st), "yes" if st.recompute else "no", "yes" if st.zero1 or plan.zero1 else "no"]
+               _ranks(st), _hosts(st), "yes" if st.recompute else "no", "yes" if plan.shards_optimizer(st) else "no"]
         if pred and pred.stage_s:
             row.append(f"{pred.stage_s[st.index] * 1e3:.2f}" if st.index < len(pred.stage_s) else "")
         if pred and pred.memory_gib:

@@ -68,7 +68,7 @@ class Block(nn.Module):
             self.fc1 = nn.Linear(m.hidden_size, m.ffn_hidden_size)
             self.fc2 = nn.Linear(m.ffn_hidden_size, m.hidden_size)
 
-    # Megatron-style tensor parallelism of this block (hethub.tp): column-parallel Q, K, V and first MLP
+    # Megatron-style tensor parallelism of this block (hethub.runtime.tp): column-parallel Q, K, V and first MLP
     # matrices, row-parallel output projections; the norms stay whole on every rank.
     TP_PLAN = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
                "fc1": "colwise", "fc2": "rowwise", "gate": "colwise", "up": "colwise", "down": "rowwise"}
@@ -94,7 +94,7 @@ class Head(nn.Module):
 def build_layers(m: ModelConfig) -> list[nn.Module]:
     """The model as the planner's layer list: [Embedding, Block x num_layers, Head]."""
     layers = [Embedding(m), *[Block(m) for _ in range(m.num_layers)], Head(m)]
-    if m.tie_embeddings:  # the head's weight is the token embedding's (one Parameter: hethub.ties keeps it)
+    if m.tie_embeddings:  # the head's weight is the token embedding's (one Parameter: hethub.models.ties keeps it)
         layers[-1].out.weight = layers[0].tok.weight
     return layers
 

@@ -8,7 +8,7 @@ the mask it expects, sliding windows included), position ids, and for rotary mod
 ``position_embeddings`` from the model's own rotary module — so a pipeline computes what the model does.
 
 GPT-2 ties ``lm_head.weight`` to ``wte.weight``: the embedding and head pieces share that Parameter, and
-hethub's runtime finds the tie by identity and keeps both ends in step (``hethub.ties``).
+hethub's runtime finds the tie by identity and keeps both ends in step (``hethub.models.ties``).
 
 Supported (random init from a config is enough; nothing is downloaded): ``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``.

@@ -5,7 +5,7 @@ Layout of ``<dir>/<tag>/`` (DeepSpeed's layer-file naming where it helps interop
     layer_03-model_states.pt   the layer's state_dict (DeepSpeed's pipeline files carry the same name stem)
     layer_03-optim_states.pt   per parameter name: the optimizer's state (momentum, Adam moments, step)
     meta.json                  model shape, step, samples consumed, optimizer hyper-parameters, plan summary,
-                               tied weights (each stored once, with its first layer; ``hethub.ties``)
+                               tied weights (each stored once, with its first layer; ``hethub.models.ties``)
 
 Saving is atomic: every writer (replica 0 of each stage: replicas hold identical weights and optimizer
 state under ZeRO-0) writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 flushes, renames it to
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..partitioner.errors import InputError
+from ..partitioner.outputs import write_atomic
 from .errors import fail
 from .tp import full, gather_like, local, shard_of
 
@@ -190,6 +191,8 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
             _publish(engine, save_dir, tag, client_state)
         except OSError as exc:
             error = f"checkpoint: cannot finish {final[:100]!r}: {exc.strerror or type(exc).__name__}"
+        except InputError as exc:  # the atomic write of `latest`
+            error = str(exc)
     _agree(engine, error, "could not finish the checkpoint")
     return tag
 
@@ -214,12 +217,7 @@ def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> N
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
-    latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
-    with open(latest_tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(save_dir, LATEST))
+    write_atomic(os.path.join(save_dir, LATEST), tag, "checkpoint")
 
 
 def _jsonable(x):

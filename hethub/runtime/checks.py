@@ -46,7 +46,7 @@ class HeteroSection(Record):
     plan: Optional[Union[str, dict]] = None  # plan.json, or the plan itself (overridden by plan= and --hetero-plan)
     schedule: Optional[str] = None  # a hand-edited schedule file (``hethub simulate --print-schedule``'s format)
     resume: Optional[str] = None  # load the newest complete checkpoint in this directory at initialize
-    emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulation)
+    emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulated.slowdown)
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
 
     @field_validator("emulate_slowdown")

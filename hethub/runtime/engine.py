@@ -40,7 +40,7 @@ ds_seams.check()  # the DeepSpeed names this adapter uses that are not public AP
 
 class HeteroPipelineEngine(PipelineEngine):
     """Executes hethub's per-rank schedule under a hethub plan. ``zero1`` (optional) makes this replica's
-    ``hethub.zero.Zero1`` from DeepSpeed's optimizer once it is built."""
+    ``hethub.runtime.zero.Zero1`` from DeepSpeed's optimizer once it is built."""
 
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,

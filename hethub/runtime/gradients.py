@@ -19,7 +19,7 @@ from .tp import is_sharded, local
 
 
 class Gradients:
-    """One rank's share of the step's collectives. ``zero1`` is this replica's ``hethub.zero.Zero1`` (or None)."""
+    """One rank's share of the step's collectives. ``zero1`` is this replica's ``hethub.runtime.zero.Zero1`` (or None)."""
 
     def __init__(self, grid, module, device: torch.device, guard: Guard, zero1=None):
         self.grid, self.module, self.device, self.guard, self.zero1 = grid, module, device, guard, zero1

@@ -194,7 +194,7 @@ def _set_batch_keys(cfg: dict, plan: Plan, grid) -> None:
 
 def _zero1_factory(run: _Checked, grid: HeteroGrid, params: list, zero1: bool) -> Optional[Callable]:
     """ZeRO-1 for this replica, made from DeepSpeed's optimizer once it exists (a bad optimizer is one line)."""
-    zero1 = zero1 or run.plan.stages[grid.stage_id].zero1  # a stage the plan shards (its memory assumes it)
+    zero1 = zero1 or run.plan.shards_optimizer(grid.stage)  # a stage the plan shards (its memory assumes it)
     if not zero1 or grid.data_parallel_size == 1:
         return None
 

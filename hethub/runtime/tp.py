@@ -6,14 +6,14 @@ parallel layers: it splits a module already built, in place, and hethub's groups
 replica (stages differ in width and degree), which a ``DeviceMesh.from_group`` expresses directly. It
 also takes a user's plan in the strings Hugging Face uses (``base_model_tp_plan``: "colwise" /
 "rowwise") and runs on CPU/gloo, so equivalence is tested where CI runs. megatron-core's own layers run
-tensor-parallel too, rebuilt with the replica's group (``hethub.megatron``): megatron-core 0.16 takes
+tensor-parallel too, rebuilt with the replica's group (``hethub.models.megatron``): megatron-core 0.16 takes
 per-module process groups (``pg_collection``), which is the seam a per-stage group needs.
 
 A layer may split itself: one that defines ``split_tensor_parallel(group)`` replaces its parameters by
 this rank's shards and marks each split one with ``mark_split(param, group, dim, parts)`` (``parts`` > 1
 for matrices that are several matrices stacked, like a fused SwiGLU input, each split on its own).
 
-What is split: hethub's own blocks (``hethub.models.Block.TP_PLAN``: Q, K, V and the first MLP matrices
+What is split: hethub's own blocks (``hethub.models.builtin.Block.TP_PLAN``: Q, K, V and the first MLP matrices
 column-parallel, the output projections row-parallel); a user's layers where ``tp_plan`` patterns
 (fnmatch over ``"{layer index}.{submodule path}"``) match. Everything else — embeddings, norms, heads,
 unmatched submodules — runs replicated on every rank of the group. A stage's output must leave it whole

@@ -179,8 +179,7 @@ class _Part:
         another vendor's (host copies both ways, cross-vendor link). ``other_host``: the next stage is on other
         hosts (another device type: a host holds one), so the boundary is inter-node whatever the widths."""
         if cross:
-            net = self.cm.cluster.network
-            gbps, lat = (net.cross_vendor_gbps or net.inter_node_gbps), net.inter_node_latency_us * 1e-6
+            gbps, lat = self.cm.cross_vendor_link()
             per_x = min(w, self.per_node) * s
             return np.where(self.out_bytes > 0, 2 * (lat + per_x * self.out_bytes * 8 / (gbps * 1e9)
                                                      + 2 * s * self.out_bytes / (PCIE_GBPS * 1e9)), 0.0)
@@ -286,22 +285,49 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     """
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
-    tied = cm.tied_params(bounds[I], bounds[J])  # a tied embedding/head weight shared with another stage
-    vendor_of = {t: cm.cluster.device_type(t).vendor for t in types}
-    vendor_ids = {v: n for n, v in enumerate(sorted(set(vendor_of.values())))}
-    cols: dict[str, list] = {k: [] for k in FIELDS}
-    index = {t: ti for ti, t in enumerate(types)}
-    ends_pipeline = (J == len(bounds) - 1) & (I > 0)  # the last of two or more stages
-    last_need = peak_in_flight(schedule, 2, 1, M)  # the last stage of any pipeline of two or more
-    # zb-h1: a stage after the first sends its input gradient before its weights' (the fill and drain skip them)
-    # and runs its last W (the last stage: its last two) before its all-reduce (``evaluate.iteration_s``)
-    split = (I > 0) if schedule == "zb-h1" else np.zeros(len(I), dtype=bool)
-    # (a middle stage as stage 1 of 3, the last as stage 1 of 2; the first never splits)
-    tail_ws = np.where(I > 0, np.where(ends_pipeline, trailing_weight_passes(schedule, 2, 1, M),
-                                       trailing_weight_passes(schedule, 3, 1, M)), 0)
+    build = _Builder(cm, types, M, bounds, I, J, schedule)
+    parts: dict[tuple[str, int], list[_Part]] = {}
+    for t in types:
+        avail_of = lambda tp: counts[t] // tp  # noqa: E731
+        for tp in tensor_parallel_degrees(cm, t, max_tp):
+            parts[t, tp] = _parts(cm, t, tp, allow_recompute, bounds, I, J)
+            for part in parts[t, tp]:
+                widths = widths_for(b, avail_of(tp)) if width is None else ([width] if width <= avail_of(tp) else [])
+                for w in widths:
+                    s = -(-b // w)
+                    build.add(part, w, s)
+                    if zero1 and w > 1 and not cm.zero1 and not part.rc:
+                        build.add(part, w, s, z=True, only=_zero1_helps(parts[t, tp], w, s, M))
+    if mixed and width is None:
+        build.add_mixed(parts, b, counts, max_tp)
+    return _prune_dominated(build.candidates())
 
-    def add(pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0, z: bool = False,
-            only: Optional[np.ndarray] = None) -> None:
+
+class _Builder:
+    """Collects candidate stages (one vectorised column per field) for ``candidates``."""
+
+    def __init__(self, cm: CostModel, types: Sequence[str], M: int, bounds: np.ndarray, I: np.ndarray, J: np.ndarray,
+                 schedule: str):
+        self.cm, self.types, self.M, self.I, self.J = cm, types, M, I, J
+        self.tied = cm.tied_params(bounds[I], bounds[J])  # a tied embedding/head weight shared with another stage
+        self.vendor_of = {t: cm.cluster.device_type(t).vendor for t in types}
+        self.vendor_ids = {v: n for n, v in enumerate(sorted(set(self.vendor_of.values())))}
+        self.cols: dict[str, list] = {k: [] for k in FIELDS}
+        self.index = {t: ti for ti, t in enumerate(types)}
+        self.ends_pipeline = (J == len(bounds) - 1) & (I > 0)  # the last of two or more stages
+        self.last_need = peak_in_flight(schedule, 2, 1, M)  # the last stage of any pipeline of two or more
+        # zb-h1: a stage after the first sends its input gradient before its weights' (the fill and drain skip
+        # them) and runs its last W (the last stage: its last two) before its all-reduce (``evaluate.iteration_s``)
+        self.split = (I > 0) if schedule == "zb-h1" else np.zeros(len(I), dtype=bool)
+        # (a middle stage as stage 1 of 3, the last as stage 1 of 2; the first never splits)
+        self.tail_ws = np.where(I > 0, np.where(self.ends_pipeline, trailing_weight_passes(schedule, 2, 1, M),
+                                                trailing_weight_passes(schedule, 3, 1, M)), 0)
+
+    def add(self, pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0,
+            z: bool = False, only: Optional[np.ndarray] = None) -> None:
+        """Stages of ``wa`` replicas of part ``pa`` taking ``sa`` samples each (plus ``wb`` of ``pb`` taking ``sb``:
+        a mixed stage), with or without ZeRO-1, where ``only`` (default: every range) and memory allow."""
+        cm, M = self.cm, self.M
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
         comp, comm, cross = pa.compute_s(sa), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
         away = pa.comm_s(wa, sa, False, other_host=True)
@@ -315,40 +341,31 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
         # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
-        ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z) + cm.tie_sync_s(tied, ts, 2 * w)
-              + tail_ws * tail)
+        ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z) + cm.tie_sync_s(self.tied, ts, 2 * w)
+              + self.tail_ws * tail)
         opt = np.max([cm.optimizer_s_of(pa.params, t, w, z) for t in ts], axis=0)
-        k = np.where(ends_pipeline & (k < last_need), 0, k)
+        k = np.where(self.ends_pipeline & (k < self.last_need), 0, k)
         keep = (k >= 1) & (only if only is not None else True)
         n = int(keep.sum())
-        for name, values in (("first_unit", I[keep]), ("end_unit", J[keep]), ("type_idx", np.full(n, index[pa.t])),
+        for name, values in (("first_unit", self.I[keep]), ("end_unit", self.J[keep]),
+                             ("type_idx", np.full(n, self.index[pa.t])),
                              ("width", np.full(n, wa)), ("recompute", np.full(n, pa.rc)), ("zero1", np.full(n, z)),
-                             ("cost_s", (comp + comm - np.where(split, wg, 0.0))[keep]), ("compute_s", comp[keep]),
+                             ("cost_s", (comp + comm - np.where(self.split, wg, 0.0))[keep]), ("compute_s", comp[keep]),
                              ("comm_s", comm[keep]), ("allreduce_s", ar[keep]),
                              ("optimizer_s", opt[keep]),
-                             ("in_flight", k[keep]), ("vendor", np.full(n, vendor_ids[vendor_of[pa.t]])),
+                             ("in_flight", k[keep]), ("vendor", np.full(n, self.vendor_ids[self.vendor_of[pa.t]])),
                              ("bridge_s", np.maximum(cross - np.maximum(away, comm), 0.0)[keep]),
                              ("hop_s", np.maximum(away - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
-                             ("type2_idx", np.full(n, index[pb.t] if pb is not None else -1)),
+                             ("type2_idx", np.full(n, self.index[pb.t] if pb is not None else -1)),
                              ("width2", np.full(n, wb)), ("samples2", np.full(n, sb))):
-            cols[name].append(values)
+            self.cols[name].append(values)
 
-    parts: dict[tuple[str, int], list[_Part]] = {}
-    for t in types:
-        avail_of = lambda tp: counts[t] // tp  # noqa: E731
-        for tp in tensor_parallel_degrees(cm, t, max_tp):
-            parts[t, tp] = _parts(cm, t, tp, allow_recompute, bounds, I, J)
-            for part in parts[t, tp]:
-                widths = widths_for(b, avail_of(tp)) if width is None else ([width] if width <= avail_of(tp) else [])
-                for w in widths:
-                    s = -(-b // w)
-                    add(part, w, s)
-                    if zero1 and w > 1 and not cm.zero1 and not part.rc:
-                        add(part, w, s, z=True, only=_zero1_helps(parts[t, tp], w, s, M))
-    if mixed and width is None:
+    def add_mixed(self, parts: dict, b: int, counts: dict[str, int], max_tp: int) -> None:
+        """Stages mixing two device types of one vendor (the faster first), at a degree both have."""
+        cm, types, index = self.cm, self.types, self.index
         speed = {t: cm.sample_s(t) for t in types}
         for ta, tb in itertools.permutations(types, 2):
-            if vendor_of[ta] != vendor_of[tb] or (speed[ta], index[ta]) > (speed[tb], index[tb]):
+            if self.vendor_of[ta] != self.vendor_of[tb] or (speed[ta], index[ta]) > (speed[tb], index[tb]):
                 continue  # one vendor (a cross-vendor stage would all-reduce through the host); ta the faster
             common = set(tensor_parallel_degrees(cm, ta, max_tp)) & set(tensor_parallel_degrees(cm, tb, max_tp))
             for tp in sorted(common):
@@ -356,13 +373,15 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
                     rep = [(float(cm.prefix_fixed(t, pa.rc, tp)[-1]), float(cm.prefix(t, pa.rc, tp)[-1]))
                            for t in (ta, tb)]
                     for wa, wb, sb in mixed_splits(*rep[0], *rep[1], b, counts[ta] // tp, counts[tb] // tp):
-                        add(pa, wa, -(-(b - wb * sb) // wa), pb, wb, sb)
-    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
-    cand = Candidates(**{k: cat[k] for k in cols})
-    for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp", "type2_idx", "width2", "samples2"):
-        setattr(cand, name, getattr(cand, name).astype(int))
-    cand.recompute, cand.zero1 = cand.recompute.astype(bool), cand.zero1.astype(bool)
-    return _prune_dominated(cand)
+                        self.add(pa, wa, -(-(b - wb * sb) // wa), pb, wb, sb)
+
+    def candidates(self) -> Candidates:
+        cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in self.cols.items()}
+        cand = Candidates(**{k: cat[k] for k in self.cols})
+        for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp", "type2_idx", "width2", "samples2"):
+            setattr(cand, name, getattr(cand, name).astype(int))
+        cand.recompute, cand.zero1 = cand.recompute.astype(bool), cand.zero1.astype(bool)
+        return cand
 
 
 def _prune_dominated(c: Candidates) -> Candidates:

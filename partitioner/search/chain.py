@@ -202,15 +202,7 @@ class _Milp(MilpModel):
                 s_v = [(k, -1.0) for k in self.starts[p] if c.vendor[k] == vid]
                 if e_v:
                     self.prob += z >= self.affine(e_v + s_v)
-            pmax = float(max(c.bridge_s[k] for k in self.ends[p]))
-            if pmax <= 0:
-                continue
-            q = self.var(f"q_{p}", lowBound=0)
-            self.prob += q >= self.affine([(k, float(c.bridge_s[k])) for k in self.ends[p]]) - pmax * (1 - z)
-            self.prob.objective += q
-            # the bottleneck: the ending stage's bridged pace when the vendor changes (vacuous when it does not)
-            bmax = float(max(c.bridged_pace_s[k] for k in self.ends[p]))
-            self.prob += self.Z >= self.affine([(k, float(c.bridged_pace_s[k])) for k in self.ends[p]]) - bmax * (1 - z)
+            self._charge_ending_stage(p, z, c.bridge_s, c.bridged_pace_s, "q")
 
     def host_rows(self) -> None:
         """A boundary between hosts: y[p] = 1 unless the stage ending at p and the one starting there are pure stages
@@ -227,11 +219,21 @@ class _Milp(MilpModel):
                 e_t = [(k, 1.0) for k in self.ends[p] if c.type_idx[k] == t]
                 s_t = [(k, -1.0) for k in self.starts[p] if c.type_idx[k] == t and c.type2_idx[k] < 0]
                 self.prob += y >= self.affine(e_t + s_t)
-            h = self.var(f"h_{p}", lowBound=0)
-            self.prob += h >= self.affine([(k, float(c.hop_s[k])) for k in self.ends[p]]) - hmax * (1 - y)
-            self.prob.objective += h
-            pmax = float(max(c.hopped_pace_s[k] for k in self.ends[p]))
-            self.prob += self.Z >= self.affine([(k, float(c.hopped_pace_s[k])) for k in self.ends[p]]) - pmax * (1 - y)
+            self._charge_ending_stage(p, y, c.hop_s, c.hopped_pace_s, "h")
+
+    def _charge_ending_stage(self, p: int, flag, price_s: np.ndarray, pace_s: np.ndarray, name: str) -> None:
+        """Where ``flag`` (in [0, 1]) is 1 at boundary p, the stage ending there pays ``price_s`` more in the sum and
+        is held to ``pace_s`` in the bottleneck (both rows vacuous where the flag is 0); nothing where no ending
+        stage has a price."""
+        ends = self.ends[p]
+        pmax = float(max(price_s[k] for k in ends))
+        if pmax <= 0:
+            return
+        extra = self.var(f"{name}_{p}", lowBound=0)
+        self.prob += extra >= self.affine([(k, float(price_s[k])) for k in ends]) - pmax * (1 - flag)
+        self.prob.objective += extra
+        bmax = float(max(pace_s[k] for k in ends))
+        self.prob += self.Z >= self.affine([(k, float(pace_s[k])) for k in ends]) - bmax * (1 - flag)
 
     def memory_rows(self) -> None:
         """Stages remaining from boundary u: r[u] = r[u+1] + (stages starting at u); a candidate that holds

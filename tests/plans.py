@@ -1,0 +1,116 @@
+"""Plans, layer stacks and runners several test files share (a helper module: no test imports another test file).
+
+``run_and_compare`` is the runtime's equivalence oracle: a plan's ranks train N steps of SGD with clipping and
+must give the losses and final weights of one process training the same layers on the same batches.
+"""
+import os
+import subprocess
+import sys
+
+import torch
+
+from conftest import ROOT
+from dist_util import spawn
+from hethub.partitioner import Cluster, ModelConfig, Plan
+from hethub.partitioner.placement import StageLayout, build_plan
+from hethub.partitioner.schedule import build_schedule, format_schedule
+
+WORKER = os.path.join("tests", "workers", "train_stack.py")
+CPU_CLUSTER = Cluster.model_validate({
+    "name": "cpu-box",
+    "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20}},
+    "nodes": [{"host": "localhost", "device_type": "CPU", "count": 8}]})
+STACK = ModelConfig(name="stack", architecture="gpt", num_layers=5, hidden_size=12, num_attention_heads=1,
+                    ffn_hidden_size=12, vocab_size=6, seq_length=1)  # 7 planner layers
+
+
+def stack_plan(cuts, splits, micro_batch, micro_batches, boundaries=()):
+    bounds = [0, *cuts, STACK.num_planner_layers]
+    layouts = [StageLayout((bounds[i], bounds[i + 1]), "CPU", tuple(s)) for i, s in enumerate(splits)]
+    plan = build_plan(STACK, CPU_CLUSTER, layouts, micro_batch, micro_batches)
+    if boundaries:
+        from hethub.partitioner import Plan
+        plan = Plan.model_validate({**plan.model_dump(), "boundaries": list(boundaries)})
+    return plan
+
+
+CASES = {
+    "1to1": ([3], [[4], [4]], 4, 3),
+    "1to2": ([4], [[4], [2, 2]], 4, 3),
+    "2to1": ([2], [[2, 2], [4]], 4, 3),
+    "2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3),
+    "3to2": ([3], [[2, 2, 2], [3, 3]], 6, 2),
+    "1to2to1": ([2, 5], [[4], [2, 2], [4]], 4, 3),  # both a 1 -> 2 and a 2 -> 1 boundary
+    "uneven2to3": ([4], [[4, 2], [1, 2, 3]], 6, 3),
+    # the cross-vendor bridge (host buffers over a separate gloo group), lossless wire
+    "bridge2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3, [{"after_stage": 0, "transport": "host"}]),
+}
+STEPS, CLIP = 10, 0.05  # the clip threshold is low enough that clipping is active on every step
+
+
+def single_process(tmp_path, plan_path):
+    out = str(tmp_path / "single.pt")
+    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def run_and_compare(tmp_path, plan, rtol, atol, sched=None, extra=()):
+    plan_path = str(tmp_path / "plan.json")
+    with open(plan_path, "w") as f:
+        f.write(plan.to_json())
+    extra = [*extra, f"schedule={write_schedule(tmp_path, sched)}"] if sched else list(extra)
+    results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
+                                      *extra], timeout=90)
+    for rank, (rc, _out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
+    ref = single_process(tmp_path, plan_path)
+    seen = set()
+    got = {}
+    for rank in range(plan.world_size):
+        got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=0)
+        torch.testing.assert_close(got["eval_loss"], ref["eval_loss"], rtol=rtol, atol=0)
+        for k, v in got["params"].items():
+            torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=atol, msg=f"rank {rank} param {k}")
+            seen.add(k)
+    assert seen == set(ref["params"]), "every layer's weights were checked"
+    sched = sched or build_schedule(plan)
+    for rank in range(plan.world_size):  # each rank ran exactly its schedule's actions, in order
+        got_trace = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)["trace"]
+        assert got_trace == format_schedule(sched[rank]), f"rank {rank}"
+    # Sanity: training moved the weights and the loss.
+    assert not torch.equal(ref["losses"][0], ref["losses"][-1])
+    return got, ref
+
+
+def write_schedule(tmp_path, sched) -> str:
+    path = str(tmp_path / "schedule.txt")
+    with open(path, "w") as f:
+        f.write("# rank: actions\n" + "".join(f"{r}: {format_schedule(a)}\n" for r, a in sorted(sched.items())))
+    return path
+
+
+def write_plan(tmp_path, plan):
+    path = str(tmp_path / "plan.json")
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    return path
+
+
+UNEQUAL = Cluster.model_validate({
+    "name": "unequal", "device_types": {"X": {"vendor": "cpu", "peak_tflops": 1, "memory_gib": 8, "memory_gbps": 10}},
+    "nodes": [{"host": "big", "device_type": "X", "count": 3}, {"host": "small", "device_type": "X", "count": 2}]})
+MODEL = ModelConfig(name="m", architecture="gpt", num_layers=2, hidden_size=8, num_attention_heads=2,
+                    ffn_hidden_size=16, vocab_size=16, seq_length=4)
+
+
+def unequal_plan() -> Plan:
+    # stage 0 on 2 slots, stage 1 on 3: the placement puts them on nodes with 3 and 2 slots
+    return build_plan(MODEL, UNEQUAL, [StageLayout((0, 2), "X", (2, 2)), StageLayout((2, 4), "X", (2, 1, 1))], 4, 2)
+
+
+def stack_layers():
+    from torch import nn
+    return [nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)), nn.Linear(16, 4)]
