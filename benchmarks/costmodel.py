@@ -12,7 +12,7 @@ import torch
 
 from hethub.partitioner import Cluster, ModelConfig
 from hethub.partitioner.costmodel import CostModel
-from hethub.cli.profile import profile_model
+from hethub.cli.profiler import profile_model
 
 torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 # Nominal fp32 peak of one x86 core with 2 AVX-512 FMA units at ~3 GHz: 2 x 16 x 2 x 3e9 = 192 GFLOP/s.

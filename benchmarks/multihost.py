@@ -30,7 +30,7 @@ from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
 from hethub.partitioner.planner import PlannerOptions  # noqa: E402
-from hethub.cli.profile import profile_model  # noqa: E402
+from hethub.cli.profiler import profile_model  # noqa: E402
 
 WORKER = os.path.join(ROOT, "hethub", "cli", "bench_worker.py")
 FAST = 6.0  # every rank idles 5/6 of its time: four ranks on two cores do not steal each other's cycles

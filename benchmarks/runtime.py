@@ -28,7 +28,7 @@ from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan, even_split  # noqa: E402
 from hethub.partitioner.planner import PlannerOptions  # noqa: E402
-from hethub.cli.profile import profile_model  # noqa: E402
+from hethub.cli.profiler import profile_model  # noqa: E402
 
 WORKER = os.path.join(ROOT, "hethub", "cli", "bench_worker.py")
 EMULATE = f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}"

@@ -28,7 +28,7 @@ from hethub.partitioner import Cluster, ModelConfig, load_profile  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
-from hethub.cli.profile import profile_model  # noqa: E402
+from hethub.cli.profiler import profile_model  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
 

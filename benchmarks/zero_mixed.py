@@ -27,7 +27,7 @@ from hethub.partitioner import Cluster, ModelConfig, Plan  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
-from hethub.cli.profile import profile_model  # noqa: E402
+from hethub.cli.profiler import profile_model  # noqa: E402
 
 EMULATE = f"FAST={FID_FAST:g},SLOW={FID_SLOW:g}"
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 from .costmodel import CostModel
 from .errors import InputError
+from .ordering import check_order
 from .outputs import write_atomic
 from .records import Plan
 from .schedule import Action, Transfer, build_schedule, lead_ranks
@@ -147,8 +148,9 @@ def _short_ranks(ranks: list[int]) -> str:
 
 def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]] = None,
              train: bool = True) -> SimResult:
-    """Replay one iteration of ``sched`` (default: the plan's own 1F1B, which needs no checks); a given
-    schedule is checked first (matching transfers, structure), and a deadlock raises ``ScheduleError``."""
+    """Replay one iteration of ``sched`` (default: the plan's own schedule, which needs no checks); a given
+    schedule is checked first (matching transfers, structure), and a deadlock raises ``ScheduleError``, one under
+    NCCL's issue order ``ordering.OrderError``."""
     if sched is None:
         sched = build_schedule(plan, train)
     else:
@@ -158,6 +160,9 @@ def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]]
                                             f"parallel group's lead), got {_short_ranks(sorted(sched))}")
         check_matching(sched)
         check_structure(plan, sched, train)
+        result = _Replay(plan, cm, sched).run()  # a deadlock even where messages match by tag: named here first
+        check_order(plan, sched)  # ... and one only NCCL's issue order has (the plan's own schedules pass it)
+        return result
     return _Replay(plan, cm, sched).run()
 
 

@@ -14,37 +14,12 @@ from dist_util import spawn
 from hethub.partitioner import Cluster, ModelConfig, Plan
 from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.schedule import build_schedule, format_schedule
+from instances import CASES, CPU_CLUSTER, STACK, stack_plan
+
+__all__ = ["CASES", "CPU_CLUSTER", "STACK", "stack_plan", "STEPS", "CLIP", "WORKER", "single_process", "run_and_compare",
+           "write_schedule", "write_plan", "unequal_plan", "stack_layers"]
 
 WORKER = os.path.join("tests", "workers", "train_stack.py")
-CPU_CLUSTER = Cluster.model_validate({
-    "name": "cpu-box",
-    "device_types": {"CPU": {"vendor": "cpu", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20}},
-    "nodes": [{"host": "localhost", "device_type": "CPU", "count": 8}]})
-STACK = ModelConfig(name="stack", architecture="gpt", num_layers=5, hidden_size=12, num_attention_heads=1,
-                    ffn_hidden_size=12, vocab_size=6, seq_length=1)  # 7 planner layers
-
-
-def stack_plan(cuts, splits, micro_batch, micro_batches, boundaries=()):
-    bounds = [0, *cuts, STACK.num_planner_layers]
-    layouts = [StageLayout((bounds[i], bounds[i + 1]), "CPU", tuple(s)) for i, s in enumerate(splits)]
-    plan = build_plan(STACK, CPU_CLUSTER, layouts, micro_batch, micro_batches)
-    if boundaries:
-        from hethub.partitioner import Plan
-        plan = Plan.model_validate({**plan.model_dump(), "boundaries": list(boundaries)})
-    return plan
-
-
-CASES = {
-    "1to1": ([3], [[4], [4]], 4, 3),
-    "1to2": ([4], [[4], [2, 2]], 4, 3),
-    "2to1": ([2], [[2, 2], [4]], 4, 3),
-    "2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3),
-    "3to2": ([3], [[2, 2, 2], [3, 3]], 6, 2),
-    "1to2to1": ([2, 5], [[4], [2, 2], [4]], 4, 3),  # both a 1 -> 2 and a 2 -> 1 boundary
-    "uneven2to3": ([4], [[4, 2], [1, 2, 3]], 6, 3),
-    # the cross-vendor bridge (host buffers over a separate gloo group), lossless wire
-    "bridge2to3": ([3], [[3, 3], [2, 2, 2]], 6, 3, [{"after_stage": 0, "transport": "host"}]),
-}
 STEPS, CLIP = 10, 0.05  # the clip threshold is low enough that clipping is active on every step
 
 

@@ -159,3 +159,12 @@ def test_setup_installs_every_package():
     listed = set(re.findall(r'"(hethub(?:\.\w+)*)"', text.split("packages=", 1)[1].split("]", 1)[0]))
     packages = {m for m, path in MODULES.items() if path.endswith("__init__.py")}
     assert packages == listed
+
+
+def test_no_module_shadows_the_standard_library_where_scripts_run():
+    """A script run by path puts its folder first on sys.path: ``hethub/cli/bench_worker.py`` then imports its
+    neighbours before the standard library (a ``profile.py`` there broke ``cProfile`` inside torch)."""
+    import sys
+    for folder in ("hethub/cli", "hethub/emulated", "tests/workers", "tests", "benchmarks", "examples"):
+        names = {f[:-3] for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".py")}
+        assert not names & set(sys.stdlib_module_names), (folder, names & set(sys.stdlib_module_names))

@@ -88,3 +88,10 @@ def test_a_stage_spanning_vendors_all_reduces_through_the_host_bridge(tmp_path):
     run_and_compare(tmp_path, plan, rtol=1e-5, atol=1e-5, extra=["zero1"])
     bridged = [torch.load(str(tmp_path / f"rank{r}.pt"), weights_only=True)["stage_bridge"] for r in range(3)]
     assert bridged == [False, True, True]  # only stage 1 spans vendors
+    # every group the ranks created, with its backend choice: none but gloo spans vendors, and the world is gloo
+    vendor = {0: "nvidia", 1: "nvidia", 2: "amd"}
+    for r in range(3):
+        got = torch.load(str(tmp_path / f"rank{r}.pt"), weights_only=True)
+        assert got["world_backend"] == "gloo"
+        assert got["groups"] and all(backend == "gloo" for _purpose, ranks, backend in got["groups"]
+                                     if len({vendor[k] for k in ranks}) > 1), got["groups"]

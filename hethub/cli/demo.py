@@ -30,7 +30,7 @@ from ..partitioner.outputs import write_atomic
 from ..partitioner.planner import PlannerOptions
 from ..partitioner.records import Cluster, ModelConfig
 from ..partitioner.simulator import simulate, write_png
-from .profile import profile_model
+from .profiler import profile_model
 from .show import print_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

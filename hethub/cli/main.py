@@ -2,7 +2,7 @@
 
 Every command: ``--help``; exit 0 on success; exit 2 with one line naming the bad field or flag on bad input,
 never a traceback for a user error. Each command lives in its own module (``plan``, ``simulate``, ``show``,
-``export``, ``profile``, ``launch``, ``demo``), imported only when it runs: the planning commands import no torch.
+``export``, ``profiler``, ``launch``, ``demo``), imported only when it runs: the planning commands import no torch.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.print_help()
             return 0
         module, _, func = args.run.partition(":")
-        # lazy: only the command that runs is imported (profile and demo import torch, plan must not)
+        # lazy: only the command that runs is imported (profiler and demo import torch, plan must not)
         return int(getattr(importlib.import_module(f".{module}", __package__), func)(args) or 0)
     except InputError as exc:
         print_error(str(exc))

@@ -154,7 +154,7 @@ def _add_profile(sub) -> None:
                     help="split the block over T processes (under a launcher with T of them, one node) so its "
                          "times include the tensor-parallel all-reduces")
     sp.add_argument("-o", "--output", default="profile.json")
-    sp.set_defaults(run="profile:cmd_profile")
+    sp.set_defaults(run="profiler:cmd_profile")
 
 
 def _add_launch(sub) -> None:

@@ -23,7 +23,6 @@ import sys
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..partitioner.errors import InputError
@@ -268,9 +267,8 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
     _agree(engine, error, "could not load its layers")
     # Hosts that do not share the directory can each hold a complete checkpoint of another step
     # one MIN over (step, -step): the lowest and the highest step (set from each rank's meta.json) at once
-    steps = torch.tensor([engine.global_steps, -engine.global_steps], dtype=torch.int64)
-    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
-    low, high = int(steps[0]), -int(steps[1])
+    low, neg_high = engine.control.min([engine.global_steps, -engine.global_steps])
+    high = -neg_high
     if low != high:
         fail(f"checkpoint: ranks found checkpoints of different steps ({low} to {high}) in "
              f"{load_dir[:100]!r}: it is not shared by every host; load from a filesystem every host mounts")
@@ -285,10 +283,9 @@ def _host(engine) -> str:
 def _agree(engine, error: Optional[str], what: str) -> None:
     """Collective: every rank gives its own verdict (None: fine); when any rank failed, every rank ends with
     exit 2, the failed rank with its message, the others naming it, so none is left waiting in a collective."""
-    failed = torch.tensor([engine.global_rank if error else engine.plan.world_size], dtype=torch.int64)
-    dist.all_reduce(failed, op=dist.ReduceOp.MIN)
-    if int(failed) < engine.plan.world_size:
-        fail(error or f"checkpoint: rank {int(failed)} {what} (see its message)")
+    failed = engine.control.min([engine.global_rank if error else engine.plan.world_size])[0]
+    if failed < engine.plan.world_size:
+        fail(error or f"checkpoint: rank {failed} {what} (see its message)")
 
 
 def _load_optimizer_state(engine, names: dict, by_layer: dict) -> None:

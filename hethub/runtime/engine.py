@@ -27,6 +27,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..partitioner.schedule import build_schedule
 from . import checkpoint, ds_seams
+from .control import Control
 from .errors import Guard
 from .executor import Executor
 from .gradients import Gradients
@@ -44,14 +45,14 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
-                 autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0, ties: Sequence = (),
-                 zero1: Optional[Callable] = None):
+                 control: Control, autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0,
+                 ties: Sequence = (), zero1: Optional[Callable] = None):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class,
                                  # tensor-parallel (DTensor) parameters were placed before being split
                                  dont_change_device=grid.tp > 1)
-        self.plan, self.grid, self.ties = plan, grid, tuple(ties)
+        self.plan, self.grid, self.ties, self.control = plan, grid, tuple(ties), control
         for name, value in ds_seams.pipeline_engine_attrs(grid, plan).items():
             setattr(self, name, value)
         self._global_batch = plan.global_batch_size
@@ -60,7 +61,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
         self.zero1 = zero1(self.optimizer) if zero1 is not None else None
         self.transport = Transport(grid, self.device, self.guard)
-        self.gradients = Gradients(grid, module, self.device, self.guard, self.zero1)
+        self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1)
         self.executor = Executor(grid, module, self.transport, self.gradients, self.guard, device=self.device,
                                  micro_batch_size=plan.micro_batch_size, next_batch=self._next_batch,
                                  step=self._exec_optimizer_step, autocast_dtype=autocast_dtype,
@@ -83,8 +84,14 @@ class HeteroPipelineEngine(PipelineEngine):
         grid = self.mpu
         if grid.data_parallel_size == 1:
             return
+        group = grid.get_data_parallel_group()
         for p in self.module.parameters():
-            dist.broadcast(local(p).data, src=grid.dp_ranks[0], group=grid.get_data_parallel_group())
+            data = local(p).data
+            bridged = grid.on_host(group) and data.device.type != "cpu"  # a stage spanning vendors
+            wire = data.cpu() if bridged else data
+            dist.broadcast(wire, src=grid.dp_ranks[0], group=group)
+            if bridged:
+                data.copy_(wire)
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, data_iter: Optional[Iterator] = None):

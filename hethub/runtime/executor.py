@@ -78,6 +78,7 @@ class Executor:
             self.guard.watch([t.peer for t in a.transfers], str(a))
             t0, self.transport.waited_s = time.perf_counter(), 0.0
             self._handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
+            self.transport.release_sends()
             self.executed.append(str(a))
             self.executed_s.append((t0, time.perf_counter(), self.transport.waited_s))
         self.guard.watch((), "the iteration's last sends")

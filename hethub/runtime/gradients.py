@@ -4,7 +4,7 @@ global gradient norm, the ZeRO-1 gather, and the loss every rank returns.
 Scaling is exact by construction: each replica's loss is its per-sample mean times ``samples / global_batch``,
 so a SUM over a stage's replicas is the gradient of the global mean loss (never an average). A stage whose
 replicas span vendors reduces through the host bridge (its gloo group, on host buffers), like a cross-vendor
-boundary.
+boundary. Scalars (the norm, the loss) go over the control channel (``control``).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .control import Control
 from .errors import Guard
 from .tp import is_sharded, local
 
@@ -21,8 +22,9 @@ from .tp import is_sharded, local
 class Gradients:
     """One rank's share of the step's collectives. ``zero1`` is this replica's ``hethub.runtime.zero.Zero1`` (or None)."""
 
-    def __init__(self, grid, module, device: torch.device, guard: Guard, zero1=None):
+    def __init__(self, grid, module, device: torch.device, guard: Guard, control: Control, zero1=None):
         self.grid, self.module, self.device, self.guard, self.zero1 = grid, module, device, guard, zero1
+        self.control = control
         layers = dict(module.indexed_layers())
         self.tied = [(tie, group, _tied_parameter(tie, layers)) for tie, group in grid.tie_groups]
         self.global_norm: Optional[float] = None  # of the last clip
@@ -46,9 +48,9 @@ class Gradients:
     def _stage_collective(self, fn: Callable, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Run a collective over the stage's replicas (through the host bridge where they span vendors)."""
         self.guard.peers = tuple(self.grid.dp_ranks)
-        group = self.grid.stage_bridge_group
-        if group is None:
-            return self.guard(lambda: fn(tensor, self.grid.get_data_parallel_group()), what)
+        group = self.grid.get_data_parallel_group()
+        if not self.grid.on_host(group) or tensor.device.type == "cpu":
+            return self.guard(lambda: fn(tensor, group), what)
         host = tensor.to("cpu")
         out = self.guard(lambda: fn(host, group), what + " (host bridge)")
         return out.to(tensor.device)
@@ -61,8 +63,10 @@ class Gradients:
             first = self.grid.replica_id == 0 and self.grid.tp_rank == 0  # one contribution per stage
             mine = g.detach().clone() if first else torch.zeros_like(g)
             self.guard.peers = tuple(dist.get_process_group_ranks(group))
-            self.guard(lambda: dist.all_reduce(mine, group=group), "the tied-weight all-reduce")
-            p.grad = mine
+            bridged = self.grid.on_host(group) and mine.device.type != "cpu"  # the tie spans vendors
+            wire = mine.cpu() if bridged else mine
+            self.guard(lambda: dist.all_reduce(wire, group=group), "the tied-weight all-reduce")
+            p.grad = wire.to(mine.device) if bridged else mine
 
     def _norm_parameters(self) -> list:
         """Parameters whose gradients this stage counts in the global norm: a tied weight only on its owner's
@@ -80,7 +84,7 @@ class Gradients:
         if self.grid.replica_id == 0 and counted:
             sq += sum(g.detach().double().pow(2).sum() for g in counted)
         self.guard.peers = ()
-        self.guard(lambda: dist.all_reduce(sq), "the gradient norm's all-reduce")
+        sq = self.guard(lambda: self.control.sum(sq), "the gradient norm's all-reduce")
         total = float(sq.sqrt())
         self.global_norm = total
         coef = max_norm / (total + 1e-6)
@@ -103,19 +107,17 @@ class Gradients:
         return self._stage_collective(gather, t, what)
 
     def global_loss(self, total_loss: Optional[torch.Tensor]) -> torch.Tensor:
-        """Sum of every replica's sample-weighted loss (already divided by the batch), on every rank."""
+        """Sum of every replica's sample-weighted loss (already divided by the batch), on every rank: the last
+        stage's replicas (their tensor-parallel leads) give theirs, every other rank 0, over the control channel
+        in float64 (no rounding on the way)."""
         grid = self.grid
         self.guard.peers = ()
         with torch.no_grad():
-            if grid.stage_id == grid.pipe_parallel_size - 1:
-                loss = total_loss.detach().clone().double().reshape(1)  # float64: no rounding on the way
-                if grid.data_parallel_size > 1:
-                    self.guard(lambda: dist.all_reduce(loss, group=grid.get_data_parallel_group()), "loss broadcast")
-            else:
-                loss = torch.zeros(1, dtype=torch.float64, device=self.device)
-            if grid.pipe_parallel_size > 1:
-                self.guard(lambda: dist.broadcast(loss, src=grid.last_stage_root), "loss broadcast")
-        return loss[0]
+            mine = torch.zeros(1, dtype=torch.float64)
+            if grid.stage_id == grid.pipe_parallel_size - 1 and grid.tp_rank == 0:
+                mine = total_loss.detach().double().reshape(1).cpu()
+            loss = self.guard(lambda: self.control.sum(mine), "loss broadcast")
+        return loss[0].to(self.device)
 
 
 def _tied_parameter(tie, layers: dict):

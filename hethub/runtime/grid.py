@@ -3,11 +3,14 @@
 DeepSpeed's ``PipeDataParallelTopology`` is a dense (pipe x data) grid: every stage has the same
 width, and the pipe group of a rank is "the ranks with my data-parallel index". With unequal widths
 neither exists. Here a stage's data-parallel group is its replicas (per tensor-parallel shard), DeepSpeed's
-model/slice-parallel groups are groups of one (tensor parallelism is hethub's own, per replica), and pipeline neighbours are found from sample-range overlaps
-(``partitioner.schedule.overlaps``, the same function the simulator's schedule uses), not from a shared index.
+model/slice-parallel groups are groups of one (tensor parallelism is hethub's own, per replica), and pipeline
+neighbours are found from sample-range overlaps (``partitioner.schedule.overlaps``, the same function the
+simulator's schedule uses), not from a shared index.
 
-Every rank creates every group in the same order (``torch.distributed.new_group`` is collective
-over the world), so no rank waits on a group another rank never built.
+Which groups exist, with which ranks and backend, is data (``partitioner.groups.group_specs``): one group per
+(boundary, direction), gloo wherever ranks span vendors or a boundary goes through the host bridge. Every rank
+creates every group in the same order (``torch.distributed.new_group`` is collective over the world), so no rank
+waits on a group another rank never built.
 """
 from __future__ import annotations
 
@@ -16,15 +19,17 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..partitioner.groups import GroupSpec, group_specs
 from ..partitioner.records import Plan
 from ..partitioner.schedule import overlaps
-from ..models.ties import Tie, stages_of
+from ..models.ties import Tie
 
 
 class HeteroGrid:
     """DeepSpeed ``mpu`` for a heterogeneous plan. Build after ``torch.distributed`` is initialised: the
-    constructor creates every process group (collective over the world, same order on every rank).
-    ``device_name`` is the accelerator's ("cpu", "cuda"): a tensor-parallel group's DeviceMesh lives on it."""
+    constructor creates every group of ``partitioner.groups.group_specs`` (collective over the world, the same
+    order on every rank). ``device_name`` is the accelerator's ("cpu", "cuda"): a tensor-parallel group's
+    DeviceMesh lives on it, and groups that are not gloo use its backend."""
 
     def __init__(self, plan: Plan, rank: int, ties: Sequence[Tie] = (), device_name: str = "cpu"):
         self.plan = plan
@@ -46,16 +51,8 @@ class HeteroGrid:
         self.tp_rank = self.tp_ranks.index(rank)
         self.tp_lead = self.tp_ranks[0]
         self.schedule_rank = self.tp_lead  # whose schedule this rank runs
-        self.tp_group = self._mine([rep.group_ranks(st.tensor_parallel) for st in plan.stages
-                                    if st.tensor_parallel > 1 for rep in st.replicas])
+        self._create_groups(plan, ties, device_name)
         self.tp_mesh = DeviceMesh.from_group(self.tp_group, device_name) if self.tp > 1 else None
-        # Data parallelism: the replicas holding the same parameters (with tensor parallelism, the same shard:
-        # the k-th rank of every replica's group).
-        self.dp_ranks = next(r for r in self._shard_groups(plan.stages) if rank in r)
-        self._dp_group = self._mine(self._shard_groups(plan.stages))
-        self._self_group = self._mine([[r] for r in range(self.world_size)])
-        self._build_bridges(plan)
-        self.tie_groups = self._build_tie_groups(plan, ties)
         self.next_boundary = plan.boundary(self.stage_id)
         self.prev_boundary = plan.boundary(self.stage_id - 1) if self.stage_id > 0 else None
         # Rows [start, stop) of every micro-batch this replica owns.
@@ -65,45 +62,36 @@ class HeteroGrid:
         self.prev_peers = overlaps(plan, self.stage_id, self.replica_id, "prev")
         self.last_stage_root = self.stage_ranks[-1][0]
 
-    def _mine(self, rank_lists, backend: Optional[str] = None):
-        """Create a group for each rank list (every rank, same order); return the one holding this rank."""
-        found = None
-        for ranks in rank_lists:
-            group = dist.new_group(ranks=list(ranks), backend=backend)
-            if self.global_rank in ranks:
-                found = group
-        return found
+    def _create_groups(self, plan: Plan, ties: Sequence[Tie], device_name: str) -> None:
+        """Every group of the plan, in the specs' order; this rank keeps the ones it is in."""
+        accel = _accelerator_backend(device_name)
+        specs = group_specs(plan, [[i for i, _ in tie.places] for tie in ties])
+        self.specs: list[GroupSpec] = specs  # what was created, in order (tests read it)
+        self._spec_of: dict[object, GroupSpec] = {}
+        self._gloo: set = set()  # this rank's groups that are gloo here (every group on CPU)
+        mine: dict[tuple, object] = {}
+        for spec in specs:
+            group = dist.new_group(ranks=list(spec.ranks), backend="gloo" if spec.on_host else accel)
+            if self.global_rank in spec.ranks:
+                mine[(spec.purpose, spec.stage, spec.index)] = group
+                self._spec_of[group] = spec
+                if spec.on_host or accel == "gloo":
+                    self._gloo.add(group)
+        self.tp_group = mine.get(("tp", self.stage_id, self.replica_id))
+        self.dp_ranks = [rep.group_ranks(self.tp)[self.tp_rank] for rep in self.stage.replicas]
+        self._dp_group = mine[("dp", self.stage_id, self.tp_rank)]
+        self.dp_bridged = self._spec_of[self._dp_group].on_host  # the stage spans vendors: gloo on any machine
+        self._self_group = mine[("self", self.stage_id, None)]
+        # per (direction, boundary after stage b): the group of the boundaries this rank talks across
+        self.p2p = {(d, b): mine[(d, b, None)] for d in ("fwd", "bwd") for b in (self.stage_id - 1, self.stage_id)
+                    if (d, b, None) in mine}
+        self.tie_groups: list[tuple[Tie, object]] = [(ties[spec.index], mine[("tie", None, spec.index)])
+                                                     for spec in specs if spec.purpose == "tie"
+                                                     and ("tie", None, spec.index) in mine]
 
-    @staticmethod
-    def _shard_groups(stages) -> list[list[int]]:
-        """Per stage and tensor-parallel shard k: the k-th rank of every replica (they hold the same tensors)."""
-        return [[rep.group_ranks(st.tensor_parallel)[k] for rep in st.replicas]
-                for st in stages for k in range(st.tensor_parallel)]
-
-    def _build_bridges(self, plan: Plan) -> None:
-        """The cross-vendor bridge: a gloo group over every rank where a boundary crosses vendors, and per stage
-        whose replicas span vendors a gloo group per shard for its gradient all-reduce."""
-        self.host_group = None
-        if any(b.transport == "host" for b in plan.boundaries):
-            self.host_group = dist.new_group(ranks=list(range(self.world_size)), backend="gloo")
-        mixed = [st for st in plan.stages if len({plan.cluster.device_type(t).vendor for t in st.types}) > 1]
-        self.stage_bridge_group = self._mine(self._shard_groups(mixed), backend="gloo")
-
-    def _build_tie_groups(self, plan: Plan, ties: Sequence[Tie]) -> list[tuple[Tie, object]]:
-        """(tie, group) for the ties this rank holds whose layers sit on several stages: one group over every
-        rank of those stages. A tie inside one stage needs none (autograd accumulates the one Parameter)."""
-        layer_stage = [k for k, st in enumerate(plan.stages) for _ in range(*st.layers)]
-        out = []
-        for tie in ties:
-            stages = stages_of(tie, layer_stage)
-            if len(stages) < 2:
-                continue
-            ranks = sorted(r for k in stages for rep in plan.stages[k].replicas
-                           for r in rep.group_ranks(plan.stages[k].tensor_parallel))
-            group = dist.new_group(ranks=ranks)
-            if self.global_rank in ranks:
-                out.append((tie, group))
-        return out
+    def on_host(self, group) -> bool:
+        """Whether a group is gloo here, so its tensors live in host memory (else on this rank's accelerator)."""
+        return group in self._gloo
 
     # --- the mpu interface DeepSpeed's engine uses
     def get_global_rank(self) -> int:
@@ -153,3 +141,9 @@ class HeteroGrid:
     def stage_to_global(self, stage_id: int, **_kw) -> int:
         """First replica of a stage (a stage has several ranks; callers that need all use stage_ranks)."""
         return self.stage_ranks[stage_id][0]
+
+
+def _accelerator_backend(device_name: str) -> Optional[str]:
+    """The backend of groups that are not gloo: NCCL/RCCL on GPUs (named, since the world may be gloo), gloo on
+    CPU."""
+    return "gloo" if device_name == "cpu" else "nccl"

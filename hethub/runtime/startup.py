@@ -26,10 +26,12 @@ from .._version import __version__
 from ..emulated.slowdown import SlowDown, parse_factors, slowdown_for
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
+from ..partitioner.groups import GLOO, world_backend
 from ..partitioner.records import Plan
 from . import ds_seams, tp
 from .checks import (DEFAULT_TIMEOUT_S, HeteroSection, check_against_world, hetero_section, launched_world,
                      load_checked_schedule, load_config, plan_local_index, resolve_plan)
+from .control import Control
 from .engine import HeteroPipelineEngine
 from .errors import fail, first_line
 from .grid import HeteroGrid
@@ -92,16 +94,19 @@ def _fix_local_rank(plan: Plan, rank: int) -> None:
         torch.cuda.set_device(local)
 
 
-def init_distributed(timeout_s: float) -> None:
-    """``deepspeed.init_distributed`` (gloo on CPU), once; shared with the adapters that start ranks themselves."""
+def init_distributed(timeout_s: float, gloo_world: bool = False) -> None:
+    """``deepspeed.init_distributed``, once; shared with the adapters that start ranks themselves. The world is
+    gloo on CPU and where ``gloo_world`` (a plan spanning vendors: no NCCL/RCCL group may span them), else the
+    accelerator's backend."""
     if dist.is_initialized():
         return
-    if get_accelerator().device_name() == "cpu":
+    cpu = get_accelerator().device_name() == "cpu"
+    if cpu:
         # deepspeed.comm's TorchBackend JIT-compiles a shared-memory all-reduce op (~40 s) that
         # pipeline training never uses. `deepspeed.comm.torch` must be reached through importlib:
         # `deepspeed.comm.torch` as an attribute is the torch package (deepspeed.comm re-exports it).
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None,
+    deepspeed.init_distributed(dist_backend="gloo" if cpu or gloo_world else None,
                                timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
 
 
@@ -109,18 +114,16 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # < 2**56: an int64
 
 
-def _check_every_rank_agrees(plan: Plan) -> None:
+def _check_every_rank_agrees(plan: Plan, control: Control) -> None:
     """The first collective: every rank runs the same plan under the same hethub version.
 
     Why: on several hosts each host reads its own copy of plan.json (and has its own install). Ranks
     under different plans would pair transfers that do not match and hang or train wrongly; here every
     rank ends with exit 2 and one line naming the ranks that differ from rank 0.
     """
-    mine = torch.tensor([_digest(plan.to_json()), _digest(__version__)], dtype=torch.int64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    every = control.all_gather([_digest(plan.to_json()), _digest(__version__)])
     for i, what in ((0, "plan"), (1, "hethub version")):
-        differ = [r for r, d in enumerate(every) if int(d[i]) != int(every[0][i])]
+        differ = [r for r, d in enumerate(every) if d[i] != every[0][i]]
         if differ:
             fail(f"{what}: rank(s) {', '.join(map(str, differ[:20]))} run another {what} than rank 0 (each host "
                  f"reads its own copy: give every host the same {'plan file' if i == 0 else 'hethub'})")
@@ -130,7 +133,7 @@ _SHUTDOWN_BARRIER_S = 60.0  # how long a finished rank waits at exit for the oth
 _failed = False  # an uncaught exception on this rank: skip the barrier, end at once so peers see it
 
 
-def _register_clean_shutdown() -> None:
+def _register_clean_shutdown(control: Control) -> None:
     """At interpreter exit: a bounded barrier, then ``destroy_process_group``.
 
     Why: ranks that finish at different times (rank 0 doing extra work at the end) otherwise tear down
@@ -146,20 +149,17 @@ def _register_clean_shutdown() -> None:
         previous_hook(kind, value, tb)
 
     sys.excepthook = excepthook
-    atexit.register(_at_exit)
+    atexit.register(_at_exit, control)
 
 
-def _at_exit() -> None:
+def _at_exit(control: Control) -> None:
     if not dist.is_initialized():
         return
     if _failed:
         sys.stderr.flush()
         os._exit(1)  # gloo's threads could keep a failed process alive; its peers must see it gone
     try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=_SHUTDOWN_BARRIER_S))
-        else:
-            dist.barrier()
+        control.barrier(_SHUTDOWN_BARRIER_S)
     except RuntimeError as exc:
         sys.stderr.write(f"hethub: rank {dist.get_rank()} finished, but not every rank reached the final "
                          f"barrier: {first_line(exc)}\n")  # one write: the ranks share one stderr pipe
@@ -228,9 +228,10 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     # ZeRO-1: hethub shards the optimizer itself (hethub.runtime.zero); DeepSpeed's engine sees plain data parallelism.
     zero1 = (cfg.pop("zero_optimization", None) or {}).get("stage", 0) == 1
     _fix_local_rank(run.plan, run.rank)
-    init_distributed(run.hetero.timeout_s)
-    _register_clean_shutdown()
-    _check_every_rank_agrees(run.plan)
+    init_distributed(run.hetero.timeout_s, gloo_world=world_backend(run.plan) == GLOO)
+    control = Control(run.hetero.timeout_s)
+    _register_clean_shutdown(control)
+    _check_every_rank_agrees(run.plan, control)
     grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name())
     module = HeteroPipelineModule(_stage_layers(run, grid), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
@@ -242,7 +243,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     engine = HeteroPipelineEngine(
         plan=run.plan, grid=grid, module=module, config=cfg, config_class=DeepSpeedConfig(cfg, grid),
         optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
-        autocast_dtype=torch.bfloat16 if bf16 else None, ties=run.ties,
+        control=control, autocast_dtype=torch.bfloat16 if bf16 else None, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
         zero1=_zero1_factory(run, grid, params, zero1))
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume

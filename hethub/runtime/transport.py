@@ -4,7 +4,7 @@ A replica owns rows ``[sample_start, sample_stop)`` of every micro-batch; a tran
 ``Transfer``) names a peer and the rows both own. Sends are packed (and cast to the boundary's wire dtype) by
 ``hethub.kernels.pack`` and posted as ``isend``s that return at once; receives are posted ahead and waited for
 only when the forward or backward needs their rows. A boundary whose ``transport`` is ``"host"`` (vendors differ)
-goes through the grid's gloo host group on host buffers.
+goes through gloo groups of its own (one per direction) on pinned host buffers, copied without blocking the host.
 
 The first activations a stage sends carry a metadata message (dtype, requires-grad, trailing shape of each
 tensor), once; in a tensor-parallel group the lead alone talks to the neighbouring stages and broadcasts what it
@@ -13,13 +13,14 @@ received to the group.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
 from .errors import Guard
+from .ordered import Op, OrderedGroups
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
           torch.uint8, torch.int8, torch.int16]
@@ -53,14 +54,20 @@ def decode_meta(meta: torch.Tensor) -> Meta:
 
 
 class _Posted:
-    """A posted receive: its works, the buffers they fill, what they hold, and the rows they go to."""
+    """A posted receive: its operations, the buffers they fill, what they hold, and the rows they go to."""
 
-    def __init__(self, works: list, pieces: list, specs: Sequence[tuple[torch.dtype, tuple]], ranges: list):
-        self.works, self.pieces, self.specs, self.ranges = works, pieces, specs, ranges
+    def __init__(self, ops: list, pieces: list, specs: Sequence[tuple[torch.dtype, tuple]], ranges: list):
+        self.ops, self.pieces, self.specs, self.ranges = ops, pieces, specs, ranges
 
 
 class Transport:
-    """One rank's boundary traffic. Built once per engine; ``reset`` starts an iteration."""
+    """One rank's boundary traffic. Built once per engine; ``reset`` starts an iteration.
+
+    Activations and their metadata travel on the forward group of their boundary, gradients on its backward
+    group (``grid.p2p``); on each group this rank's operations run in the order the schedule posts them
+    (``ordered``), the order ``partitioner.ordering`` proves deadlock-free. A tensor lives on its group's device:
+    host memory for gloo groups (the bridge, CPU runs), the rank's accelerator otherwise. Sends are released as
+    they complete, not at the end of the iteration."""
 
     def __init__(self, grid, device: torch.device, guard: Guard):
         self.grid, self.device, self.guard = grid, device, guard
@@ -70,11 +77,13 @@ class Transport:
         self._recv_meta_lead: Optional[Meta] = None  # ... as the lead received it (shared with a TP group once)
         self._meta_sent = False
         self.waited_s = 0.0  # seconds spent waiting for receives since the executor last read it
+        self.ops = OrderedGroups(guard, strict=grid.on_host)
+        self.peak_sends: dict[tuple[str, int], int] = {}  # (direction, peer) -> most send buffers held at once
         self.reset()
 
     def reset(self) -> None:
         self._recvs: dict[tuple[str, int], _Posted] = {}  # ("A"|"G", mb) -> posted receive
-        self._sends: list[tuple[Any, torch.Tensor]] = []  # (work, buffer) in flight
+        self._sends: list[tuple[Op, str, int, torch.Tensor]] = []  # (operation, direction, peer, buffer) in flight
 
     def reset_shapes(self) -> None:
         """The next activations carry metadata again (shapes changed between iterations)."""
@@ -84,26 +93,28 @@ class Transport:
     def send_activations(self, outputs: tuple, transfers) -> None:
         if not self.is_lead:
             return  # the group's lead sends the (replicated) output once
+        route = self._route("fwd", self.grid.stage_id, self.grid.next_boundary)
         if not self._meta_sent:
-            self._send_meta(outputs, transfers)
+            self._send_meta(outputs, transfers, route)
             self._meta_sent = True
-        self._post_sends(outputs, transfers, self.grid.next_boundary)
+        self._post_sends(outputs, transfers, route)
 
     def recv_activations(self, mb: int, transfers) -> None:
         if not self.is_lead:
             return  # the lead receives and shares at the forward (take)
+        route = self._route("fwd", self.grid.stage_id - 1, self.grid.prev_boundary)
         if self._recv_meta_lead is None:
-            self._recv_meta_from(transfers)
-        self._post_recvs("A", mb, [(d, s) for d, s, _ in self._recv_meta_lead], transfers, self.grid.prev_boundary)
+            self._recv_meta_from(transfers, route)
+        self._post_recvs("A", mb, [(d, s) for d, s, _ in self._recv_meta_lead], transfers, route)
 
     def send_grads(self, grads: Sequence[torch.Tensor], transfers) -> None:
         if self.is_lead:
-            self._post_sends(grads, transfers, self.grid.prev_boundary)
+            self._post_sends(grads, transfers, self._route("bwd", self.grid.stage_id - 1, self.grid.prev_boundary))
 
     def recv_grads(self, mb: int, outputs: Sequence[torch.Tensor], transfers) -> None:
         if self.is_lead:
             self._post_recvs("G", mb, [(o.dtype, tuple(o.shape[1:])) for o in outputs], transfers,
-                             self.grid.next_boundary)
+                             self._route("bwd", self.grid.stage_id, self.grid.next_boundary))
 
     def take(self, kind: str, mb: int, like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         """This replica's full tensors of a posted receive. In a tensor-parallel group the lead received them
@@ -113,21 +124,34 @@ class Transport:
             out = self._tp_share(kind, out, like)
         return out
 
+    def release_sends(self) -> None:
+        """Drop the buffers of sends that have completed (called after every action)."""
+        self._sends = [s for s in self._sends if not self.ops.is_done(s[0])]
+        held: dict[tuple[str, int], int] = {}
+        for _op, direction, peer, _buf in self._sends:
+            held[(direction, peer)] = held.get((direction, peer), 0) + 1
+        for key, n in held.items():
+            self.peak_sends[key] = max(self.peak_sends.get(key, 0), n)
+
     def wait_sends(self) -> None:
-        sends, self._sends = self._sends, []
-        for work, _buf in sends:
-            self.guard(work.wait)
+        """Every operation of the iteration has finished (the sends still in flight, in the order they left)."""
+        self._sends = []
+        self.ops.wait_all()
 
     # ------------------------------------------------------------------ metadata
-    def _send_meta(self, outputs: tuple, peers) -> None:
-        meta = encode_meta([(t, t.is_floating_point() and t.requires_grad) for t in outputs])
+    def _send_meta(self, outputs: tuple, peers, route) -> None:
+        meta = encode_meta([(t, t.is_floating_point() and t.requires_grad) for t in outputs]).to(route.device)
         for p in peers:
-            self._sends.append((self.guard(lambda: dist.isend(meta, p.peer)), meta))
+            op = self.ops.issue(route.group, lambda p=p: dist.isend(meta, p.peer, group=route.group))
+            self._sends.append((op, route.direction, p.peer, meta))
 
-    def _recv_meta_from(self, peers) -> None:
-        metas = [torch.zeros(META_LEN, dtype=torch.int64) for _ in peers]
-        for w in [self.guard(lambda: dist.irecv(m, p.peer)) for m, p in zip(metas, peers)]:
-            self.guard(w.wait)
+    def _recv_meta_from(self, peers, route) -> None:
+        metas = [torch.zeros(META_LEN, dtype=torch.int64, device=route.device) for _ in peers]
+        ops = [self.ops.issue(route.group, lambda m=m, p=p: dist.irecv(m, p.peer, group=route.group))
+               for m, p in zip(metas, peers)]
+        for op in ops:
+            self.ops.wait(op)
+        metas = [m.cpu() for m in metas]
         if any(not torch.equal(m, metas[0]) for m in metas):
             raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
         self._recv_meta_lead = decode_meta(metas[0])
@@ -135,62 +159,59 @@ class Transport:
             self.recv_meta = self._recv_meta_lead
 
     # ------------------------------------------------------------------ row slices
-    def _route(self, boundary):
-        """(process group, through host memory?) for a boundary: the bridge uses the gloo group on host buffers."""
-        if boundary is not None and boundary.transport == "host":
-            return self.grid.host_group, True
-        return None, False
+    def _route(self, direction: str, after_stage: int, boundary) -> "_Route":
+        group = self.grid.p2p[(direction, after_stage)]
+        host = self.grid.on_host(group)
+        return _Route(direction, group, torch.device("cpu") if host else self.device,
+                      boundary.dtype if boundary is not None else None)
 
-    def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, boundary) -> None:
+    def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, route: "_Route") -> None:
         """isend each peer its rows of every tensor, packed (and cast to the boundary's wire dtype)."""
         base = self.grid.sample_start
         ranges = [(t.start - base, t.stop - base) for t in transfers]
-        group, host = self._route(boundary)
-        wire = boundary.dtype if boundary is not None else None
         for x in tensors:
             x = x.detach()
             if x.dtype in WIRE_DTYPES:
-                buf = pack(x, ranges, wire_dtype_for(x.dtype, wire))
+                buf = pack(x, ranges, wire_dtype_for(x.dtype, route.wire))
             else:  # integer side inputs (masks, ids) and float64 travel as they are
                 buf = torch.cat([x[a:b] for a, b in ranges]) if ranges else x[:0]
-            if host and buf.device.type != "cpu":
-                buf = buf.to("cpu", non_blocking=False)
+            buf, ready = _to_host(buf) if route.device.type == "cpu" and buf.device.type != "cpu" else (buf, None)
             off = 0
             for (a, b), t in zip(ranges, transfers):
                 piece = buf[off:off + b - a]
-                self._sends.append((self.guard(lambda: dist.isend(piece, t.peer, group=group)), piece))
+                op = self.ops.issue(route.group, lambda piece=piece, t=t: dist.isend(piece, t.peer, group=route.group),
+                                    ready)
+                self._sends.append((op, route.direction, t.peer, piece))
                 off += b - a
 
     def _post_recvs(self, kind: str, mb: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
-                    boundary) -> None:
+                    route: "_Route") -> None:
         """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers."""
         base = self.grid.sample_start
         ranges = [(t.start - base, t.stop - base) for t in transfers]
-        group, host = self._route(boundary)
-        wire = boundary.dtype if boundary is not None else None
-        where = "cpu" if host else self.device
-        works, pieces = [], []
+        ops, pieces = [], []
+        pin = route.device.type == "cpu" and self.device.type != "cpu"  # the host bridge: pinned, copied async
         for dtype, shape in specs:
-            wdt = wire_dtype_for(dtype, wire) if dtype in WIRE_DTYPES else None
+            wdt = wire_dtype_for(dtype, route.wire) if dtype in WIRE_DTYPES else None
             bdt, row_shape = wire_layout(dtype, shape, wdt)
             for (a, b), t in zip(ranges, transfers):
-                buf = torch.empty((b - a, *row_shape), dtype=bdt, device=where)
-                works.append(self.guard(lambda: dist.irecv(buf, t.peer, group=group)))
+                buf = torch.empty((b - a, *row_shape), dtype=bdt, device=route.device, pin_memory=pin)
+                ops.append(self.ops.issue(route.group, lambda buf=buf, t=t: dist.irecv(buf, t.peer, group=route.group)))
                 pieces.append(buf)
-        self._recvs[(kind, mb)] = _Posted(works, pieces, specs, ranges)
+        self._recvs[(kind, mb)] = _Posted(ops, pieces, specs, ranges)
 
     def _take_own(self, kind: str, mb: int) -> list[torch.Tensor]:
         """Wait for a posted receive; unpack and up-cast its pieces into this replica's full tensors."""
         posted = self._recvs.pop((kind, mb))
         t0 = time.perf_counter()
-        for w in posted.works:
-            self.guard(w.wait)
+        for op in posted.ops:
+            self.ops.wait(op)
         self.waited_s += time.perf_counter() - t0
         out, k, ranges = [], 0, posted.ranges
         for dtype, shape in posted.specs:
             mine = posted.pieces[k:k + len(ranges)]
             k += len(ranges)
-            buf = (torch.cat(mine) if len(mine) > 1 else mine[0]).to(self.device)
+            buf = (torch.cat(mine) if len(mine) > 1 else mine[0]).to(self.device, non_blocking=True)
             full = torch.empty((self.rows, *shape), dtype=dtype, device=self.device)
             if dtype in WIRE_DTYPES:
                 unpack(buf, full, ranges)
@@ -209,14 +230,32 @@ class Transport:
         self.guard.peers = tuple(self.grid.tp_ranks)
         what = "the tensor-parallel broadcast"
         if kind == "A" and self.recv_meta is None:  # the lead has it from the previous stage
-            meta = torch.zeros(META_LEN, dtype=torch.int64)
+            where = "cpu" if self.grid.on_host(group) else self.device
+            meta = torch.zeros(META_LEN, dtype=torch.int64, device=where)
             if self.is_lead:
-                meta = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead)])
+                meta = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead)]).to(where)
             self.guard(lambda: dist.broadcast(meta, src=lead, group=group), what)
-            self.recv_meta = decode_meta(meta)
+            self.recv_meta = decode_meta(meta.cpu())
         if tensors is None:
             tensors = ([torch.empty((self.rows, *shape), dtype=d, device=self.device) for d, shape, _ in self.recv_meta]
                        if kind == "A" else [torch.empty_like(t) for t in like])
         for t in tensors:
             self.guard(lambda: dist.broadcast(t, src=lead, group=group), what)
         return tensors
+
+
+class _Route:
+    """Where one direction of one boundary goes: its group, the device its tensors live on, the wire dtype."""
+
+    def __init__(self, direction: str, group, device: torch.device, wire: Optional[str]):
+        self.direction, self.group, self.device, self.wire = direction, group, device, wire
+
+
+def _to_host(buf: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A device tensor copied into pinned host memory without blocking the host: the copy and an event the send
+    waits for before gloo reads the memory (the bridge's device -> host half)."""
+    host = torch.empty(buf.shape, dtype=buf.dtype, device="cpu", pin_memory=True)
+    host.copy_(buf, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event.synchronize

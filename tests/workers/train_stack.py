@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 torch.set_num_threads(1)
@@ -116,7 +117,10 @@ def main():
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
                 "forwards": 0 if single else forwards[0],
                 "device_type": "" if single else engine.grid.device_type,
-                "stage_bridge": False if single else engine.grid.stage_bridge_group is not None}, out_path)
+                "stage_bridge": False if single else engine.grid.dp_bridged,
+                "world_backend": "" if single else dist.get_backend(),
+                "groups": [] if single else [[s.purpose, list(s.ranks), s.backend] for s in engine.grid.specs]},
+               out_path)
 
 
 if __name__ == "__main__":

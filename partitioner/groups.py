@@ -1,0 +1,113 @@
+"""A plan's process groups as data: which ranks, which backend, in which order every rank creates them.
+
+Why data, and why here (torch-free): the runtime creates exactly these groups (``hethub.runtime.grid``), and the
+NCCL-order replay (``partitioner.ordering``) checks a schedule against exactly the same assignment of transfers to
+groups, so what is proven deadlock-free before launch is what runs.
+
+The rules, one home each:
+
+- **Backend.** A group whose ranks span vendors is gloo (NVIDIA's NCCL and AMD's RCCL do not talk to each other);
+  so is a boundary whose ``transport`` is ``"host"`` (the bridge). Every other group is the accelerator's backend
+  (NCCL/RCCL on GPUs; gloo on CPU). The world group is gloo when the plan spans vendors.
+- **Point-to-point.** Each (boundary, direction) has its own group: activations (and their metadata) travel on the
+  boundary's forward group, gradients on its backward group. NCCL runs a communicator's operations in issue order on
+  one stream; with both directions on one group, stage s's ``recv G0`` waits behind stage s+1's ``recv A1`` and
+  vice versa (every plan with two stages and two micro-batches deadlocks). A group's operations stay in the order
+  the schedule posts them: that order is part of the schedule's contract, and ``ordering.check_order`` proves it.
+- **Control.** Small control messages (checks, agreements, loss and norm scalars, barriers) go over one gloo group
+  on host tensors (``CONTROL``), whatever the accelerator: they never meet NCCL's ordering or a vendor boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .records import Plan
+
+GLOO, ACCEL = "gloo", "accelerator"
+CONTROL = "control"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One process group: what it is for, its ranks (ascending), and its backend (``GLOO`` or ``ACCEL``)."""
+    purpose: str  # "tp", "dp", "self", "fwd", "bwd", "tie"
+    ranks: tuple[int, ...]
+    backend: str
+    stage: Optional[int] = None  # tp/dp/self: the stage; fwd/bwd: the boundary after this stage
+    index: Optional[int] = None  # tp: the replica; dp: the tensor-parallel shard; tie: the tie's position
+
+    @property
+    def on_host(self) -> bool:
+        """Its tensors live in host memory (gloo), else on the rank's accelerator."""
+        return self.backend == GLOO
+
+
+def vendor_of_rank(plan: Plan) -> dict[int, str]:
+    """Every rank's vendor (a tensor-parallel group's ranks share their replica's device type)."""
+    out = {}
+    for st in plan.stages:
+        for rep in st.replicas:
+            vendor = plan.cluster.device_type(st.type_of(rep)).vendor
+            for r in rep.group_ranks(st.tensor_parallel):
+                out[r] = vendor
+    return out
+
+
+def spans_vendors(plan: Plan) -> bool:
+    return len(set(vendor_of_rank(plan).values())) > 1
+
+
+def world_backend(plan: Plan) -> str:
+    """The world group's backend: gloo when the plan spans vendors, the accelerator's otherwise."""
+    return GLOO if spans_vendors(plan) else ACCEL
+
+
+def _backend(ranks: Sequence[int], vendors: dict[int, str], host: bool = False) -> str:
+    return GLOO if host or len({vendors[r] for r in ranks}) > 1 else ACCEL
+
+
+def boundary_ranks(plan: Plan, after_stage: int) -> tuple[int, ...]:
+    """The ranks that talk across the boundary after ``after_stage``: the replicas' leads of both stages."""
+    return tuple(sorted(rep.rank for s in (after_stage, after_stage + 1) for rep in plan.stages[s].replicas))
+
+
+def group_specs(plan: Plan, tie_layers: Sequence[Sequence[int]] = ()) -> list[GroupSpec]:
+    """Every group the runtime creates for ``plan``, in creation order (the same on every rank).
+
+    ``tie_layers``: for each tied weight of the layer list, the planner layers holding it (a tie inside one stage
+    needs no group)."""
+    vendors = vendor_of_rank(plan)
+    out: list[GroupSpec] = []
+    for st in plan.stages:
+        if st.tensor_parallel > 1:
+            for j, rep in enumerate(st.replicas):
+                ranks = tuple(rep.group_ranks(st.tensor_parallel))
+                out.append(GroupSpec("tp", ranks, _backend(ranks, vendors), st.index, j))
+    for st in plan.stages:
+        for k in range(st.tensor_parallel):
+            ranks = tuple(rep.group_ranks(st.tensor_parallel)[k] for rep in st.replicas)
+            out.append(GroupSpec("dp", ranks, _backend(ranks, vendors), st.index, k))
+    for r in range(plan.world_size):
+        out.append(GroupSpec("self", (r,), ACCEL, plan.locate(r)[0]))
+    for s in range(plan.num_stages - 1):
+        boundary = plan.boundary(s)
+        ranks = boundary_ranks(plan, s)
+        backend = _backend(ranks, vendors, host=boundary is not None and boundary.transport == "host")
+        out += [GroupSpec("fwd", ranks, backend, s), GroupSpec("bwd", ranks, backend, s)]
+    layer_stage = [k for k, st in enumerate(plan.stages) for _ in range(*st.layers)]
+    for i, layers in enumerate(tie_layers):
+        stages = sorted({layer_stage[layer] for layer in layers})
+        if len(stages) > 1:
+            ranks = tuple(sorted(r for k in stages for rep in plan.stages[k].replicas
+                                 for r in rep.group_ranks(plan.stages[k].tensor_parallel)))
+            out.append(GroupSpec("tie", ranks, _backend(ranks, vendors), None, i))
+    return out
+
+
+def transfer_group(kind: str, stage: int) -> tuple[str, int]:
+    """(direction, boundary) of the group a stage's transfer action uses: ``SA``/``RG`` cross the boundary after
+    ``stage``, ``RA``/``SG`` the one before it; activations go forward, gradients backward."""
+    direction = "fwd" if kind in ("SA", "RA") else "bwd"
+    boundary = stage if kind in ("SA", "RG") else stage - 1
+    return direction, boundary

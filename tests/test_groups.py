@@ -1,0 +1,80 @@
+"""Tier 1: a plan's process groups (``partitioner.groups``): which ranks, which backend, one per boundary direction.
+
+The rule under test: no group that is not gloo spans vendors (NCCL and RCCL do not talk to each other), a host
+boundary is gloo, and every transfer a schedule posts goes to a group holding both of its ends.
+"""
+import json
+
+import pytest
+
+from hethub.partitioner import Cluster, ModelConfig, Plan
+from hethub.partitioner.groups import (ACCEL, GLOO, group_specs, spans_vendors, transfer_group, vendor_of_rank,
+                                       world_backend)
+from hethub.partitioner.placement import StageLayout, build_plan
+from hethub.partitioner.schedule import build_schedule
+from instances import CASES, stack_plan
+
+TWO = Cluster.model_validate({
+    "name": "two-vendors",
+    "device_types": {"NV": {"vendor": "nvidia", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20},
+                     "AM": {"vendor": "amd", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20}},
+    "nodes": [{"host": "nv", "device_type": "NV", "count": 4}, {"host": "am", "device_type": "AM", "count": 4}]})
+MODEL = ModelConfig(name="m", architecture="gpt", num_layers=5, hidden_size=16, num_attention_heads=2,
+                    ffn_hidden_size=32, vocab_size=8, seq_length=1)
+
+
+def mixed_vendor_plan() -> Plan:
+    """Stage 0 on NVIDIA (width 2), stage 1 spanning vendors (one NV and one AM replica), stage 2 on AMD; both
+    boundaries go through the host."""
+    base = build_plan(MODEL, TWO, [StageLayout((0, 2), "NV", (2, 2)), StageLayout((2, 4), "NV", (3, 1)),
+                                   StageLayout((4, 7), "AM", (2, 2))], 4, 3)
+    data = json.loads(base.to_json())
+    data["stages"][1]["replicas"][1].update({"host": "am", "slot": 2, "device_type": "AM"})
+    data["boundaries"] = [{"after_stage": 0, "transport": "host"}, {"after_stage": 1, "transport": "host"}]
+    return Plan.model_validate(data)
+
+
+def test_no_group_but_gloo_spans_vendors_on_a_mixed_vendor_plan():
+    plan = mixed_vendor_plan()
+    vendors = vendor_of_rank(plan)
+    assert spans_vendors(plan) and world_backend(plan) == GLOO
+    specs = group_specs(plan, tie_layers=[(0, 6)])  # an embedding tied to the head: stages 0 and 2
+    for spec in specs:
+        if len({vendors[r] for r in spec.ranks}) > 1:
+            assert spec.backend == GLOO, spec
+    # what is gloo and what is not, by purpose
+    by = {(s.purpose, s.stage, s.index): s for s in specs}
+    assert by[("dp", 0, 0)].backend == ACCEL and by[("dp", 2, 0)].backend == ACCEL
+    assert by[("dp", 1, 0)].backend == GLOO  # stage 1's replicas span vendors: its all-reduce goes over the host
+    assert by[("tie", None, 0)].backend == GLOO
+    assert [s.backend for s in specs if s.purpose in ("fwd", "bwd")] == [GLOO] * 4  # both boundaries: the bridge
+
+
+def test_a_one_vendor_plan_keeps_the_accelerators_backend_but_for_host_boundaries():
+    plan = stack_plan(*CASES["bridge2to3"])  # one vendor, one boundary marked host
+    assert not spans_vendors(plan) and world_backend(plan) == ACCEL
+    specs = group_specs(plan)
+    assert {s.backend for s in specs if s.purpose not in ("fwd", "bwd")} == {ACCEL}
+    assert [s.backend for s in specs if s.purpose in ("fwd", "bwd")] == [GLOO, GLOO]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_group_per_boundary_and_direction_holding_both_ends_of_every_transfer(name):
+    plan = stack_plan(*CASES[name])
+    specs = group_specs(plan)
+    p2p = {(s.purpose, s.stage): s for s in specs if s.purpose in ("fwd", "bwd")}
+    assert len(p2p) == 2 * (plan.num_stages - 1) == len([s for s in specs if s.purpose in ("fwd", "bwd")])
+    for rank, actions in build_schedule(plan).items():
+        stage = plan.locate(rank)[0]
+        for a in actions:
+            if a.transfers:
+                spec = p2p[transfer_group(a.kind, stage)]
+                assert rank in spec.ranks and all(t.peer in spec.ranks for t in a.transfers), (rank, str(a))
+
+
+def test_every_rank_is_in_exactly_one_data_parallel_and_one_self_group():
+    plan = mixed_vendor_plan()
+    specs = group_specs(plan)
+    for r in range(plan.world_size):
+        assert sum(r in s.ranks for s in specs if s.purpose == "dp") == 1
+        assert sum(s.ranks == (r,) for s in specs if s.purpose == "self") == 1
