@@ -14,6 +14,7 @@ waits on a group another rank never built.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -29,9 +30,10 @@ class HeteroGrid:
     """DeepSpeed ``mpu`` for a heterogeneous plan. Build after ``torch.distributed`` is initialised: the
     constructor creates every group of ``partitioner.groups.group_specs`` (collective over the world, the same
     order on every rank). ``device_name`` is the accelerator's ("cpu", "cuda"): a tensor-parallel group's
-    DeviceMesh lives on it, and groups that are not gloo use its backend."""
+    DeviceMesh lives on it, and groups that are not gloo use its backend. ``timeout_s``: every group's."""
 
-    def __init__(self, plan: Plan, rank: int, ties: Sequence[Tie] = (), device_name: str = "cpu"):
+    def __init__(self, plan: Plan, rank: int, ties: Sequence[Tie] = (), device_name: str = "cpu",
+                 timeout_s: float = 300.0):
         self.plan = plan
         self.global_rank = rank
         self.world_size = plan.world_size
@@ -51,7 +53,7 @@ class HeteroGrid:
         self.tp_rank = self.tp_ranks.index(rank)
         self.tp_lead = self.tp_ranks[0]
         self.schedule_rank = self.tp_lead  # whose schedule this rank runs
-        self._create_groups(plan, ties, device_name)
+        self._create_groups(plan, ties, device_name, datetime.timedelta(seconds=timeout_s))
         self.tp_mesh = DeviceMesh.from_group(self.tp_group, device_name) if self.tp > 1 else None
         self.next_boundary = plan.boundary(self.stage_id)
         self.prev_boundary = plan.boundary(self.stage_id - 1) if self.stage_id > 0 else None
@@ -62,8 +64,9 @@ class HeteroGrid:
         self.prev_peers = overlaps(plan, self.stage_id, self.replica_id, "prev")
         self.last_stage_root = self.stage_ranks[-1][0]
 
-    def _create_groups(self, plan: Plan, ties: Sequence[Tie], device_name: str) -> None:
-        """Every group of the plan, in the specs' order; this rank keeps the ones it is in."""
+    def _create_groups(self, plan: Plan, ties: Sequence[Tie], device_name: str, timeout: datetime.timedelta) -> None:
+        """Every group of the plan, in the specs' order (each with the run's timeout: a lost peer ends a wait on
+        any of them); this rank keeps the ones it is in."""
         accel = _accelerator_backend(device_name)
         specs = group_specs(plan, [[i for i, _ in tie.places] for tie in ties])
         self.specs: list[GroupSpec] = specs  # what was created, in order (tests read it)
@@ -71,7 +74,7 @@ class HeteroGrid:
         self._gloo: set = set()  # this rank's groups that are gloo here (every group on CPU)
         mine: dict[tuple, object] = {}
         for spec in specs:
-            group = dist.new_group(ranks=list(spec.ranks), backend="gloo" if spec.on_host else accel)
+            group = dist.new_group(ranks=list(spec.ranks), backend="gloo" if spec.on_host else accel, timeout=timeout)
             if self.global_rank in spec.ranks:
                 mine[(spec.purpose, spec.stage, spec.index)] = group
                 self._spec_of[group] = spec

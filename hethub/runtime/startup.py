@@ -232,7 +232,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     control = Control(run.hetero.timeout_s)
     _register_clean_shutdown(control)
     _check_every_rank_agrees(run.plan, control)
-    grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name())
+    grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name(),
+                      timeout_s=run.hetero.timeout_s)
     module = HeteroPipelineModule(_stage_layers(run, grid), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]
