@@ -20,6 +20,7 @@ reference otherwise; both give bit-identical results for the lossless casts.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -28,7 +29,7 @@ from .layout import (FP8, FP8_MAX, WIRE_DTYPES, WIRE_NAMES, Range, check_pack, c
                      fp8_shape, wire_dtype_for, wire_layout)
 
 __all__ = ["FP8", "FP8_MAX", "WIRE_DTYPES", "WIRE_NAMES", "Range", "check_ranges", "wire_dtype_for", "wire_layout",
-           "pack", "unpack", "pack_reference", "unpack_reference", "triton_available"]
+           "pack", "unpack", "pack_reference", "unpack_reference", "triton_available", "fp8_supported"]
 
 
 def pack_reference(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -71,7 +72,7 @@ def unpack_reference(buf: torch.Tensor, out: torch.Tensor, ranges: Sequence[Rang
 
 
 def triton_available() -> bool:
-    if os.environ.get("HETHUB_DISABLE_TRITON") == "1":
+    if os.environ.get("HETHUB_DISABLE_TRITON") == "1" or _BROKEN:
         return False
     try:
         import triton  # noqa: F401
@@ -80,27 +81,64 @@ def triton_available() -> bool:
     return True
 
 
-def _use_triton(t: torch.Tensor, backend: Optional[str]) -> bool:
+_BROKEN: list[str] = []  # why the Triton kernels were given up for this process (empty: they run)
+
+
+def fp8_supported(t: torch.Tensor) -> bool:
+    """Whether the device compiles Triton's e4m3 (``float8e4nv``): NVIDIA from compute capability 8.9 (not A100
+    or V100), AMD's gfx94x (MI300) and newer; a CPU tensor only under the interpreter."""
+    if not t.is_cuda:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    if getattr(torch.version, "hip", None):
+        arch = getattr(torch.cuda.get_device_properties(t.device), "gcnArchName", "")
+        return arch.startswith(("gfx94", "gfx95", "gfx12"))
+    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def _use_triton(t: torch.Tensor, backend: Optional[str], fp8: bool) -> bool:
     if backend == "reference":
         return False
     if backend == "triton":
         return True
     if backend is not None:
         raise ValueError(f"backend: expected 'triton', 'reference' or None, got {backend!r}")
-    return t.is_cuda and triton_available()
+    return t.is_cuda and triton_available() and (not fp8 or fp8_supported(t))
+
+
+def _fall_back(exc: Exception) -> None:
+    """A Triton compile or launch failure (no C compiler for its launcher, an unsupported type, a driver
+    error): say so once, then use the reference for the rest of the process."""
+    if not _BROKEN:
+        _BROKEN.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}")
+        sys.stderr.write(f"hethub: the Triton pack/unpack kernels failed ({_BROKEN[0]}); using the torch "
+                         "reference from now on\n")
 
 
 def pack(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.dtype] = None,
          backend: Optional[str] = None) -> torch.Tensor:
-    if _use_triton(x, backend):
+    if _use_triton(x, backend, dtype == FP8):
         from .triton_pack import pack_triton  # lazy: Triton is optional (the reference runs without it)
-        return pack_triton(x, ranges, dtype)
+        try:
+            return pack_triton(x, ranges, dtype)
+        except ValueError:
+            raise  # bad input (a range outside the tensor): the caller's error, not the kernel's
+        except Exception as exc:  # noqa: BLE001 - any compile or launch failure: the reference is exact
+            if backend == "triton":
+                raise
+            _fall_back(exc)
     return pack_reference(x, ranges, dtype)
 
 
 def unpack(buf: torch.Tensor, out: torch.Tensor, ranges: Sequence[Range], backend: Optional[str] = None
            ) -> torch.Tensor:
-    if _use_triton(out, backend):
+    if _use_triton(out, backend, buf.dtype == torch.uint8):
         from .triton_pack import unpack_triton  # lazy: Triton is optional (the reference runs without it)
-        return unpack_triton(buf, out, ranges)
+        try:
+            return unpack_triton(buf, out, ranges)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any compile or launch failure: the reference is exact
+            if backend == "triton":
+                raise
+            _fall_back(exc)
     return unpack_reference(buf, out, ranges)

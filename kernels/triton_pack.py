@@ -1,7 +1,10 @@
 """Triton kernels behind ``pack``/``unpack`` (see kernels/pack.py for formats and error bounds).
 
-One program per (output row, column block): it reads its source row through a small row map, casts,
-and writes — one pass over memory. Down-casts to bf16 round to nearest even with integer bit
+One launch per contiguous row range (a transfer's rows), one program per (row, column block) flattened on the
+grid's first axis (its second is capped at 65,535 on CUDA: 8192 x 8192 rows would not launch): it reads its
+source row at the range's offset, casts, and writes — one pass over memory, and nothing copied from the host
+(a row map built on the host was a synchronous host-to-device copy that stalled every pack). Down-casts to bf16
+round to nearest even with integer bit
 operations (the Triton interpreter's ``.to(tl.bfloat16)`` truncates; the bit version matches torch
 everywhere); fp8 values are rounded to the e4m3 grid in fp32 arithmetic first, so the final cast
 is exact whatever rounding mode the backend's cast uses.
@@ -41,14 +44,13 @@ def _cast(x, OUT_ID: tl.constexpr):
 
 
 @triton.jit
-def _copy_rows(src, dst, src_rows, dst_rows, D, OUT_ID: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _copy_rows(src, dst, src_row0, dst_row0, D, NCB, OUT_ID: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid // NCB
+    cols = (pid % NCB) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
-    s = tl.load(src_rows + r).to(tl.int64)
-    d = tl.load(dst_rows + r).to(tl.int64)
-    v = tl.load(src + s * D + cols, mask=mask)
-    tl.store(dst + d * D + cols, _cast(v, OUT_ID), mask=mask)
+    v = tl.load(src + (src_row0 + r) * D + cols, mask=mask)
+    tl.store(dst + (dst_row0 + r) * D + cols, _cast(v, OUT_ID), mask=mask)
 
 
 @triton.jit
@@ -65,75 +67,89 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _pack_fp8(src, dst, src_rows, T, H, ROW_BYTES, BLOCK_H: tl.constexpr):
-    r = tl.program_id(0)
-    t = tl.program_id(1)
-    s = tl.load(src_rows + r).to(tl.int64)
+def _pack_fp8(src, dst, src_row0, dst_row0, T, H, ROW_BYTES, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    r, t = pid // T, pid % T
+    s = src_row0 + r
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     v = tl.load(src + (s * T + t) * H + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = _round_e4m3(v / scale).to(tl.float8e4nv)
-    row = dst + r.to(tl.int64) * ROW_BYTES
+    # IEEE division (Triton's fp32 "/" is approximate on GPUs): the same scale and codes as the reference
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = _round_e4m3(tl.math.div_rn(v, scale)).to(tl.float8e4nv)
+    row = dst + (dst_row0 + r) * ROW_BYTES
     tl.store(row.to(tl.pointer_type(tl.float8e4nv)) + t * H + cols, q, mask=mask)
     tl.store((row + T * H).to(tl.pointer_type(tl.float32)) + t, scale)
 
 
 @triton.jit
-def _unpack_fp8(src, dst, dst_rows, T, H, ROW_BYTES, OUT_ID: tl.constexpr, BLOCK_H: tl.constexpr):
-    r = tl.program_id(0)
-    t = tl.program_id(1)
-    d = tl.load(dst_rows + r).to(tl.int64)
+def _unpack_fp8(src, dst, src_row0, dst_row0, T, H, ROW_BYTES, OUT_ID: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    r, t = pid // T, pid % T
+    d = dst_row0 + r
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    row = src + r.to(tl.int64) * ROW_BYTES
+    row = src + (src_row0 + r) * ROW_BYTES
     q = tl.load(row.to(tl.pointer_type(tl.float8e4nv)) + t * H + cols, mask=mask).to(tl.float32)
     scale = tl.load((row + T * H).to(tl.pointer_type(tl.float32)) + t)
     tl.store(dst + (d * T + t) * H + cols, _cast(q * scale, OUT_ID), mask=mask)
 
 
-def _row_map(ranges: Sequence[Range], device) -> torch.Tensor:
-    idx = [r for a, b in ranges for r in range(a, b)]
-    return torch.tensor(idx, dtype=torch.int64, device=device)
+def _pieces(ranges: Sequence[Range]) -> list[tuple[int, int, int]]:
+    """(row in the tensor, row in the buffer, rows) of each non-empty range: the buffer holds them in order."""
+    out, off = [], 0
+    for a, b in ranges:
+        if b > a:
+            out.append((a, off, b - a))
+        off += b - a
+    return out
+
+
+def _warps(block_h: int) -> int:
+    """Warps for an fp8 program over a vector of ``block_h`` values: about 32 values per thread, no spills."""
+    return max(4, min(16, block_h // 256))
 
 
 def pack_triton(x: torch.Tensor, ranges: Sequence[Range], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     total, wire = check_pack(x, ranges, dtype)
     x = x.contiguous()  # non-contiguous input: one extra copy, then the same kernel
-    src_rows = _row_map(ranges, x.device)
-    dst_rows = torch.arange(total, dtype=torch.int64, device=x.device)
     if wire != FP8:
         out = torch.empty((total, *x.shape[1:]), dtype=wire, device=x.device)
-        D = x[0].numel() if x.shape[0] else out[0].numel() if total else 0
-        if total and D:
-            _copy_rows[(total, triton.cdiv(D, BLOCK))](x, out, src_rows, dst_rows, D, OUT_ID=_ID[wire], BLOCK=BLOCK)
+        D = x[0].numel() if x.shape[0] else 0
+        if D:
+            ncb = triton.cdiv(D, BLOCK)
+            for row, off, n in _pieces(ranges):
+                _copy_rows[(n * ncb,)](x, out, row, off, D, ncb, OUT_ID=_ID[wire], BLOCK=BLOCK)
         return out
     T, H = fp8_shape(x.shape)
     row_bytes = T * H + 4 * T
     out = torch.empty((total, row_bytes), dtype=torch.uint8, device=x.device)
-    if total and T and H:
-        _pack_fp8[(total, T)](x, out, src_rows, T, H, row_bytes, BLOCK_H=triton.next_power_of_2(H))
+    if T and H:
+        block_h = triton.next_power_of_2(H)
+        for row, off, n in _pieces(ranges):
+            _pack_fp8[(n * T,)](x, out, row, off, T, H, row_bytes, BLOCK_H=block_h, num_warps=_warps(block_h))
     return out
 
 
 def unpack_triton(buf: torch.Tensor, out: torch.Tensor, ranges: Sequence[Range]) -> torch.Tensor:
-    total = check_unpack(buf, out, ranges)
+    check_unpack(buf, out, ranges)
     if not out.is_contiguous():
         tmp = unpack_triton(buf, out.contiguous(), ranges)
         out.copy_(tmp)
         return out
-    dst_rows = _row_map(ranges, out.device)
-    src_rows = torch.arange(total, dtype=torch.int64, device=out.device)
+    buf = buf.contiguous()
     if buf.dtype != torch.uint8:
         D = out[0].numel() if out.shape[0] else 0
-        buf = buf.contiguous()
-        if total and D:
-            _copy_rows[(total, triton.cdiv(D, BLOCK))](buf, out, src_rows, dst_rows, D, OUT_ID=_ID[out.dtype],
-                                                      BLOCK=BLOCK)
+        if D:
+            ncb = triton.cdiv(D, BLOCK)
+            for row, off, n in _pieces(ranges):
+                _copy_rows[(n * ncb,)](buf, out, off, row, D, ncb, OUT_ID=_ID[out.dtype], BLOCK=BLOCK)
         return out
     T, H = fp8_shape(out.shape)
-    if total and T and H:
-        _unpack_fp8[(total, T)](buf.contiguous(), out, dst_rows, T, H, T * H + 4 * T, OUT_ID=_ID[out.dtype],
-                                BLOCK_H=triton.next_power_of_2(H))
+    if T and H:
+        block_h = triton.next_power_of_2(H)
+        for row, off, n in _pieces(ranges):
+            _unpack_fp8[(n * T,)](buf, out, off, row, T, H, T * H + 4 * T, OUT_ID=_ID[out.dtype], BLOCK_H=block_h,
+                                  num_warps=_warps(block_h))
     return out

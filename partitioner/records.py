@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
@@ -37,6 +38,17 @@ MAX_MICRO_BATCHES = 100_000  # micro-batches in one iteration
 MAX_RATE = 1e9  # TFLOP/s, GiB, GB/s, Gbit/s, microseconds: finite and at most this
 
 Name = Field(min_length=1, max_length=MAX_NAME_CHARS)
+# What a hostfile line and an ssh/pdsh argument can carry safely: a host name or an address, never a flag
+# ("-oProxyCommand=...") or a second hostfile line ("n2 slots=64\nevil").
+_HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9_])?|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]+")
+
+
+def check_host(host: str) -> str:
+    """A host name (letters, digits, '.', '-', '_', not starting with '-') or an IP address; else ValueError."""
+    if not _HOST.fullmatch(host):
+        raise ValueError(f"{short(host)} is not a host name or address (letters, digits, '.', '-' and '_', not "
+                         "starting with '-'): it would reach a hostfile and ssh")
+    return host
 
 
 class Record(BaseModel):
@@ -161,6 +173,11 @@ class Node(Record):
     host: str = Name
     device_type: str = Name
     count: int = Field(gt=0, le=MAX_DEVICES)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return check_host(v)
 
 
 class Network(Record):
@@ -403,6 +420,11 @@ class Replica(Record):
                                                                                     max_length=1024)
     slots: Optional[tuple[Annotated[int, Field(ge=0, lt=MAX_DEVICES)], ...]] = Field(default=None, min_length=1,
                                                                                     max_length=1024)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return check_host(v)
 
     @model_validator(mode="before")
     @classmethod

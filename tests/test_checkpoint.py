@@ -1,5 +1,7 @@
 """Checkpoints survive a re-plan: save under plan A, load under plan B (other cuts, widths, world size)."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -86,6 +88,8 @@ def test_bad_checkpoints_are_refused_with_a_reason(tmp_path):
     state = torch.load(layer, weights_only=True)
     state["0.weight"] = torch.zeros(5, 12)
     torch.save(state, layer)
+    # the damage under digests that agree with it (as a writer with a bug would leave it): the reasons below
+    _redigest(ckpt / "global_step1")
     results = spawn(a.world_size, [WORKER, pa, str(tmp_path / "c{rank}.pt"), "1", "2", "sgd", "0", "--load",
                                    str(ckpt)], timeout=90)
     assert all(rc == 2 for rc, _, _ in results)  # every rank ends, none hangs
@@ -95,6 +99,49 @@ def test_bad_checkpoints_are_refused_with_a_reason(tmp_path):
     stage1 = [errs[r.rank] for r in a.stages[1].replicas]
     assert all("layer 2 (Sequential).0.weight: checkpoint shape (5, 12), model shape (12, 12)" in e for e in stage0)
     assert all("layer_04-model_states.pt is truncated or corrupt" in e for e in stage1)
+
+
+def _redigest(d) -> None:
+    import hashlib
+    meta = json.loads((d / "meta.json").read_text())
+    meta["digests"] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.pt"))}
+    (d / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_is_resumed_only_from_inside_its_directory_and_only_as_saved(tmp_path):
+    """What the resume directory holds is not trusted: a ``latest`` naming a path out of it, a tag that is a
+    link out of it, and a layer file whose bytes changed after the save are each refused with one line on every
+    rank (exit 2); before, the first two resumed from elsewhere and the last trained on silently (loss nan)."""
+    from hethub.runtime.checkpoint import resolve_tag
+    from hethub.partitioner import InputError
+    a = stack_plan(*PLAN_A)
+    pa = _write(tmp_path, "a", a)
+    ckpt = tmp_path / "ckpt"
+    _ok(spawn(a.world_size, [WORKER, pa, str(tmp_path / "a{rank}.pt"), "0", "1", "sgd", "0", "--save", str(ckpt)]))
+    outside = tmp_path / "outside"
+    shutil.copytree(ckpt / "global_step1", outside / "global_step8")
+    for bad in ("../outside/global_step8", "../../../../etc/x", "/etc/passwd"):
+        (ckpt / "latest").write_text(bad)
+        with pytest.raises(InputError, match=r"names .* is not a checkpoint name inside"):
+            resolve_tag(str(ckpt), None)
+    os.symlink(outside / "global_step8", ckpt / "global_step8")
+    (ckpt / "latest").write_text("global_step8")
+    with pytest.raises(InputError, match=r"'global_step8' leads out of .*\(a link\): refused"):
+        resolve_tag(str(ckpt), None)
+    os.remove(ckpt / "global_step8")
+    (ckpt / "latest").write_text("global_step1")
+    layer = ckpt / "global_step1" / "layer_03-model_states.pt"
+    data = bytearray(layer.read_bytes())
+    data[-40:-8] = bytes(32)  # overwritten in place: the file still loads as a tensor file
+    layer.write_bytes(bytes(data))
+    results = spawn(a.world_size, [WORKER, pa, str(tmp_path / "c{rank}.pt"), "1", "2", "sgd", "0", "--load",
+                                   str(ckpt)], timeout=90)
+    assert all(rc == 2 for rc, _, _ in results), [e[-500:] for _, _, e in results]
+    errs = [e.strip().splitlines()[-1] for _, _, e in results]
+    holder = next(st for st in a.stages if st.layers[0] <= 3 < st.layers[1])
+    for r in holder.replicas:
+        assert "layer_03-model_states.pt does not match the digest saved with it" in errs[r.rank], errs[r.rank]
+    assert all(e.startswith("error: checkpoint") for e in errs)
 
 
 def _cluster_file(tmp_path, n: int) -> str:

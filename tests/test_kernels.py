@@ -124,3 +124,58 @@ def test_dispatch_uses_the_reference_for_cpu_tensors(monkeypatch):
     monkeypatch.setattr(kp, "pack_reference", lambda *a, **k: called.append("ref") or torch.zeros(0))
     kp.pack(torch.randn(2, 2), [(0, 1)])
     assert called == ["ref"]
+
+
+def test_a_failing_triton_kernel_falls_back_to_the_reference_once_with_one_line(monkeypatch, capsys):
+    """A compile or launch failure (no C compiler for Triton's launcher, an unsupported type) must not end a
+    transfer: the reference gives the same bytes; the failure is said once, then Triton is left alone."""
+    import sys
+    kp = sys.modules["hethub.kernels.pack"]
+    tp = pytest.importorskip("hethub.kernels.triton_pack")
+    monkeypatch.setattr(kp, "_BROKEN", [])
+    monkeypatch.setattr(kp, "_use_triton", lambda t, backend, fp8: not kp._BROKEN)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("triton launcher: no C compiler found\nmore")
+    monkeypatch.setattr(tp, "pack_triton", broken)
+    x = torch.randn(6, 3, 8)
+    got = kp.pack(x, [(1, 3), (4, 6)], torch.bfloat16)
+    assert torch.equal(got, kp.pack_reference(x, [(1, 3), (4, 6)], torch.bfloat16))
+    again = kp.pack(x, [(0, 2)])
+    assert torch.equal(again, x[0:2]) and calls == [1]  # given up after the first failure
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["hethub: the Triton pack/unpack kernels failed (RuntimeError: triton launcher: no C compiler "
+                   "found); using the torch reference from now on"]
+
+
+def test_bad_ranges_stay_the_callers_error_with_the_fallback(monkeypatch):
+    import sys
+    kp = sys.modules["hethub.kernels.pack"]
+    monkeypatch.setattr(kp, "_use_triton", lambda t, backend, fp8: True)
+    with pytest.raises(ValueError, match=r"ranges\[0\]"):
+        kp.pack(torch.randn(2, 2), [(0, 5)])
+
+
+def test_fp8_is_never_compiled_for_a_device_without_e4m3(monkeypatch):
+    import sys
+    kp = sys.modules["hethub.kernels.pack"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not kp.fp8_supported(torch.zeros(1))  # a CPU tensor outside the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kp.fp8_supported(torch.zeros(1))
+
+
+def test_rows_wider_than_cudas_second_grid_axis_pack_in_one_launch_per_range():
+    """8192 x 8192 elements per row needed 65,536 column blocks on grid axis 1 (CUDA's limit: 65,535); the
+    blocks now run on axis 0. Under the interpreter a smaller row checks the flattened indexing."""
+    pytest.importorskip("triton")
+    from hethub.kernels.triton_pack import BLOCK, pack_triton, unpack_triton
+    x = torch.randn(5, 3 * BLOCK + 7)
+    ranges = [(3, 5), (0, 1)]
+    buf = pack_triton(x, ranges, torch.float16)
+    assert torch.equal(buf, pack_reference(x, ranges, torch.float16))
+    out = torch.zeros_like(x)
+    unpack_triton(buf, out, ranges)
+    assert torch.equal(out, unpack_reference(buf, torch.zeros_like(x), ranges))

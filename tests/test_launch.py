@@ -31,7 +31,7 @@ def test_hostfile_and_include_reproduce_the_plans_ranks():
 
 
 def test_local_rank_follows_the_plan_not_deepspeeds_rotation():
-    from hethub.runtime.startup import plan_local_index
+    from hethub.runtime.checks import plan_local_index
     plan = unequal_plan()
     layout = dict((h, s) for h, s in __import__("hethub.cli.launch", fromlist=["x"]).host_layout(plan))
     rotated = 0

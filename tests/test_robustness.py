@@ -69,6 +69,12 @@ FILE_CASES = {
                   "inter_node_gbps"),
     "latency_inf": (cluster_with(**{"network.inter_node_latency_us": float("inf")}),
                     lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "inter_node_latency_us"),
+    # host names reach a generated hostfile and ssh/pdsh: a second hostfile line or an ssh flag is refused
+    "host_newline": (cluster_with(**{"nodes.0.host": "n2 slots=64\nevil"}),
+                     lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "cluster.nodes[0].host: 'n2 slots=64\\nevil' is "
+                                                                    "not a host name"),
+    "host_ssh_flag": (cluster_with(**{"nodes.1.host": "-oProxyCommand=touch /tmp/x"}),
+                      lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "cluster.nodes[1].host: '-oProxyCommand"),
     "long_host": (cluster_with(**{"nodes.0.host": "h" * 100_000}), lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:],
                   "at most 256 characters"),
     "layers_1e9": ("name: m\narchitecture: gpt\nnum_layers: 1000000000\nhidden_size: 64\nnum_attention_heads: 4\n"

@@ -41,6 +41,16 @@ def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _init_ranks() -> None:
+    """Start the launcher's process group with each rank on its own GPU (LOCAL_RANK), before NCCL: without it
+    every rank sat on GPU 0 and NCCL saw duplicate GPUs."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
 def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device,
                   warmup: int = 2, reps: int = 7, agree: Callable[[int], int] = lambda n: n) -> dict:
     """Median forward and backward milliseconds of one layer, activation bytes it keeps, and peak memory.
@@ -95,8 +105,7 @@ def _tp_group(tensor_parallel: int):
         raise InputError("--tensor-parallel", f"{tensor_parallel} needs {tensor_parallel} processes under a launcher "
                                               f"(e.g. torchrun --nproc-per-node {tensor_parallel}), got WORLD_SIZE "
                                               f"{world}")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    _init_ranks()
     mesh = init_device_mesh(local_device().type, (tensor_parallel,))
 
     def agree(n: int) -> int:
@@ -163,8 +172,7 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
 
 def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int = 5) -> list[dict]:
     """Under a launcher: p2p bandwidth from rank 0 to every other rank, and all-reduce bandwidth of the world."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    _init_ranks()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = local_device()
     out = []

@@ -72,6 +72,9 @@ def cpu_compat() -> None:
         parallel_state._GLOBAL_MEMORY_BUFFER = _DeviceMemoryBuffer(torch.device("cpu"))
         mrandom._CUDA_RNG_STATE_TRACKER = _DefaultGeneratorTracker()
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    elif "model-parallel-rng" not in mrandom.get_cuda_rng_tracker().get_states():
+        # attention dropout forks this state; megatron's own start-up seeds it, hethub's must too
+        mrandom.model_parallel_cuda_manual_seed(torch.initial_seed() % (2 ** 31))
 
 
 class MegatronEmbedding(nn.Module):

@@ -16,8 +16,10 @@ complete checkpoint and says so.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from typing import Any, Optional
@@ -25,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..partitioner.errors import InputError
+from ..partitioner.errors import InputError, short
 from ..partitioner.outputs import write_atomic
 from .errors import fail
 from .tp import full, gather_like, local, shard_of
@@ -60,19 +62,66 @@ def _fsync_dir(path: str) -> None:
 
 
 def complete_checkpoints(save_dir: str) -> list[str]:
-    """Tags of complete checkpoints (renamed into place, with meta.json), oldest first by step."""
+    """Tags of complete checkpoints (renamed into place, with a readable meta.json), oldest first by step; a
+    folder that is not one (another format, a broken meta.json, a link out of the directory) is not listed."""
     if not os.path.isdir(save_dir):
         return []
     tags = []
     for name in os.listdir(save_dir):
-        meta = os.path.join(save_dir, name, "meta.json")
-        if not name.startswith(".") and os.path.isfile(meta):
+        if _TAG.fullmatch(name) and os.path.isfile(os.path.join(save_dir, name, "meta.json")):
             try:
-                with open(meta) as f:
-                    tags.append((json.load(f).get("global_steps", 0), name))
-            except (OSError, json.JSONDecodeError):
-                continue
+                tags.append((read_meta(os.path.join(save_dir, checked_tag(save_dir, name)))["global_steps"], name))
+            except InputError:
+                continue  # not a checkpoint this hethub can load: another candidate is
     return [t for _, t in sorted(tags)]
+
+
+FORMAT_VERSION = 2  # 2: meta.json holds the sha256 of every layer file
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+_META_INTS = ("global_steps", "global_samples")
+
+
+def checked_tag(root: str, tag: object, what: str = "tag") -> str:
+    """A checkpoint name inside ``root``: a plain name (never a path, never ``..``) whose folder, links resolved,
+    is directly inside ``root``. Why: a ``latest`` file or a tag comes from the directory, which may not be
+    trusted; it must never lead the resume to files elsewhere."""
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or ".." in tag:
+        raise InputError("checkpoint", f"{what} {short(tag)} is not a checkpoint name inside {root[:100]!r} "
+                                       "(letters, digits, '.', '-' and '_'; never a path)")
+    if os.path.dirname(os.path.realpath(os.path.join(root, tag))) != os.path.realpath(root):
+        raise InputError("checkpoint", f"{what} {short(tag)} leads out of {root[:100]!r} (a link): refused")
+    return tag
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_meta(d: str) -> dict:
+    """A checkpoint's meta.json, checked: one line naming what is wrong (not JSON, a field missing or of the
+    wrong type, an older format without digests)."""
+    path = os.path.join(d, "meta.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError("checkpoint", f"{path[:160]} is not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise InputError("checkpoint", f"{path[:160]}: expected a JSON object, got {type(meta).__name__}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise InputError("checkpoint", f"{path[:160]}: format version {short(meta.get('version'))}, this hethub "
+                                       f"reads {FORMAT_VERSION} (per-file digests); save it again with this hethub")
+    bad = [k for k in _META_INTS if not (isinstance(meta.get(k), int) and not isinstance(meta.get(k), bool)
+                                         and meta[k] >= 0)]
+    bad += [k for k, kind in (("model", dict), ("digests", dict)) if not isinstance(meta.get(k), kind)]
+    if bad:
+        raise InputError("checkpoint", f"{path[:160]}: {bad[0]} missing or of the wrong type "
+                                       f"({short(meta.get(bad[0]))})")
+    return meta
 
 
 def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
@@ -153,7 +202,7 @@ def _gathered_state(engine, shard) -> list[dict]:
 
 def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
     """Collective: every rank calls it. Returns the tag."""
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = checked_tag(save_dir, tag or f"global_step{engine.global_steps}")
     tmp = os.path.join(save_dir, f".tmp-{tag}")
     final = os.path.join(save_dir, tag)
     rank = engine.global_rank
@@ -202,14 +251,17 @@ def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> N
     tmp, final = os.path.join(save_dir, f".tmp-{tag}"), os.path.join(save_dir, tag)
     plan = engine.plan
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    meta = {"format": "hethub-layer-checkpoint", "version": 1, "model": plan.model.model_dump(),
+    meta = {"format": "hethub-layer-checkpoint", "version": FORMAT_VERSION, "model": plan.model.model_dump(),
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
             "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
             "client_state": _jsonable(client_state or {}),
             "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
             "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
-                     "world_size": plan.world_size}}
+                     "world_size": plan.world_size},
+            # every layer file's sha256: a file whose bytes changed is refused at load, never trained on
+            "digests": {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
+                        if name.endswith(".pt")}}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     _fsync_dir(tmp)
@@ -225,13 +277,18 @@ def _jsonable(x):
 
 def resolve_tag(load_dir: str, tag: Optional[str], say=print) -> str:
     if tag is not None:
+        checked_tag(load_dir, tag)
         if not os.path.isfile(os.path.join(load_dir, tag, "meta.json")):
             raise InputError("checkpoint", f"{os.path.join(load_dir, tag)} is not a complete checkpoint")
         return tag
     latest = os.path.join(load_dir, LATEST)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            t = f.read().strip()
+        try:
+            with open(latest, encoding="utf-8") as f:
+                t = f.read(256).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError("checkpoint", f"cannot read {latest[:160]} ({type(exc).__name__})") from None
+        checked_tag(load_dir, t, f"{latest[:160]} names")
         if os.path.isfile(os.path.join(load_dir, t, "meta.json")):
             return t
         reason = f"{latest} names {t!r}, which is not a complete checkpoint"
@@ -244,7 +301,16 @@ def resolve_tag(load_dir: str, tag: Optional[str], say=print) -> str:
     return tags[-1]
 
 
-def _load(path: str) -> Any:
+def _load(path: str, digests: dict) -> Any:
+    """A layer file, checked against the digest meta.json holds for it, loaded as data (``weights_only``)."""
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        raise InputError("checkpoint", f"missing file {path}")
+    if name not in digests:
+        raise InputError("checkpoint", f"{path[:160]} has no digest in meta.json: refused")
+    if _sha256(path) != digests[name]:
+        raise InputError("checkpoint", f"{path[:160]} does not match the digest saved with it (changed or "
+                                       "corrupt): refused")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -315,17 +381,17 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if engine.global_rank == 0 else (lambda m: None)
     tag = resolve_tag(load_dir, tag, say)
     d = os.path.join(load_dir, tag)
-    with open(os.path.join(d, "meta.json")) as f:
-        meta = json.load(f)
+    meta = read_meta(d)
+    digests = meta["digests"]
     names = _param_names(engine)
     owners = _tie_owners(engine)
     states: dict[int, dict] = {}
     for idx, layer in engine.module.indexed_layers():
-        state = _load(_layer_file(d, idx, "model"))
+        state = _load(_layer_file(d, idx, "model"), digests)
         for k, v in layer.state_dict().items():
             if k not in state and (idx, k) in owners:  # a tied weight: stored once, with its first layer
                 o_idx, o_name = owners[(idx, k)]
-                owner_state = _load(_layer_file(d, o_idx, "model"))
+                owner_state = _load(_layer_file(d, o_idx, "model"), digests)
                 if o_name in owner_state:
                     state[k] = owner_state[o_name]
             if k not in state:
@@ -342,7 +408,7 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
             raise InputError("checkpoint", f"{d} holds model {saved.get('name')!r} with {key}={saved.get(key)}, "
                                            f"the plan's model {mine.get('name')!r} has {key}={mine.get(key)}")
     wanted = set(states) | {owners[(i, n)][0] for i, n in names.values() if (i, n) in owners}
-    by_layer = {idx: _load(_layer_file(d, idx, "optim")) for idx in wanted} if load_optimizer_states else {}
+    by_layer = {idx: _load(_layer_file(d, idx, "optim"), digests) for idx in wanted} if load_optimizer_states else {}
     for place, (o_idx, o_name) in owners.items():  # a tied weight's state, from its first layer
         st = by_layer.get(o_idx, {}).get(o_name)
         if st is not None and place[0] in by_layer:

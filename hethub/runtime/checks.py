@@ -89,13 +89,25 @@ def launched_world() -> tuple[int, int]:
                                 f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}") from None
 
 
-def detected_device_type() -> Optional[str]:
-    """This rank's accelerator name when one can be detected (None on CPU). HETHUB_DEVICE_TYPE overrides."""
+def on_gpu() -> bool:
+    """Whether this run trains on the GPUs (a GPU machine may still run the CPU accelerator: the demo does)."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu"
+
+
+def detected_device_type(index: int) -> Optional[str]:
+    """The name of the accelerator this rank runs on (device ``index`` of the visible ones; None on CPU).
+    HETHUB_DEVICE_TYPE overrides."""
     if os.environ.get("HETHUB_DEVICE_TYPE"):
         return os.environ["HETHUB_DEVICE_TYPE"]
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.cuda.current_device())
+    if on_gpu():
+        return torch.cuda.get_device_name(index)
     return None
+
+
+def local_device_index(plan: Plan, rank: int) -> int:
+    """This rank's device among its host's visible ones: its slot's position among the plan's slots on the host
+    (``hethub launch --local`` runs every rank on one machine: there it is the rank)."""
+    return rank if os.environ.get("HETHUB_LOCAL") == "1" else plan_local_index(plan, rank)
 
 
 def _type_matches(plan_type: str, detected: str) -> bool:
@@ -117,7 +129,13 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
     stage_id, rep = plan.locate(rank)
     stage = plan.stages[stage_id]
     mine = stage.type_of(stage.replicas[rep])
-    detected = detected_device_type()
+    local = local_device_index(plan, rank)
+    if on_gpu() and local >= torch.cuda.device_count():
+        raise InputError(f"plan.stages[{stage_id}].replicas", f"rank {rank} runs on device {local} of host "
+                                                              f"{stage.replicas[rep].host}, but it sees "
+                                                              f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
+                                                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    detected = detected_device_type(local)
     if detected is not None and not _type_matches(mine, detected):
         raise InputError(f"plan.stages[{stage_id}].device_type", f"rank {rank} runs on {detected!r}, but the plan "
                                                                  f"puts a {mine} there")

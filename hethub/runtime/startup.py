@@ -30,7 +30,7 @@ from ..partitioner.groups import GLOO, world_backend
 from ..partitioner.records import Plan
 from . import ds_seams, tp
 from .checks import (DEFAULT_TIMEOUT_S, HeteroSection, check_against_world, hetero_section, launched_world,
-                     load_checked_schedule, load_config, plan_local_index, resolve_plan)
+                     load_checked_schedule, load_config, local_device_index, on_gpu, resolve_plan)
 from .control import Control
 from .engine import HeteroPipelineEngine
 from .errors import fail, first_line
@@ -88,9 +88,9 @@ def _fix_local_rank(plan: Plan, rank: int) -> None:
     the plan's slots on it, in ascending order; this rank's device is its slot's position among them.
     ``hethub launch --local`` runs every rank on one machine: there the local index is the rank.
     """
-    local = rank if os.environ.get("HETHUB_LOCAL") == "1" else plan_local_index(plan, rank)
+    local = local_device_index(plan, rank)
     os.environ["LOCAL_RANK"] = str(local)
-    if torch.cuda.is_available() and local < torch.cuda.device_count():
+    if on_gpu():  # checked before: the device exists
         torch.cuda.set_device(local)
 
 
