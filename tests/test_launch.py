@@ -57,15 +57,16 @@ def test_plan_that_deepspeed_cannot_number_is_refused():
 def test_launch_dry_run_passes_flags_through(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(unequal_plan().to_json())
-    r = run_cli("launch", "--hetero-plan", str(path), "--dry-run", "--master_port", "29600", "train.py", "--lr", "1")
+    script = os.path.join("examples", "train_gpt.py")  # the script must exist (run_cli runs in the repository)
+    r = run_cli("launch", "--hetero-plan", str(path), "--dry-run", "--master_port", "29600", script, "--lr", "1")
     assert r.returncode == 0, r.stderr
     cmd = next(l for l in r.stdout.splitlines() if "deepspeed.launcher.runner" in l).split()
     assert cmd[cmd.index("--master_port") + 1] == "29600"
     from hethub.cli.launch import include_arg
     assert cmd[cmd.index("--include") + 1] == include_arg(unequal_plan()) == "small:0,1@big:0,1,2"
-    i = cmd.index("train.py")
+    i = cmd.index(script)
     assert cmd[i + 1:] == ["--hetero-plan", str(path), "--lr", "1"]
-    r = run_cli("launch", "--hetero-plan", str(path), "--include", "big:0", "train.py")
+    r = run_cli("launch", "--hetero-plan", str(path), "--include", "big:0", script)
     assert r.returncode == 2 and r.stderr.startswith("error: --include: the plan places every rank")
 
 
@@ -123,11 +124,12 @@ def test_launch_leaves_no_temporary_folder_unless_a_dry_run_prints_its_hostfile(
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     path = tmp_path / "plan.json"
     path.write_text(unequal_plan().to_json())
+    script = os.path.join(EXAMPLES, "train_gpt.py")
     with pytest.raises(InputError, match="--include"):
-        run(str(path), ["--include", "big:0", "train.py"])
-    assert run(str(path), ["train.py"], local=True, dry_run=True) == 0
+        run(str(path), ["--include", "big:0", script])
+    assert run(str(path), [script], local=True, dry_run=True) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
-    assert run(str(path), ["train.py"], dry_run=True) == 0
+    assert run(str(path), [script], dry_run=True) == 0
     hostfile = capsys.readouterr().out.split("# ")[-1].split(":\n")[0]
     assert open(hostfile).read() == "small slots=2\nbig slots=3\n"
 
@@ -166,3 +168,13 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "step 2/2 loss" in r.stdout  # progress, step by step
     for f in ("plan.json", "timeline.png", "train-log.json", "run-hethub.json", "run-fast.json", "run-deepspeed.json"):
         assert (tmp_path / f).exists(), f
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_a_missing_training_script_is_one_line_before_the_launcher_starts(dry):
+    """Before: eight ranks each printed "can't open file" (35 lines, 16 s), and a dry run exited 0."""
+    r = run_cli("launch", "--hetero-plan", os.path.join(EXAMPLES, "plan.json"), "--local", *dry, "nothere.py",
+                timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("error: launch: no training script 'nothere.py'"), lines[0]

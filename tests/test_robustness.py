@@ -208,7 +208,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_partial_one(tmp_path):
 
 @pytest.mark.parametrize("blocked,argv,fragment", [
     ("matplotlib", ["simulate", PLAN, "--png", "{tmp}/t.png"], "--png: needs matplotlib: pip install 'hethub[plot]'"),
-    ("deepspeed", ["launch", "--hetero-plan", PLAN, "--dry-run", "train.py"],
+    ("deepspeed", ["launch", "--hetero-plan", PLAN, "--dry-run", os.path.join(EXAMPLES, "train_gpt.py")],
      "launch: needs DeepSpeed: pip install 'hethub[runtime]'"),
 ])
 def test_missing_optional_packages_name_the_extra(tmp_path, blocked, argv, fragment):

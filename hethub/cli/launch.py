@@ -228,6 +228,7 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     try:
         cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"),
                                  dry_run)
+        _check_script(rest)
         if dry_run:
             print(" ".join(cmd))
             if not local:  # the dry run prints the hostfile's path for the user to use: it stays
@@ -238,6 +239,17 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     finally:
         if not keep:
             shutil.rmtree(folder, ignore_errors=True)  # our own temporary folder: only the hostfile is in it
+
+
+def _check_script(rest: Sequence[str]) -> None:
+    """The training script exists here (each rank would otherwise print its own "can't open file"), unless the
+    launcher is told to run a module or a program."""
+    flags, script, _args = split_script(rest)
+    if any(f.split("=")[0] in ("--module", "-m", "--no_python", "--no-python") for f in flags):
+        return
+    if not os.path.isfile(script):
+        raise InputError("launch", f"no training script {script[:200]!r} (from {os.getcwd()[:200]!r}); every rank "
+                                   "would fail to start it")
 
 
 def _run_launcher(cmd: list[str], env: dict) -> int:

@@ -10,9 +10,11 @@ Layout of ``<dir>/<tag>/`` (DeepSpeed's layer-file naming where it helps interop
 Saving is atomic: every writer (replica 0 of each stage: replicas hold identical weights and optimizer
 state under ZeRO-0) writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 flushes, renames it to
 ``<dir>/<tag>`` and then replaces ``<dir>/latest`` (written to a temporary file and renamed). A crash at
-any point leaves the previous checkpoint and ``latest`` intact. Loading uses
-``torch.load(..., weights_only=True)``; a missing or dangling ``latest`` falls back to the newest
-complete checkpoint and says so.
+any point leaves the previous checkpoint and ``latest`` intact. ``meta.json`` holds every layer file's sha256.
+
+Loading treats the directory as untrusted data: tags (and what ``latest`` names) resolve only to folders directly
+inside it, each file is checked against its digest before ``torch.load(..., weights_only=True)``, and meta.json is
+validated; a missing or dangling ``latest`` falls back to the newest complete checkpoint and says so.
 """
 from __future__ import annotations
 
