@@ -54,7 +54,8 @@ def decode_meta(meta: torch.Tensor) -> Meta:
 
 
 class _Posted:
-    """A posted receive: its operations, the buffers they fill, what they hold, and the rows they go to."""
+    """A posted receive: its operations, one buffer per tensor (each peer fills its slice), what they hold, and
+    the rows they go to."""
 
     def __init__(self, ops: list, pieces: list, specs: Sequence[tuple[torch.dtype, tuple]], ranges: list):
         self.ops, self.pieces, self.specs, self.ranges = ops, pieces, specs, ranges
@@ -186,38 +187,42 @@ class Transport:
 
     def _post_recvs(self, kind: str, mb: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
                     route: "_Route") -> None:
-        """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers."""
+        """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers, each peer's
+        rows straight into its slice of one buffer per tensor (no concatenation afterwards)."""
         base = self.grid.sample_start
         ranges = [(t.start - base, t.stop - base) for t in transfers]
-        ops, pieces = [], []
+        ops, buffers = [], []
         pin = route.device.type == "cpu" and self.device.type != "cpu"  # the host bridge: pinned, copied async
         for dtype, shape in specs:
             wdt = wire_dtype_for(dtype, route.wire) if dtype in WIRE_DTYPES else None
             bdt, row_shape = wire_layout(dtype, shape, wdt)
+            whole = torch.empty((sum(b - a for a, b in ranges), *row_shape), dtype=bdt, device=route.device,
+                                pin_memory=pin)
+            off = 0
             for (a, b), t in zip(ranges, transfers):
-                buf = torch.empty((b - a, *row_shape), dtype=bdt, device=route.device, pin_memory=pin)
-                ops.append(self.ops.issue(route.group, lambda buf=buf, t=t: dist.irecv(buf, t.peer, group=route.group)))
-                pieces.append(buf)
-        self._recvs[(kind, mb)] = _Posted(ops, pieces, specs, ranges)
+                piece = whole[off:off + b - a]
+                ops.append(self.ops.issue(route.group, lambda piece=piece, t=t: dist.irecv(piece, t.peer,
+                                                                                            group=route.group)))
+                off += b - a
+            buffers.append(whole)
+        self._recvs[(kind, mb)] = _Posted(ops, buffers, specs, ranges)
 
     def _take_own(self, kind: str, mb: int) -> list[torch.Tensor]:
-        """Wait for a posted receive; unpack and up-cast its pieces into this replica's full tensors."""
+        """Wait for a posted receive; unpack and up-cast its buffers into this replica's full tensors."""
         posted = self._recvs.pop((kind, mb))
         t0 = time.perf_counter()
         for op in posted.ops:
             self.ops.wait(op)
         self.waited_s += time.perf_counter() - t0
-        out, k, ranges = [], 0, posted.ranges
-        for dtype, shape in posted.specs:
-            mine = posted.pieces[k:k + len(ranges)]
-            k += len(ranges)
-            buf = (torch.cat(mine) if len(mine) > 1 else mine[0]).to(self.device, non_blocking=True)
+        out = []
+        for (dtype, shape), whole in zip(posted.specs, posted.pieces):
+            buf = whole.to(self.device, non_blocking=True)
             full = torch.empty((self.rows, *shape), dtype=dtype, device=self.device)
             if dtype in WIRE_DTYPES:
-                unpack(buf, full, ranges)
+                unpack(buf, full, posted.ranges)
             else:
                 off = 0
-                for a, b in ranges:
+                for a, b in posted.ranges:
                     full[a:b].copy_(buf[off:off + b - a])
                     off += b - a
             out.append(full)
