@@ -43,6 +43,9 @@ WEIGHT_GRAD_BYTES = {"fp8": 4.0, "bf16": 4.0, "fp16": 4.0, "tf32": 8.0, "fp32": 
 # vector, ~1 byte for hidden sizes in the thousands)
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> pinned host buffer)
+# The data-parallel gradient all-reduce runs in buckets of this many MiB (the runtime's default, ds_config
+# "hetero": {"bucket_mb": ...}), each started as the backward finishes its gradients (DDP's 25 MiB).
+DEFAULT_BUCKET_MB = 25.0
 OPTIMIZER_PASSES = 2.0  # optimizer step reads and writes its 16 B/param state once each (memory-bound)
 
 

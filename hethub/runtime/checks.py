@@ -14,7 +14,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..emulated.slowdown import MAX_SLOWDOWN
-from ..partitioner.costmodel import CostModel
+from ..partitioner.costmodel import DEFAULT_BUCKET_MB, CostModel
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, Record, load_plan, parse_record, read_data_file
 from ..partitioner.schedule import read_schedule_file
@@ -35,6 +35,7 @@ def load_config(config: Union[dict, str, None]) -> dict:
 
 
 MAX_TIMEOUT_S = 7 * 86400  # a week: past it a timeout is a typo
+MIN_BUCKET_MB, MAX_BUCKET_MB = 1e-3, 65536.0  # 1 KiB (tests, tiny models) .. 64 GiB (one bucket for anything)
 
 
 class HeteroSection(Record):
@@ -48,6 +49,8 @@ class HeteroSection(Record):
     resume: Optional[str] = None  # load the newest complete checkpoint in this directory at initialize
     emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulated.slowdown)
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
+    # the data-parallel gradient all-reduce's bucket size (hethub.runtime.buckets; the cost model's default)
+    bucket_mb: float = Field(DEFAULT_BUCKET_MB, ge=MIN_BUCKET_MB, le=MAX_BUCKET_MB)
 
     @field_validator("emulate_slowdown")
     @classmethod

@@ -30,7 +30,7 @@ from . import checkpoint, ds_seams
 from .control import Control
 from .errors import Guard
 from .executor import Executor
-from .gradients import Gradients
+from .gradients import BUCKET_BYTES, Gradients
 from .grid import HeteroGrid
 from .module import HeteroPipelineModule
 from .tp import local
@@ -46,7 +46,7 @@ class HeteroPipelineEngine(PipelineEngine):
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
                  control: Control, autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0,
-                 ties: Sequence = (), zero1: Optional[Callable] = None):
+                 ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class,
@@ -61,7 +61,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
         self.zero1 = zero1(self.optimizer) if zero1 is not None else None
         self.transport = Transport(grid, self.device, self.guard)
-        self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1)
+        self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1, bucket_bytes)
         self.executor = Executor(grid, module, self.transport, self.gradients, self.guard, device=self.device,
                                  micro_batch_size=plan.micro_batch_size, next_batch=self._next_batch,
                                  step=self._exec_optimizer_step, autocast_dtype=autocast_dtype,

@@ -74,15 +74,28 @@ class Executor:
         self._weights = [p for p in self.module.parameters() if p.requires_grad] if self._split_mbs else []
         if self._split_mbs and self._linears is None:
             self._linears = split_backward.LinearCalls(self.module)
-        for a in actions:
+        last_grad = self._last_gradient_action(actions)
+        if last_grad is not None:
+            self.gradients.start_iteration()
+        for i, a in enumerate(actions):
             self.guard.watch([t.peer for t in a.transfers], str(a))
             t0, self.transport.waited_s = time.perf_counter(), 0.0
+            self.gradients.arm(i == last_grad)  # the all-reduce's buckets start as this action completes them
             self._handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
+            self.gradients.arm(False)
             self.transport.release_sends()
             self.executed.append(str(a))
             self.executed_s.append((t0, time.perf_counter(), self.transport.waited_s))
         self.guard.watch((), "the iteration's last sends")
         self.transport.wait_sends()
+
+    def _last_gradient_action(self, actions: Sequence[Action]) -> Optional[int]:
+        """Index of the iteration's last action that accumulates weight gradients (a B whose weight pass is not
+        split off, or a W), where the iteration all-reduces them; else None."""
+        if not any(a.kind == "AR" for a in actions):
+            return None
+        grads = [i for i, a in enumerate(actions) if a.kind == "W" or (a.kind == "B" and a.mb not in self._split_mbs)]
+        return grads[-1] if grads else None
 
     # ------------------------------------------------------------------ data
     def _load(self, a: Action) -> None:
@@ -164,7 +177,7 @@ class Executor:
 
     def _weight(self, a: Action) -> None:
         t0 = time.perf_counter()
-        split_backward.backward_weight(self._weights, self._wgrad.pop(a.mb))
+        split_backward.backward_weight(self._weights, self._wgrad.pop(a.mb), on_ready=self.gradients.ready)
         if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
             idle_to(self.emulate_slowdown, self._emulated_w_ref, "w", time.perf_counter() - t0)
 

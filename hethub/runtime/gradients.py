@@ -12,35 +12,57 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..partitioner.costmodel import DEFAULT_BUCKET_MB
+from .buckets import maybe_buckets
 from .control import Control
 from .errors import Guard
 from .tp import is_sharded, local
 
 
+BUCKET_BYTES = DEFAULT_BUCKET_MB * 2**20
+
+
 class Gradients:
     """One rank's share of the step's collectives. ``zero1`` is this replica's ``hethub.runtime.zero.Zero1`` (or None)."""
 
-    def __init__(self, grid, module, device: torch.device, guard: Guard, control: Control, zero1=None):
+    def __init__(self, grid, module, device: torch.device, guard: Guard, control: Control, zero1=None,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.grid, self.module, self.device, self.guard, self.zero1 = grid, module, device, guard, zero1
         self.control = control
         layers = dict(module.indexed_layers())
         self.tied = [(tie, group, _tied_parameter(tie, layers)) for tie, group in grid.tie_groups]
         self.global_norm: Optional[float] = None  # of the last clip
+        group = grid.get_data_parallel_group() if grid.data_parallel_size > 1 else None
+        self.buckets = maybe_buckets(module.parameters(), bucket_bytes, group,
+                                     group is not None and grid.on_host(group) and device.type != "cpu",
+                                     grid.data_parallel_size, self._guarded_stage_call)
+
+    def _guarded_stage_call(self, fn: Callable, what: str):
+        self.guard.peers = tuple(self.grid.dp_ranks)
+        return self.guard(fn, what)
+
+    def start_iteration(self) -> None:
+        """Before a training iteration's first backward (``hethub.runtime.buckets``)."""
+        if self.buckets is not None:
+            self.buckets.prepare()
+
+    def arm(self, on: bool) -> None:
+        """The iteration's last gradient-producing action starts (True) or ended (False): buckets start as
+        their gradients complete."""
+        if self.buckets is not None:
+            self.buckets.arm(on)
+
+    def ready(self, params) -> None:
+        """zb-h1's weight pass just accumulated ``params``' gradients (autograd's own accumulation hooks itself)."""
+        if self.buckets is not None:
+            self.buckets.ready(params)
 
     def reduce(self) -> None:
-        """SUM within the stage's replicas, then across the stages holding a tied weight; ZeRO-1 takes its shard."""
-        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]  # tensor-parallel: own shard
-        if grads and self.grid.data_parallel_size > 1:
-            flat = _flatten_dense_tensors(grads)
-
-            def all_reduce(t, group):
-                dist.all_reduce(t, group=group)
-                return t
-            flat = self._stage_collective(all_reduce, flat, "AR")
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+        """SUM within the stage's replicas (what the buckets did not finish during the backward), then across the
+        stages holding a tied weight; ZeRO-1 takes its shard."""
+        if self.buckets is not None:
+            self.buckets.finish()
         self._reduce_tied()
         if self.zero1 is not None:
             self.zero1.load_grads()

@@ -26,9 +26,10 @@ have exactly one consumer per recorded call.
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -239,7 +240,13 @@ def _grad(hooks: list, outputs, inputs, grads, **kw):
 
 
 def _accumulate(tensors: Sequence[torch.Tensor], grads) -> None:
-    """Add each gradient to its tensor's ``.grad``, as autograd's accumulation would."""
+    """Add each gradient to its tensor's ``.grad``, as autograd's accumulation would (recording nothing: a
+    ``.grad`` may be a view of the all-reduce's bucket, ``hethub.runtime.buckets``)."""
+    with torch.no_grad():
+        _accumulate_into(tensors, grads)
+
+
+def _accumulate_into(tensors: Sequence[torch.Tensor], grads) -> None:
     for t, g in zip(tensors, grads):
         if g is not None:
             if t.grad is None:
@@ -248,16 +255,52 @@ def _accumulate(tensors: Sequence[torch.Tensor], grads) -> None:
                 t.grad.add_(g)
 
 
-def backward_weight(weights: Sequence[torch.Tensor], pending: Pending) -> None:
-    """Add the weight gradients of the micro-batch ``pending`` came from to each weight's ``.grad``."""
+class _Uses:
+    """How many accumulations into each weight a weight pass still has to do: ``on_ready`` hears of a weight as
+    soon as its last one is done (the gradient all-reduce's buckets start from it), and of the rest at the end."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], pending: Pending,
+                 on_ready: Optional[Callable[[list], None]]):
+        self.on_ready, self.left, self.by_id = on_ready, Counter(), {}
+        for c in pending.calls:
+            for t in (c.module.weight, c.module.bias):
+                if t is not None and t.requires_grad:
+                    self.left[id(t)] += 1
+                    self.by_id[id(t)] = t
+        for g in pending.groups:
+            for i in g.weights:
+                self.left[id(weights[i])] += 1
+                self.by_id[id(weights[i])] = weights[i]
+
+    def add(self, tensors: Sequence[torch.Tensor], grads) -> None:
+        _accumulate(tensors, grads)
+        done = []
+        for t in tensors:
+            self.left[id(t)] -= 1
+            if self.left[id(t)] == 0:
+                done.append(t)
+        if done and self.on_ready is not None:
+            self.on_ready(done)
+
+    def flush(self) -> None:
+        rest = [self.by_id[k] for k, n in self.left.items() if n > 0]
+        if rest and self.on_ready is not None:
+            self.on_ready(rest)
+
+
+def backward_weight(weights: Sequence[torch.Tensor], pending: Pending,
+                    on_ready: Optional[Callable[[list], None]] = None) -> None:
+    """Add the weight gradients of the micro-batch ``pending`` came from to each weight's ``.grad``; ``on_ready``
+    is told of each weight whose gradient this pass has finished."""
+    uses = _Uses(weights, pending, on_ready)
     for c in pending.calls:  # dW = dY^T X, db = sum(dY), in the dtype the forward ran in (autocast's)
         dy = c.dy.reshape(-1, c.dy.shape[-1])
         x = c.x.reshape(-1, c.x.shape[-1]).to(dy.dtype)
         w, b = c.module.weight, c.module.bias
         if w.requires_grad:
-            _accumulate([w], [dy.t().mm(x).to(w.dtype)])
+            uses.add([w], [dy.t().mm(x).to(w.dtype)])
         if b is not None and b.requires_grad:
-            _accumulate([b], [dy.sum(0).to(b.dtype)])
+            uses.add([b], [dy.sum(0).to(b.dtype)])
     for g in pending.groups:
         edges, grads = [], []
         for n in g.frontier:
@@ -272,4 +315,5 @@ def backward_weight(weights: Sequence[torch.Tensor], pending: Pending) -> None:
         clamps = [n.register_prehook(lambda _grads, saved=g.grads[n]: saved) for n in g.frontier
                   if n in g.grads] if len(g.frontier) > 1 else []
         ws = [weights[i] for i in g.weights]
-        _accumulate(ws, _grad(clamps, edges, [GradientEdge(_accumulator(w), 0) for w in ws], grads))
+        uses.add(ws, _grad(clamps, edges, [GradientEdge(_accumulator(w), 0) for w in ws], grads))
+    uses.flush()

@@ -246,7 +246,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
         control=control, autocast_dtype=torch.bfloat16 if bf16 else None, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
-        zero1=_zero1_factory(run, grid, params, zero1))
+        zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20))
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume
     if resume:
         engine.load_checkpoint(resume)

@@ -80,9 +80,13 @@ def main():
             config["bf16"] = {"enabled": True}
         if "zero1" in sys.argv[5:]:  # optimizer state sharded over each stage's replicas (hethub.zero)
             config["zero_optimization"] = {"stage": 1}
+        # buckets of 1 KiB: a stage's all-reduce runs as several, started during the last backward
+        config["hetero"] = {"bucket_mb": 0.001}
         for arg in sys.argv[5:]:
             if arg.startswith("schedule="):  # a hand-edited schedule file
-                config["hetero"] = {"schedule": arg.split("=", 1)[1]}
+                config["hetero"]["schedule"] = arg.split("=", 1)[1]
+            if arg.startswith("bucket_mb="):
+                config["hetero"]["bucket_mb"] = float(arg.split("=", 1)[1])
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         # runs of the stage's first layer while training (twice per micro-batch under recompute), counted in its
