@@ -42,6 +42,10 @@ WEIGHT_GRAD_BYTES = {"fp8": 4.0, "bf16": 4.0, "fp16": 4.0, "tf32": 8.0, "fp32": 
 # bytes per element on the wire of a boundary that casts to this dtype (fp8: codes + one fp32 scale per hidden
 # vector, ~1 byte for hidden sizes in the thousands)
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+# bytes per gradient element the data-parallel all-reduce moves, by training dtype: hethub's runtime keeps
+# parameters (so gradients) in fp32 under a 16-bit autocast, fp64 in an fp64 run (pricing them at 2 bytes under
+# bf16 predicted half the all-reduce the runtime runs)
+GRAD_BYTES = {"fp8": 4.0, "bf16": 4.0, "fp16": 4.0, "tf32": 4.0, "fp32": 4.0, "fp64": 8.0}
 PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> pinned host buffer)
 # The data-parallel gradient all-reduce runs in buckets of this many MiB (the runtime's default, ds_config
 # "hetero": {"bucket_mb": ...}), each started as the backward finishes its gradients (DDP's 25 MiB).
@@ -200,6 +204,23 @@ def ring_allreduce(nbytes, ranks: int):
     return 2 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1)
 
 
+def allreduce_end_s(allreduce_s, buckets, ends_s, hides_s):
+    """When a bucketed all-reduce of ``allreduce_s`` seconds in ``buckets`` equal buckets ends, given each
+    replica's last gradient pass (it ends at ``ends_s[q]`` after ``hides_s[q]`` seconds and fills the
+    buckets at an even rate, last layers first).
+
+    Why this form: bucket k is ready once every replica has filled it, at max_q(end_q - hide_q (1 - (k+1)/n)),
+    and the buckets run one after another, a/n each, so the last ends at max_k(ready_k + (n - k) a/n); that
+    is the largest of a convex function of k, so one of its ends: the first bucket (ready after 1/n of the
+    slowest-starting pass) plus the whole all-reduce, or the last pass's end plus one bucket. For one replica
+    the exposed part is max(a/n, a - hide (n-1)/n): a two-stage pipeline of n pieces. The backward's own
+    speed is taken as unchanged by the concurrent reduction (on a GPU NCCL uses its own SMs and stream)."""
+    a, n = np.asarray(allreduce_s, dtype=float), np.asarray(buckets, dtype=float)
+    ends, hides = np.asarray(ends_s, dtype=float), np.asarray(hides_s, dtype=float)  # last axis: replicas
+    first_ready = np.max(ends - hides * (1.0 - 1.0 / n)[..., None], axis=-1)
+    return np.maximum(np.max(ends, axis=-1) + a / n, first_ready + a)
+
+
 @dataclass
 class CostModel:
     """Times and memory for every (layer range, device type, samples) the planner asks about."""
@@ -211,10 +232,12 @@ class CostModel:
     memory_reserve_gib: float = 2.0  # kept free on every device (CUDA context, fragmentation)
     zero1: bool = False
     profiles: Sequence[Profile] = ()
+    bucket_mb: float = DEFAULT_BUCKET_MB  # the runtime's gradient bucket (ds_config "hetero": {"bucket_mb"})
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.element_bytes = ELEMENT_BYTES.get(self.dtype, 2.0)
+        self.grad_bytes = GRAD_BYTES.get(self.dtype, 4.0)
         self.layers = layer_costs(self.model, self.flash_attention, self.element_bytes)
         self._params_cum = np.concatenate([[0.0], np.cumsum(self.layers.params)])
         self._split_cum = np.concatenate([[0.0], np.cumsum(self.layers.params_split)])
@@ -352,6 +375,14 @@ class CostModel:
         _, _, fwd, bwd = self.layer_times(t, tp)
         per_layer = fwd + bwd + (fwd if recompute else 0.0)
         return np.concatenate([[0.0], np.cumsum(per_layer)])
+
+    def backward_prefix(self, t: str, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Cumulative (per-sample, per-call) backward [+ recompute forward] seconds (layout of ``prefix``): the pass
+        the bucketed gradient all-reduce overlaps."""
+        fwd_s, bwd_s, fwd_c, bwd_c = self.layer_times(t, tp)
+        rc = 1.0 if recompute else 0.0
+        return (np.concatenate([[0.0], np.cumsum(bwd_s + rc * fwd_s)]),
+                np.concatenate([[0.0], np.cumsum(bwd_c + rc * fwd_c)]))
 
     def stage_compute_s(self, t: str, first: int, last: int, samples: float, recompute: bool = False, tp: int = 1
                         ) -> tuple[float, float]:
@@ -503,45 +534,71 @@ class CostModel:
             t += 2 * nbytes / (PCIE_GBPS * 1e9)
         return t
 
-    def stage_sync_s(self, plan: Plan, s: int) -> float:
-        """Stage s of a placed plan after its last backward: its gradient all-reduce (and ZeRO-1 all-gather),
-        and the all-reduce of a tied weight it shares with another stage (over both stages' replicas)."""
+    def stage_sync_parts(self, plan: Plan, s: int) -> tuple[float, int, float]:
+        """Stage s of a placed plan at the end of its backward: (its bucketed gradient all-reduce, the number of
+        buckets, what runs after it: the ZeRO-1 all-gather and the all-reduce of a tied weight it shares with
+        another stage, over both stages' replicas). ``allreduce_end_s`` overlaps the first with the backward."""
         st = plan.stages[s]
         first, last = st.layers
         one_node = len({r.host for r in st.replicas}) == 1
-        out = self.sync_s(self.range_params(first, last, st.tensor_parallel), st.types, st.width, one_node,
-                          plan.shards_optimizer(st))
+        params = self.range_params(first, last, st.tensor_parallel)
+        ar = self._sync_s(params, st.types, st.width, one_node, False) if st.width > 1 else 0.0
+        rest = self.sync_s(params, st.types, st.width, one_node, plan.shards_optimizer(st)) - ar
         tied = self.tied_params(first, last)
         if tied:
             ends = [plan.stages[0], plan.stages[-1]]
-            out += self.tie_sync_s(tied, sorted({t for e in ends for t in e.types}), sum(e.width for e in ends))
-        return float(out)
+            rest += self.tie_sync_s(tied, sorted({t for e in ends for t in e.types}), sum(e.width for e in ends))
+        return float(ar), int(self.num_buckets(params)) if st.width > 1 else 1, float(rest)
+
+    def stage_sync_s(self, plan: Plan, s: int, hide_s: float = 0.0) -> float:
+        """Seconds stage s adds after a last gradient pass of ``hide_s`` seconds (``stage_sync_parts``)."""
+        ar, n, rest = self.stage_sync_parts(plan, s)
+        return float(allreduce_end_s(ar, n, [0.0], [hide_s])) + rest
+
+    def num_buckets(self, params):
+        """Buckets of ``bucket_mb`` MiB the runtime cuts ``params`` gradients into (at least one)."""
+        nbytes = np.asarray(params, dtype=float) * self.grad_bytes
+        return np.maximum(1.0, np.ceil(nbytes / (self.bucket_mb * 2 ** 20)))
 
     def tie_sync_s(self, tied_params, types: Sequence[str], ranks: int):
         """All-reduce of a tied weight's gradient over the ``ranks`` replicas of the two stages holding it
-        (gradients of ``element_bytes``, ring, inter-node link of the slowest type). ``tied_params`` may be an array."""
+        (gradients of ``grad_bytes``, ring, inter-node link of the slowest type). ``tied_params`` may be an array."""
         if ranks <= 1:
             return np.zeros_like(np.asarray(tied_params, dtype=float)) if np.ndim(tied_params) else 0.0
-        nbytes = np.asarray(tied_params, dtype=float) * self.element_bytes
+        nbytes = np.asarray(tied_params, dtype=float) * self.grad_bytes
         volume, hops = ring_allreduce(nbytes, ranks)
         out = np.max([hops * lat + volume * 8 / (gbps * 1e9) for gbps, lat in (self._link_gbps(t, t, False)
                                                                             for t in types)], axis=0)
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(tied_params) else float(out)
 
-    def sync_s(self, params, types: Sequence[str], width: int, one_node: bool, zero1: Optional[bool] = None):
-        """A stage's synchronisation after its last backward: the gradient all-reduce (``element_bytes`` each), and
-        with ZeRO-1 the all-gather of the updated parameters (one more (w-1)/w of them, w-1 more hops).
+    def sync_s(self, params, types: Sequence[str], width: int, one_node: bool, zero1: Optional[bool] = None,
+               hide_s=0.0):
+        """A stage's synchronisation after its last backward: the gradient all-reduce (``grad_bytes`` each, in
+        ``num_buckets`` buckets, each paying the ring's latency), less what a last gradient pass of ``hide_s``
+        seconds hides of it (``allreduce_end_s``), and with ZeRO-1 the all-gather of the updated parameters (one
+        more (w-1)/w of them, w-1 more hops, after the step: never hidden).
 
         Replicas of one vendor use the slowest of their types' links. A stage whose replicas span vendors
         goes through the host bridge (as hethub's runtime runs it): every buffer is copied device->host and
-        back over PCIe, and the ring runs on the cross-vendor link. ``params`` may be an array.
+        back over PCIe, and the ring runs on the cross-vendor link. ``params`` and ``hide_s`` may be arrays.
         """
         if width <= 1:
             return np.zeros_like(np.asarray(params, dtype=float)) if np.ndim(params) else 0.0
-        nbytes = np.asarray(params, dtype=float) * self.element_bytes
+        full = self._sync_s(params, types, width, one_node, self.sharded(zero1))
+        if not np.any(np.asarray(hide_s) > 0):
+            return full
+        ar = self._sync_s(params, types, width, one_node, False)
+        hides = np.asarray(hide_s, dtype=float)[..., None]
+        out = full - ar + allreduce_end_s(ar, self.num_buckets(params), np.zeros_like(hides), hides)
+        return out if np.ndim(out) else float(out)
+
+    def _sync_s(self, params, types: Sequence[str], width: int, one_node: bool, gather: bool):
+        """``sync_s`` with nothing hidden; ``gather``: with the ZeRO-1 all-gather."""
+        nbytes = np.asarray(params, dtype=float) * self.grad_bytes
         (volume, hops), copies = ring_allreduce(nbytes, width), 2 * nbytes
-        if self.sharded(zero1):
+        hops = hops * self.num_buckets(params)
+        if gather:
             volume, hops, copies = volume + (width - 1) / width * nbytes, hops + width - 1, copies + 2 * nbytes
         vendors = {self.cluster.device_type(t).vendor for t in types}
         if len(vendors) > 1:

@@ -10,6 +10,9 @@ a stage's all-reduce is intra-node only when all its replicas share a host.
     closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s)
                     + max_s allreduce_s + max_s optimizer_s                                  (1f1b)
 
+where allreduce_s is what the stage's last backward leaves of its bucketed all-reduce
+(``CostModel.allreduce_end_s``).
+
 Under zb-h1 a stage s > 0 sends its input gradient before computing its weights' (wgrad_s), so the
 drain's path skips them; each such stage still runs its last W (the last stage its last two: tail_s)
 before its all-reduce, while the drain goes on below it (drain_s: the input-gradient backwards and
@@ -94,13 +97,17 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
                 if not same:
                     per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
-        ar = cm.stage_sync_s(plan, s)
         z = plan.shards_optimizer(st)
         opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
         mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
                                     st.width, tp, z)
         split = plan.schedule == "zb-h1" and s > 0
         wgrad = max(cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas)
+        # what the last gradient pass hides of the buckets: the shortest replica's pass (it may end as late)
+        hide = min((cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) if split else
+                    cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute, tp)[1])
+                   for r in st.replicas)
+        ar = cm.stage_sync_s(plan, s, hide_s=hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail))
     return out

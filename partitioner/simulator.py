@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .costmodel import CostModel
+from .costmodel import CostModel, allreduce_end_s
 from .errors import InputError
 from .ordering import check_order
 from .outputs import write_atomic
@@ -196,6 +196,9 @@ class _Replay:
         self.nic_out: dict[str, list[tuple[float, float]]] = {}  # host -> sorted busy intervals
         self.nic_in: dict[str, list[tuple[float, float]]] = {}
         self.ar_waiting: dict[int, float] = {}  # rank -> time it reached its AR
+        self.last_grad: dict[int, tuple[float, float]] = {}  # rank -> (end, seconds) of its last gradient pass
+        # micro-batches whose weight gradients run as their own W: their B accumulates none
+        self.split_mbs = {r: {a.mb for a in acts if a.kind == "W"} for r, acts in sched.items()}
         self.events: list[Event] = []
         self.durations: dict[int, dict[str, float]] = {}
         self.transfer_cache: dict[tuple, tuple[float, bool]] = {}
@@ -281,8 +284,15 @@ class _Replay:
         group = [rep.rank for rep in st.replicas]
         if not all(q in self.ar_waiting for q in group):
             return False
-        start = max(self.ar_waiting.pop(q) for q in group)
-        end = start + self.cm.stage_sync_s(self.plan, st.index)
+        arrived = [self.ar_waiting.pop(q) for q in group]
+        # the buckets' all-reduce runs during each replica's last gradient pass (``CostModel.allreduce_end_s``)
+        ar, buckets, rest = self.cm.stage_sync_parts(self.plan, st.index)
+        passes = [self.last_grad.get(q, (self.clock[q], 0.0)) for q in group]
+        start = max(arrived)
+        end = max(start, float(allreduce_end_s(ar, buckets, [e for e, _ in passes], [h for _, h in passes]))
+                  ) + rest
+        if ar > 0:  # the part of it the backward did not hide
+            start = max(start, end - rest - ar)
         for q in group:
             self.events.append(Event(q, "AR", "allreduce", None, start, end))
             self.clock[q] = end
@@ -307,6 +317,8 @@ class _Replay:
             self.events.append(Event(r, str(a), a.kind, a.mb, begin, begin + d))
             if a.kind == "W":
                 self.compute[r] += d
+            if a.kind == "W" or (a.kind == "B" and a.mb not in self.split_mbs[r]):
+                self.last_grad[r] = (begin + d, d)
             if a.kind in ("F", "B"):
                 self.compute[r] += d
                 comm = self.durations[r]["TP" + a.kind]

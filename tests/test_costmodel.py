@@ -1,9 +1,12 @@
 """Tier 1: the analytic cost model; tier 2 (torch, seconds): the profiler and its merge."""
+import math
+import random
+
 import numpy as np
 import pytest
 
 from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model
-from hethub.partitioner.costmodel import (CostModel, block_activation_bytes, block_forward_flops,
+from hethub.partitioner.costmodel import (CostModel, allreduce_end_s, block_activation_bytes, block_forward_flops,
                                           calibrate_efficiency, layer_costs)
 from instances import MIXED
 
@@ -75,19 +78,21 @@ def test_links():
     inter = cm.p2p_s(nb, "A100-80GB", "V100-32GB", same_host=False)
     cross = cm.p2p_s(nb, "A100-80GB", "MI250X", same_host=False)
     assert intra < inter < cross  # cross-vendor adds two host copies
-    p = nb / 2  # parameters whose 16-bit gradients are nb bytes
+    p = nb / 4  # parameters whose fp32 gradients (bf16 autocasts over fp32 weights) are nb bytes
     assert cm.sync_s(p, ["A100-80GB"], 1, True) == 0
     assert cm.sync_s(p, ["A100-80GB"], 4, True) < cm.sync_s(p, ["A100-80GB"], 4, False)
-    # ring all-reduce over one node: 2 (w-1)/w of the buffer and 2 (w-1) hops on the NVLink-class link
+    # ring all-reduce over one node: 2 (w-1)/w of the buffer and 2 (w-1) hops per 25 MiB bucket (three) on the
+    # NVLink-class link
     gbps, lat = cm._link_gbps("A100-80GB", "A100-80GB", True)
-    assert cm.sync_s(p, ["A100-80GB"], 4, True) == pytest.approx(6 * lat + 1.5 * nb * 8 / (gbps * 1e9))
+    assert cm.num_buckets(p) == 3
+    assert cm.sync_s(p, ["A100-80GB"], 4, True) == pytest.approx(3 * 6 * lat + 1.5 * nb * 8 / (gbps * 1e9))
     # a same-vendor mixed stage runs at its slowest type's link; one spanning vendors through the host bridge
     same = cm.sync_s(p, ["A100-80GB", "V100-32GB"], 4, False)
     assert same == max(cm.sync_s(p, [t], 4, False) for t in ("A100-80GB", "V100-32GB"))
     assert cm.sync_s(p, ["A100-80GB", "MI250X"], 4, False) > same
     # ZeRO-1 adds the all-gather of the updated parameters: half an all-reduce more volume
     z = CostModel(MIXED, builtin_model("gpt-1.3b"), zero1=True)
-    assert z.sync_s(p, ["A100-80GB"], 4, True) == pytest.approx(9 * lat + 2.25 * nb * 8 / (gbps * 1e9))
+    assert z.sync_s(p, ["A100-80GB"], 4, True) == pytest.approx((3 * 6 + 3) * lat + 2.25 * nb * 8 / (gbps * 1e9))
     # arrays in, arrays out (the planner prices every layer range at once), the same numbers
     many = z.sync_s(np.array([p, 2 * p]), ["A100-80GB"], 4, True)
     assert many[0] == pytest.approx(z.sync_s(p, ["A100-80GB"], 4, True))
@@ -214,3 +219,44 @@ def test_a_stage_marked_zero1_is_priced_as_sharded_and_the_others_are_not():
     assert got[1].optimizer_s < none[1].optimizer_s
     fwd, bwd = plain.stage_compute_s("A100-80GB", 10, 26, 2)
     assert 0.3 * bwd < plain.stage_weight_grad_s("A100-80GB", 10, 26, 2) < 0.6 * bwd
+
+
+def _bucket_pipeline_end(a, n, ends, hides):
+    """Brute force of the bucketed all-reduce: bucket k is ready once every replica's last gradient pass has
+    filled it (evenly, in order); buckets run one after another, a/n each."""
+    t = -math.inf
+    for k in range(n):
+        ready = max(e - h + h * (k + 1) / n for e, h in zip(ends, hides))
+        t = max(t, ready) + a / n
+    return t
+
+
+def test_bucketed_allreduce_ends_as_a_brute_force_of_its_buckets_does():
+    assert allreduce_end_s(4.0, 4, [0.0], [0.0]) == pytest.approx(4.0)  # nothing to hide behind
+    assert allreduce_end_s(4.0, 4, [0.0], [8.0]) == pytest.approx(1.0)  # all but the last bucket hidden
+    assert allreduce_end_s(4.0, 4, [0.0], [2.0]) == pytest.approx(2.5)
+    assert allreduce_end_s(4.0, 1, [0.0], [8.0]) == pytest.approx(4.0)  # one bucket: after the backward
+    rng = random.Random(7)
+    for _ in range(300):
+        q, n, a = rng.randint(1, 4), rng.randint(1, 12), rng.uniform(0.1, 5)
+        ends = [rng.uniform(0, 3) for _ in range(q)]
+        hides = [rng.uniform(0, 6) for _ in range(q)]
+        assert float(allreduce_end_s(a, n, ends, hides)) == pytest.approx(_bucket_pipeline_end(a, n, ends, hides))
+
+
+def test_sync_prices_fp32_gradients_in_buckets_and_hides_them_behind_the_backward():
+    cm = CostModel(MIXED, builtin_model("gpt-1.3b"))
+    p = 100 * 2 ** 20 / 4  # 100 MiB of fp32 gradients: four 25 MiB buckets
+    assert cm.num_buckets(p) == 4
+    full = cm.sync_s(p, ["A100-80GB"], 4, False)
+    assert cm.sync_s(p, ["A100-80GB"], 4, False, hide_s=10 * full) == pytest.approx(full / 4)
+    assert cm.sync_s(p, ["A100-80GB"], 4, False, hide_s=full / 2) == pytest.approx(full - full / 2 * 3 / 4)
+    big = CostModel(MIXED, builtin_model("gpt-1.3b"), bucket_mb=1000.0)
+    one_bucket = big.sync_s(p, ["A100-80GB"], 4, False)
+    assert one_bucket < full  # three fewer ring latencies
+    assert big.sync_s(p, ["A100-80GB"], 4, False, hide_s=10 * full) == pytest.approx(one_bucket)
+    # ZeRO-1's all-gather comes after the step: never hidden
+    z = CostModel(MIXED, builtin_model("gpt-1.3b"), zero1=True)
+    gather = z.sync_s(p, ["A100-80GB"], 4, False) - full
+    assert gather > 0
+    assert z.sync_s(p, ["A100-80GB"], 4, False, hide_s=10 * full) == pytest.approx(gather + full / 4)

@@ -62,7 +62,10 @@ def test_dollars_per_million_tokens_and_the_cost_objective():
 
 
 def test_explain_names_the_constraint_and_what_brings_idle_devices_in():
-    cl = Cluster.model_validate(PRICED)
+    # 32 A100s for a global batch of 2 (with 4 A100s one stage of two tensor-parallel replicas is best: the
+    # V100s are then idle for the bound, not the batch)
+    cl = Cluster.model_validate({**PRICED, "nodes": [{"host": f"a{i}", "device_type": "A100-80GB", "count": 4}
+                                                     for i in range(8)] + PRICED["nodes"][1:]})
     cm = CostModel(cl, builtin_model("gpt-1.3b"))
     plan = make_plan(cl, cm.model, 2, opts=OPTS, cost_model=cm, with_homogeneous_sum=False)
     lines = explain(plan, cm, OPTS, solve)

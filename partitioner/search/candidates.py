@@ -158,6 +158,8 @@ class _Part:
     fixed: np.ndarray  # seconds per call
     wgrad_per_sample: np.ndarray  # ... of which weight gradients (``CostModel.wgrad_prefix``)
     wgrad_fixed: np.ndarray
+    bwd_per_sample: np.ndarray  # ... of which the backward pass (``CostModel.backward_prefix``)
+    bwd_fixed: np.ndarray
     params: np.ndarray  # per rank of a tp group
     act: np.ndarray  # activation bytes kept per in-flight sample
     act_max: np.ndarray  # largest layer's full activations per sample (recompute replays one at a time)
@@ -170,6 +172,9 @@ class _Part:
 
     def wgrad_s(self, s: int) -> np.ndarray:
         return self.wgrad_fixed + self.wgrad_per_sample * s
+
+    def backward_s(self, s: int) -> np.ndarray:
+        return self.bwd_fixed + self.bwd_per_sample * s
 
     def comm_s(self, w: int, s: int, cross: bool, other_host: bool = False) -> np.ndarray:
         """Output boundary per micro-batch: this part's share crosses to the next stage and the gradient comes
@@ -222,11 +227,14 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
     params = cm.range_params(a, e, tp)
     per_node = max(n.count for n in cm.cluster.nodes if n.device_type == t) // tp
     w_sample, w_call = cm.wgrad_prefix(t, tp)
-    return [_Part(cm, t, tp, rc, cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a],
-                  cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], w_sample[e] - w_sample[a],
-                  w_call[e] - w_call[a], params, act[rc], act_max,
-                  lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node)
-            for rc in ((False, True) if allow_recompute else (False,))]
+    out = []
+    for rc in ((False, True) if allow_recompute else (False,)):
+        b_sample, b_call = cm.backward_prefix(t, rc, tp)
+        out.append(_Part(cm, t, tp, rc, cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a],
+                         cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], w_sample[e] - w_sample[a],
+                         w_call[e] - w_call[a], b_sample[e] - b_sample[a], b_call[e] - b_call[a], params, act[rc],
+                         act_max, lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node))
+    return out
 
 
 # Mixed-type stages: at most this many (primary width, secondary width, split) per pair of types, degree and
@@ -332,7 +340,7 @@ class _Builder:
         comp, comm, cross = pa.compute_s(sa), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
         away = pa.comm_s(wa, sa, False, other_host=True)
         k, wg = pa.in_flight(w, sa, M, z), pa.wgrad_s(sa)
-        tail = wg
+        tail, bwd = wg, pa.backward_s(sa)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
@@ -340,9 +348,12 @@ class _Builder:
             cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
+            bwd = np.minimum(bwd, pb.backward_s(sb))  # the all-reduce hides behind the shorter half's pass
         # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
-        ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z) + cm.tie_sync_s(self.tied, ts, 2 * w)
-              + self.tail_ws * tail)
+        # (what the last gradient pass leaves of the bucketed all-reduce: the last W under zb-h1, else the last B)
+        hide = np.where(self.split, wg, bwd)
+        ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z, hide)
+              + cm.tie_sync_s(self.tied, ts, 2 * w) + self.tail_ws * tail)
         opt = np.max([cm.optimizer_s_of(pa.params, t, w, z) for t in ts], axis=0)
         k = np.where(self.ends_pipeline & (k < self.last_need), 0, k)
         keep = (k >= 1) & (only if only is not None else True)

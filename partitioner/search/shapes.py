@@ -798,7 +798,7 @@ class ShapeSearch:
                     self._report(b)
         while self.best is not None and self.left() > 0.2:  # pass 2: the size with the lowest bound next
             todo = [j for j in self.jobs if math.isfinite(j.t_lb) and not self.settled(self.bounds[j.b])
-                    and (j.b not in self.slices or self.slices[j.b][1])]  # an open slice left to work on
+                    and (j.b not in self.slices or self._open(j.b))]
             if not todo:
                 break
             j = min(todo, key=lambda j: self.bounds[j.b])
@@ -815,6 +815,13 @@ class ShapeSearch:
         todo = [j for j in self.jobs if not self.settled(self.bounds[j.b])]
         for k, j in enumerate(todo):
             self.dual_bound(j.b, j.M, j.cand, j.t_lb, (end - self._time.perf_counter()) / (len(todo) - k))
+
+    def _open(self, b: int) -> bool:
+        """Whether size b has a slice left to work on: one not yet within the gap (the heap's least is first).
+        (Asking only for a non-empty heap spun pass 2 until the time limit when every slice left was settled and
+        a single-pace slice, which is never split, held the size's bound down.)"""
+        heap = self.slices[b][1]
+        return bool(heap) and not self.settled(heap[0][0])
 
     def _slices(self, b: int, M: int, c: Candidates, t_lb: float, seconds: float) -> float:
         """Size b's bound against the incumbent, proven slice by slice of the bottleneck Z, within ``seconds``
