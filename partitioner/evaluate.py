@@ -102,11 +102,11 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
                                     st.width, tp, z)
         split = plan.schedule == "zb-h1" and s > 0
-        wgrad = max(cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas)
+        wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas]
+        wgrad = max(wgrads)
         # what the last gradient pass hides of the buckets: the shortest replica's pass (it may end as late)
-        hide = min((cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) if split else
-                    cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute, tp)[1])
-                   for r in st.replicas)
+        hide = min(wgrads) if split else min(cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute,
+                                                                tp)[1] for r in st.replicas)
         ar = cm.stage_sync_s(plan, s, hide_s=hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail))

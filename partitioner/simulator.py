@@ -291,8 +291,6 @@ class _Replay:
         start = max(arrived)
         end = max(start, float(allreduce_end_s(ar, buckets, [e for e, _ in passes], [h for _, h in passes]))
                   ) + rest
-        if ar > 0:  # the part of it the backward did not hide
-            start = max(start, end - rest - ar)
         for q in group:
             self.events.append(Event(q, "AR", "allreduce", None, start, end))
             self.clock[q] = end

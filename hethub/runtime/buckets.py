@@ -7,7 +7,7 @@ produces them), autograd accumulates into those views in place, and a bucket's a
 (asynchronously: gloo's work thread on CPU, NCCL's own stream on GPU) as soon as the last gradient-producing
 action of the iteration (the last micro-batch's backward, or its weight pass under zb-h1) has finished every
 gradient in it. The ``AR`` action then only waits for what the rest of the backward could not hide
-(``CostModel.exposed_allreduce_s`` models the same thing).
+(``hethub.partitioner.costmodel.allreduce_end_s`` models the same thing).
 
 Order: a communicator runs collectives in issue order, so buckets start strictly in index order on every rank
 (a bucket ready early waits for its predecessors); the index order is the parameter order, the same on every

@@ -20,7 +20,7 @@ from .errors import Guard
 from .tp import is_sharded, local
 
 
-BUCKET_BYTES = DEFAULT_BUCKET_MB * 2**20
+BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
 
 class Gradients:

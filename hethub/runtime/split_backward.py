@@ -243,12 +243,9 @@ def _accumulate(tensors: Sequence[torch.Tensor], grads) -> None:
     """Add each gradient to its tensor's ``.grad``, as autograd's accumulation would (recording nothing: a
     ``.grad`` may be a view of the all-reduce's bucket, ``hethub.runtime.buckets``)."""
     with torch.no_grad():
-        _accumulate_into(tensors, grads)
-
-
-def _accumulate_into(tensors: Sequence[torch.Tensor], grads) -> None:
-    for t, g in zip(tensors, grads):
-        if g is not None:
+        for t, g in zip(tensors, grads):
+            if g is None:
+                continue
             if t.grad is None:
                 t.grad = g
             else:
