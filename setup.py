@@ -3,7 +3,9 @@
 Layout: the runtime, CLI, model adapters and emulation helpers live in ``hethub/`` (one sub-package each);
 the planner in ``partitioner/`` and the Triton kernels in ``kernels/`` are installed as ``hethub.partitioner``
 and ``hethub.kernels`` through ``package_dir`` (no symlinks), so each module has exactly one import name and no
-top-level name collides with a PyPI package (``kernels``, ``partitioner``).
+installed top-level name collides with a PyPI package (``kernels``, ``partitioner``). Run from a checkout, the
+root is on sys.path; ``kernels/__init__.py`` then hands the top-level name to Hugging Face's ``kernels``
+(transformers >= 5.25 imports it, and every build loads its setuptools entry point).
 """
 from setuptools import setup
 

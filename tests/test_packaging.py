@@ -52,3 +52,27 @@ def test_non_editable_install_plans(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
     assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-2000:]
     assert out.is_file()
+
+
+def _import_kernels_from_the_checkout(tmp_path, *flags, pythonpath=""):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    code = "import kernels, kernels.sub; print(kernels.MARK, kernels.sub.MARK)"
+    return subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=env)  # -c from the root: '' (the checkout) leads sys.path
+
+
+def test_the_checkout_root_on_sys_path_does_not_shadow_another_kernels_package(tmp_path):
+    """transformers >= 5.25 imports Hugging Face's ``kernels`` and every setuptools build loads its entry point;
+    run from the checkout (``python -m pytest``, ``pip install .``) the room ``kernels/`` sits first on sys.path
+    and must hand the name over, submodules included, or fail as a missing module."""
+    other = tmp_path / "kernels"
+    other.mkdir()
+    (other / "__init__.py").write_text("MARK = 'other'\n")
+    (other / "sub.py").write_text("MARK = 'other.sub'\n")
+    r = _import_kernels_from_the_checkout(tmp_path, pythonpath=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["other", "other.sub"]
+    r = _import_kernels_from_the_checkout(tmp_path, "-S")  # no site-packages: no other kernels anywhere
+    assert r.returncode == 1 and "ModuleNotFoundError: No module named 'kernels'" in r.stderr, r.stderr[-2000:]
