@@ -183,3 +183,6 @@ def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):
             assert v.dtype == torch.float32  # master weights stay fp32
             torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=1e-2)
     assert not torch.allclose(ref["losses"], fp32["losses"], rtol=1e-6, atol=0)  # autocast really ran in bf16
+    for rank in range(plan.world_size):  # one bf16 copy of each weight per step, not one per micro-batch
+        casts = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)["weight_casts"]
+        assert len(casts) == STEPS and all(n == distinct > 0 for n, distinct in casts), (rank, casts)

@@ -77,17 +77,37 @@ class Executor:
         last_grad = self._last_gradient_action(actions)
         if last_grad is not None:
             self.gradients.start_iteration()
-        for i, a in enumerate(actions):
-            self.guard.watch([t.peer for t in a.transfers], str(a))
-            t0, self.transport.waited_s = time.perf_counter(), 0.0
-            self.gradients.arm(i == last_grad)  # the all-reduce's buckets start as this action completes them
-            self._handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
-            self.gradients.arm(False)
-            self.transport.release_sends()
-            self.executed.append(str(a))
-            self.executed_s.append((t0, time.perf_counter(), self.transport.waited_s))
+        with self._precision(None):
+            for i, a in enumerate(actions):
+                self._run_action(a, armed=i == last_grad)
         self.guard.watch((), "the iteration's last sends")
         self.transport.wait_sends()
+
+    def _precision(self, kind: Optional[str]):
+        """Autocast for the whole iteration (``kind`` None), then per action: on for forwards only.
+
+        One autocast region spans the iteration so that its cast cache lives as long: each weight is cast to
+        the low-precision dtype once per iteration, not once per micro-batch forward (the graphs of all
+        in-flight micro-batches then share one copy instead of holding one each). Backward, weight passes and
+        transfers run with autocast off inside it (nested, so the cache stays); recompute re-enters the
+        forward's autocast and finds the same copies. The cache is dropped before the optimizer step changes
+        the weights it copied."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        if kind == "OPT":
+            torch.clear_autocast_cache()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=kind in (None, "F"))
+
+    def _run_action(self, a: Action, armed: bool) -> None:
+        self.guard.watch([t.peer for t in a.transfers], str(a))
+        t0, self.transport.waited_s = time.perf_counter(), 0.0
+        self.gradients.arm(armed)  # the all-reduce's buckets start as this action completes them
+        with self._precision(a.kind):
+            self._handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
+        self.gradients.arm(False)
+        self.transport.release_sends()
+        self.executed.append(str(a))
+        self.executed_s.append((t0, time.perf_counter(), self.transport.waited_s))
 
     def _last_gradient_action(self, actions: Sequence[Action]) -> Optional[int]:
         """Index of the iteration's last action that accumulates weight gradients (a B whose weight pass is not
@@ -132,8 +152,7 @@ class Executor:
             inputs = tuple(t.clone() if not t.is_floating_point() else t for t in inputs)
         capture = (self._linears.capturing() if a.mb in self._split_mbs and torch.is_grad_enabled()
                    else contextlib.nullcontext())
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
-                            enabled=self.autocast_dtype is not None), capture as calls:
+        with capture as calls:  # under the iteration's autocast (_precision)
             outputs = self.module(inputs)
             if calls is not None:
                 self._linear_calls[a.mb] = calls

@@ -51,6 +51,36 @@ def reference_step(model, opt, batches, loss, clip: float, cast=None) -> float:
     return total
 
 
+class WeightCasts:
+    """Counts casts of the given weights to bf16 (autocast's copies) inside ``with``: (casts, distinct weights)."""
+
+    def __init__(self, params):
+        self.ptrs = {p.data_ptr() for p in params}
+        self.seen: list = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        seen, ptrs = self.seen, self.ptrs
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                        and args[0].data_ptr() in ptrs):
+                    seen.append(args[0].data_ptr())
+                return func(*args, **kwargs)
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        return False
+
+    def counts(self) -> list:
+        return [len(self.seen), len(set(self.seen))]
+
+
 def main():
     plan_path, out_path, steps, clip = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
@@ -62,7 +92,7 @@ def main():
     plan = load_plan(plan_path)
     layers = make_layers(plan.model.num_planner_layers)
     mb, M, lr = plan.micro_batch_size, plan.num_micro_batches, 0.1
-    losses, trace = [], ""
+    losses, trace, weight_casts = [], "", []  # weight_casts: [bf16 casts, distinct weights cast] per step
     if single:
         model = nn.Sequential(*layers)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -106,7 +136,10 @@ def main():
                     raise RuntimeError("user bug in a layer (mentions a timeout and a peer, yet is no lost peer)")
                 engine.module.forward_funcs[0].register_forward_hook(bug)
             it = iter([micro_batch(step, m, mb) for m in range(M)])
-            losses.append(float(engine.train_batch(it)))
+            with (WeightCasts(engine.module.parameters()) if bf16 else contextlib.nullcontext()) as casts:
+                losses.append(float(engine.train_batch(it)))
+            if bf16:
+                weight_casts.append(casts.counts())
             if beat and engine.global_rank == 0:
                 print(f"step {step}", flush=True)
         trace = " ".join(engine.executed)  # what the last train_batch ran, action by action
@@ -119,7 +152,7 @@ def main():
         time.sleep(float(os.environ["END_SLEEP_RANK0"]))  # rank 0 does extra work after training
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
-                "forwards": 0 if single else forwards[0],
+                "forwards": 0 if single else forwards[0], "weight_casts": weight_casts,
                 "device_type": "" if single else engine.grid.device_type,
                 "stage_bridge": False if single else engine.grid.dp_bridged,
                 "world_backend": "" if single else dist.get_backend(),
