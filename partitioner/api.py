@@ -31,7 +31,7 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
                             objective_s=alt.objective, candidates=stats["candidates"], units=stats["units"],
                             micro_batch_sizes=stats["micro_batch_sizes"])
         plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
-                                solver=solver, schedule=opts.schedule))
+                                solver=solver, schedule=opts.schedule, dtype=cm.dtype))
     t0 = time.perf_counter()
     # the placements above and the replays count against the time limit too (at least one replay is made, and a
     # tenth of the limit is theirs even when the search used it all: cheap replays of small plans must not depend

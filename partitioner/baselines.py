@@ -78,7 +78,7 @@ def deepspeed_baseline(cm: CostModel, global_batch: int, method: str) -> Plan:
             if global_batch % b:
                 continue
             layouts = [StageLayout((bounds[s], bounds[s + 1]), types[s][0], even_split(b, w)) for s in range(S)]
-            plan = build_plan(cm.model, cluster, layouts, b, global_batch // b)
+            plan = build_plan(cm.model, cluster, layouts, b, global_batch // b, dtype=cm.dtype)
             if fits_memory(plan, cm):
                 feasible.append(plan)
     if not feasible:

@@ -198,6 +198,29 @@ class DeviceCosts:
             self.bwd_fixed_s = np.zeros_like(self.bwd_s)
 
 
+TRAINING_DTYPES = ("bf16", "fp16", "fp32")  # what the runtime trains in (16-bit: autocast over fp32 weights)
+
+
+def natural_dtype(cluster: Cluster, types: Optional[Sequence[str]] = None) -> tuple[str, str]:
+    """(dtype, why): the cheapest training dtype every device type (of ``types``, default all) computes in
+    hardware: bf16, else fp16 (a V100 or T4 among them: fp16 with dynamic loss scaling), else fp32."""
+    names = list(types or cluster.type_names)
+
+    def lacking(dtype: str) -> str:
+        return ", ".join(t for t in names if not cluster.device_type(t).native(dtype))
+    if not lacking("bf16"):
+        return "bf16", "every device type computes bf16"
+    if not lacking("fp16"):
+        return "fp16", f"no bf16 on {lacking('bf16')}"
+    return "fp32", f"no bf16 on {lacking('bf16')}, no fp16 on {lacking('fp16')}"
+
+
+def cost_model_for(plan: Plan, profiles: Sequence[Profile] = (), **kw) -> "CostModel":
+    """The cost model a written plan was priced with: its cluster, model and dtype (bf16 for plans written
+    before plans recorded it)."""
+    return CostModel(plan.cluster, plan.model, dtype=plan.dtype or "bf16", profiles=profiles, **kw)
+
+
 def ring_allreduce(nbytes, ranks: int):
     """(bytes each rank moves over its link, latency hops) of a ring all-reduce over ``ranks``: a
     reduce-scatter and an all-gather, each (n-1)/n of the buffer in n-1 steps. ``nbytes`` may be an array."""

@@ -73,7 +73,7 @@ def _take_slots(cluster: Cluster, free: dict[str, list[int]], i: int, device_typ
 
 def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayout], micro_batch_size: int,
                num_micro_batches: int, predicted: Optional[Predicted] = None,
-               solver: Optional[SolverInfo] = None, schedule: str = "1f1b") -> Plan:
+               solver: Optional[SolverInfo] = None, schedule: str = "1f1b", dtype: Optional[str] = None) -> Plan:
     """A validated Plan.
 
     Ranks are numbered host by host (hosts in the order the pipeline first uses them), slots
@@ -110,7 +110,7 @@ def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayo
                   != cluster.device_type(layouts[i + 1].device_type).vendor]
     data = {"model": model, "cluster": cluster, "global_batch_size": micro_batch_size * num_micro_batches,
             "micro_batch_size": micro_batch_size, "num_micro_batches": num_micro_batches, "stages": stages,
-            "boundaries": boundaries, "schedule": schedule}
+            "boundaries": boundaries, "schedule": schedule, "dtype": dtype}
     if predicted is not None:
         data["predicted"] = predicted
     if solver is not None:

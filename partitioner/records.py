@@ -150,9 +150,16 @@ class DeviceType(Record):
                 raise ValueError(f"{dtype}: must be <= {MAX_RATE:g}, got {tf!r}")
         return v
 
+    def native(self, dtype: str) -> bool:
+        """Whether the type computes ``dtype`` in hardware (lists a peak for it)."""
+        return dtype in self.peak_tflops
+
     def peak(self, dtype: str = "bf16") -> float:
-        """Dense peak TFLOP/s for ``dtype``; bf16 falls back to fp16 on types without bf16 (V100, T4)."""
-        for d in (dtype, "fp16" if dtype == "bf16" else "bf16", "fp32"):
+        """Dense peak TFLOP/s for ``dtype`` as the type runs it: a 16-bit dtype it lacks (bf16 on V100, T4) runs
+        without tensor cores, so it is priced at the fp32 peak (pricing V100 bf16 at its fp16 tensor-core peak
+        overrated it ~8x); an fp32 a user type does not list falls back to its 16-bit peak."""
+        chain = (dtype, "fp32") if dtype in ("bf16", "fp16", "fp8") else (dtype, "bf16", "fp16")
+        for d in chain:
             if d in self.peak_tflops:
                 return self.peak_tflops[d]
         return max(self.peak_tflops.values())
@@ -548,6 +555,9 @@ class Plan(Record):
     # The pipeline schedule the runtime runs (partitioner.schedule): "1f1b", or "zb-h1", which splits each
     # backward into input and weight gradients so that gradients reach the previous stage sooner.
     schedule: Literal[tuple(SCHEDULES)] = "1f1b"  # type: ignore[valid-type]
+    # The precision the plan was priced in and should train in (``hethub plan --dtype``, by default the
+    # cheapest every device type computes natively: bf16, else fp16, else fp32); None in plans written before.
+    dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
 

@@ -260,3 +260,26 @@ def test_sync_prices_fp32_gradients_in_buckets_and_hides_them_behind_the_backwar
     gather = z.sync_s(p, ["A100-80GB"], 4, False) - full
     assert gather > 0
     assert z.sync_s(p, ["A100-80GB"], 4, False, hide_s=10 * full) == pytest.approx(gather + full / 4)
+
+
+def test_the_natural_dtype_is_the_cheapest_every_type_computes_and_the_plan_records_it():
+    """bf16 where every type has it; a V100 among them makes it fp16 (bf16 there would run at the fp32 peak,
+    8x below what the plan would assume); the dtype reaches the plan, and the cost model prices it."""
+    from hethub.partitioner.costmodel import natural_dtype
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.planner import PlannerOptions
+    a100 = Cluster.model_validate({"name": "a", "nodes": [{"host": "h0", "device_type": "A100-80GB", "count": 2}]})
+    assert natural_dtype(a100) == ("bf16", "every device type computes bf16")
+    assert natural_dtype(MIXED)[0] == "fp16" and "V100" in natural_dtype(MIXED)[1]
+    assert natural_dtype(MIXED, ["A100-80GB"])[0] == "bf16"
+    cpu = Cluster.model_validate({"name": "c", "device_types": {"C": {"vendor": "cpu", "peak_tflops": {"fp32": 1},
+                                  "memory_gib": 8, "memory_gbps": 20}},
+                                  "nodes": [{"host": "h0", "device_type": "C", "count": 2}]})
+    assert natural_dtype(cpu) == ("fp32", "no bf16 on C, no fp16 on C")
+    m = builtin_model("gpt-125m")
+    bf16, fp16 = CostModel(MIXED, m, dtype="bf16"), CostModel(MIXED, m, dtype="fp16")
+    v100 = next(t for t in MIXED.type_names if t.startswith("V100"))
+    assert bf16.devices[v100].fwd_s[1] > 5 * fp16.devices[v100].fwd_s[1]  # a block, per sample
+    plan = make_plan(MIXED, m, 16, cost_model=fp16, with_homogeneous_sum=False,
+                     opts=PlannerOptions(time_limit_s=5))
+    assert plan.dtype == "fp16" and type(plan).from_json(plan.to_json()).dtype == "fp16"

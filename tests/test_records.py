@@ -23,8 +23,9 @@ def test_catalogue_has_required_types_and_models():
     for name in ["gpt-125m", "gpt-1.3b", "gpt-6.7b", "llama-7b", "llama-13b", "llama-70b", "llama-140b"]:
         m = builtin_model(name)
         assert len(m.layers()) == m.num_layers + 2
-    # V100 has no bf16: bf16 work is costed at its fp16 tensor-core peak.
-    assert builtin_device_type("V100-32GB").peak("bf16") == 125.0
+    # V100 has no bf16: bf16 runs without tensor cores (its fp32 peak); fp16 has them.
+    v100 = builtin_device_type("V100-32GB")
+    assert (v100.peak("bf16"), v100.peak("fp16"), v100.native("bf16")) == (15.7, 125.0, False)
 
 
 def test_layer_list_order():

@@ -96,6 +96,9 @@ def _add_plan(sub) -> None:
     sp.add_argument("--no-mixed-stages", action="store_true",
                     help="one device type per stage (default: a stage may mix two types of one vendor, "
                          "speed-proportional splits)")
+    sp.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                    help="training precision the plan is priced in and records (default auto: bf16 where every "
+                         "device type has it, else fp16 with dynamic loss scaling, else fp32)")
     sp.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                     help="pipeline schedule the plan runs: 1f1b (default), or zb-h1, which sends each input gradient "
                          "before computing the weights' (1F1B's memory but one micro-batch more on the last stage)")

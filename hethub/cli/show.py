@@ -52,7 +52,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console(width=None if Console().is_terminal else 160)
     console.print(plan_table(plan))
     console.print(f"global batch {plan.global_batch_size} = micro-batch {plan.micro_batch_size} "
-                  f"x {plan.num_micro_batches} micro-batches, schedule {plan.schedule}")
+                  f"x {plan.num_micro_batches} micro-batches, schedule {plan.schedule}"
+                  + (f", dtype {plan.dtype}" if plan.dtype else ""))
     p = plan.predicted
     if p:
         line = f"predicted: {p.iteration_s * 1e3:.4g} ms/iteration (simulated), {p.samples_per_s:.4g} samples/s"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..partitioner.costmodel import CostModel
+from ..partitioner.costmodel import cost_model_for
 from ..partitioner.evaluate import closed_form_s, replay_iteration_s, replay_micro_batches, with_micro_batches
 from ..partitioner.outputs import check_output_path
 from ..partitioner.records import load_plan, load_profiles
@@ -19,7 +19,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for path, flag in ((args.trace, "--trace"), (args.png, "--png")):
         if path:
             check_output_path(path, flag, inputs)
-    cm = CostModel(plan.cluster, plan.model, profiles=load_profiles(args.profiles) if args.profiles else ())
+    cm = cost_model_for(plan, load_profiles(args.profiles) if args.profiles else ())
     m = plan.num_micro_batches if args.schedule else replay_micro_batches(plan)
     shown = plan if m == plan.num_micro_batches else with_micro_batches(plan, m)
     sched = read_schedule_file(args.schedule) if args.schedule else build_schedule(shown)

@@ -14,7 +14,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..emulated.slowdown import MAX_SLOWDOWN
-from ..partitioner.costmodel import DEFAULT_BUCKET_MB, CostModel
+from ..partitioner.costmodel import DEFAULT_BUCKET_MB, cost_model_for
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, Record, load_plan, parse_record, read_data_file
 from ..partitioner.schedule import read_schedule_file
@@ -172,7 +172,7 @@ def load_checked_schedule(plan: Plan, path: str, rank: int) -> list:
     """A hand-edited schedule file (``hetero.schedule``), checked before any collective: every rank's list
     present, transfers matched, structure sound, and a dry run that finishes (a deadlock names rank and step)."""
     sched = read_schedule_file(str(path))
-    simulate(plan, CostModel(plan.cluster, plan.model), sched)
+    simulate(plan, cost_model_for(plan), sched)
     return sched[rank]
 
 
