@@ -4,7 +4,8 @@ Device figures are dense (no structured sparsity) peaks from each vendor's
 datasheet; the source is named beside each entry. ``peak_tflops`` is keyed by
 the dtype the tensor cores / matrix cores compute in, with FP32 accumulation
 where the datasheet distinguishes it. A type without native bf16 (V100, T4)
-lists fp16 only; the cost model falls back to fp16 for bf16 work there.
+lists fp16 only: bf16 work there is priced at its fp32 peak (no tensor cores), and
+``hethub plan --dtype auto`` plans such a fleet in fp16.
 """
 from __future__ import annotations
 

@@ -149,6 +149,12 @@ HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start)
     "slowdown_below_1": ({"hetero": {"emulate_slowdown": {"SLOW": 0.5}}}, "",
                          "error: config.hetero.emulate_slowdown.SLOW: must be in [1, 10000], got 0.5"),
     "section_not_a_dict": ({"hetero": "plan.json"}, "", "error: config.hetero: "),
+    "bf16_and_fp16": ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "",
+                      "error: config.fp16.enabled: bf16 and fp16 are both enabled"),
+    "fp16_scale_power": ({"fp16": {"enabled": True, "initial_scale_power": 400}}, "",
+                         "error: config.fp16.initial_scale_power: "),
+    "fp16_window_0": ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "", "error: config.fp16.loss_scale_window: "),
+    "bf16_not_a_dict": ({"bf16": True}, "", "error: config.bf16: expected an object"),
     "env_not_type_factor": ({}, "SLOW", "error: HETHUB_EMULATE_SLOWDOWN: 'SLOW' is not TYPE=FACTOR"),
     "env_factor_0": ({}, "SLOW=0", "error: HETHUB_EMULATE_SLOWDOWN: SLOW: factor must be in [1, 10000], got 0"),
 }

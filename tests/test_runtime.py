@@ -184,5 +184,36 @@ def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):
             torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=1e-2)
     assert not torch.allclose(ref["losses"], fp32["losses"], rtol=1e-6, atol=0)  # autocast really ran in bf16
     for rank in range(plan.world_size):  # one bf16 copy of each weight per step, not one per micro-batch
-        casts = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)["weight_casts"]
+        got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
+        casts = got["weight_casts"]
         assert len(casts) == STEPS and all(n == distinct > 0 for n, distinct in casts), (rank, casts)
+        assert got["wire"] == ["torch.bfloat16"]  # boundaries cross in the training dtype the plan prices
+
+
+@pytest.mark.parametrize("power", [20])
+def test_fp16_with_dynamic_loss_scaling_trains_like_one_process(tmp_path, power):
+    """"fp16": {"enabled": true}: fp16 autocast over fp32 weights and DeepSpeed's dynamic loss scale, from
+    2**power (so that the first steps overflow): every rank skips the same steps as the one-process reference,
+    halves the same scale, and trains within fp16 tolerance, under unequal widths, an uneven split and ZeRO-1."""
+    plan = stack_plan(*CASES["uneven2to3"])
+    plan_path = str(tmp_path / "plan.json")
+    with open(plan_path, "w") as f:
+        f.write(plan.to_json())
+    results = spawn(plan.world_size, [WORKER, plan_path, str(tmp_path / "rank{rank}.pt"), str(STEPS), str(CLIP),
+                                      f"fp16={power}", "zero1"], timeout=90)
+    for rank, (rc, _out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
+    out = str(tmp_path / "single.pt")
+    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single", f"fp16={power}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = torch.load(out, weights_only=True)
+    assert 0 < ref["skipped"] < STEPS  # the reference overflowed, then trained
+    for rank in range(plan.world_size):
+        got = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
+        assert (got["skipped"], got["loss_scale"]) == (ref["skipped"], ref["loss_scale"]), rank
+        assert got["wire"] == ["torch.float16"]
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=5e-3, atol=0)
+        for k, v in got["params"].items():
+            assert v.dtype == torch.float32
+            torch.testing.assert_close(v, ref["params"][k], rtol=0, atol=5e-3)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from ..partitioner.errors import InputError, short
 from ..partitioner.outputs import write_atomic
 from .errors import fail
+from .precision import load_scaler_state, scaler_state
 from .tp import full, gather_like, local, shard_of
 
 LATEST = "latest"
@@ -258,6 +259,8 @@ def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> N
             "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
             "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
             "client_state": _jsonable(client_state or {}),
+            "loss_scaler": scaler_state(getattr(engine, "loss_scaler", None)),
+            "skipped_steps": getattr(engine, "skipped_steps", 0),
             "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
             "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
                      "world_size": plan.world_size},
@@ -421,6 +424,9 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
         _load_optimizer_state(engine, names, by_layer)
         if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
             engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        load_scaler_state(getattr(engine, "loss_scaler", None), meta.get("loss_scaler"), d)
     engine.global_steps = meta["global_steps"]
     engine.global_samples = meta["global_samples"]
+    skipped = meta.get("skipped_steps", 0)
+    engine.skipped_steps = skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0
     return tag, meta.get("client_state", {})

@@ -164,8 +164,6 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
     if stage.tensor_parallel > 1 and optimizer is not None and hasattr(optimizer, "step"):
         raise InputError("optimizer", "with tensor parallelism pass a callable params -> Optimizer: hethub splits "
                                       "the layers' parameters first, so an optimizer built before holds the old ones")
-    if (config.get("fp16") or {}).get("enabled"):
-        raise InputError("config.fp16.enabled", "fp16 (loss-scaled) training is not supported yet; use bf16 or fp32")
 
 
 def load_checked_schedule(plan: Plan, path: str, rank: int) -> list:

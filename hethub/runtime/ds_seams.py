@@ -47,6 +47,9 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.comm.torch", "build_shm_op",
      "replaced on CPU: a ~40 s JIT build of a shared-memory op pipeline training never uses"),
     ("deepspeed.launcher.runner", "parse_args", "called: hethub launch splits DeepSpeed's flags from the script"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler.update_scale",
+     "called: fp16's loss-scale policy after hethub's own overflow check (its state saved by name in checkpoints)"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", "built: a static fp16 loss scale (ds_config loss_scale > 0)"),
 )
 
 # Attributes DeepSpeed reads that the bypassed constructors would set but do not (set elsewhere in DeepSpeed).

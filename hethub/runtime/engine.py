@@ -31,6 +31,7 @@ from .control import Control
 from .errors import Guard
 from .executor import Executor
 from .gradients import BUCKET_BYTES, Gradients
+from .precision import FP16Section, Precision
 from .grid import HeteroGrid
 from .module import HeteroPipelineModule
 from .tp import local
@@ -45,7 +46,7 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
-                 control: Control, autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0,
+                 control: Control, precision: Optional[Precision] = None, emulate_slowdown: float = 1.0,
                  ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
@@ -53,6 +54,8 @@ class HeteroPipelineEngine(PipelineEngine):
                                  # tensor-parallel (DTensor) parameters were placed before being split
                                  dont_change_device=grid.tp > 1)
         self.plan, self.grid, self.ties, self.control = plan, grid, tuple(ties), control
+        self.precision = precision or Precision("fp32", FP16Section())
+        self.loss_scaler = self.precision.loss_scaler()  # fp16 only: DeepSpeed's dynamic (or static) scaler
         for name, value in ds_seams.pipeline_engine_attrs(grid, plan).items():
             setattr(self, name, value)
         self._global_batch = plan.global_batch_size
@@ -60,11 +63,12 @@ class HeteroPipelineEngine(PipelineEngine):
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
         self.zero1 = zero1(self.optimizer) if zero1 is not None else None
-        self.transport = Transport(grid, self.device, self.guard)
+        self.transport = Transport(grid, self.device, self.guard,
+                                   default_wire=self.precision.dtype if self.precision.dtype != "fp32" else None)
         self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1, bucket_bytes)
         self.executor = Executor(grid, module, self.transport, self.gradients, self.guard, device=self.device,
                                  micro_batch_size=plan.micro_batch_size, next_batch=self._next_batch,
-                                 step=self._exec_optimizer_step, autocast_dtype=autocast_dtype,
+                                 step=self._exec_optimizer_step, autocast_dtype=self.precision.autocast_dtype,
                                  emulate_slowdown=emulate_slowdown)
 
     @property
@@ -101,6 +105,7 @@ class HeteroPipelineEngine(PipelineEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
+        self.executor.loss_scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
         self.executor.run(self.schedule, loss_denominator=self._global_batch)
         self.agg_train_loss = self._aggregate_total_loss()
         return self.agg_train_loss
@@ -136,11 +141,26 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def _exec_optimizer_step(self, lr_kwargs=None):
         samples = self.global_samples
+        if self.loss_scaler is not None:
+            finite = self.gradients.unscale(self.executor.loss_scale)
+            self.loss_scaler.update_scale(not finite)
+            if not finite:  # every rank agreed: skip the step everywhere, as DeepSpeed's fp16 optimizer does
+                self._skip_step(samples)
+                return
         self._force_grad_boundary = True
         self._take_model_step(lr_kwargs)
         self._force_grad_boundary = False
         self.gradients.after_step()
         self.global_samples = samples + self._global_batch  # DeepSpeed counts this rank's share only
+
+    def _skip_step(self, samples: int) -> None:
+        """fp16 overflow: drop the gradients, count the step as taken and skipped, leave weights, optimizer state
+        and learning-rate schedule as they were (DeepSpeed's accounting of an overflowed step)."""
+        self.zero_grad()
+        self._step_applied = False
+        self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples = samples + self._global_batch
 
     def is_gradient_accumulation_boundary(self):
         return self._force_grad_boundary

@@ -48,6 +48,7 @@ class Executor:
         self.executed: list[str] = []  # the actions of the last run, as text, in order
         self.executed_s: list[tuple[float, float, float]] = []  # (start, end, seconds waiting for data) of each
         self.total_loss: Optional[torch.Tensor] = None
+        self.loss_scale = 1.0  # fp16: the loss scaler's scale, set by the engine before each iteration
         self._emulated_w_ref: dict[str, float] = {}  # the fastest weight pass seen
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
         self._handlers = {"L": self._load, "F": self._forward, "B": self._backward, "W": self._weight,
@@ -177,8 +178,9 @@ class Executor:
             self._losses[mb] = loss
 
     def _backward(self, a: Action) -> None:
-        if self.last:
-            roots, grads = [self._losses.pop(a.mb)], None
+        if self.last:  # the scaled loss: every gradient upstream, boundaries included, carries the scale
+            loss = self._losses.pop(a.mb)
+            roots, grads = [loss * self.loss_scale if self.loss_scale != 1.0 else loss], None
         else:
             roots = [o for o in as_tuple(self._outputs.pop(a.mb)) if _wants_grad(o)]
             grads = self.transport.take("G", a.mb, like=roots)

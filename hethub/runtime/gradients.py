@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..partitioner.costmodel import DEFAULT_BUCKET_MB
+from . import precision
 from .buckets import maybe_buckets
 from .control import Control
 from .errors import Guard
@@ -114,6 +115,16 @@ class Gradients:
             for g in grads + (self.zero1.shard_grads() if self.zero1 is not None else []):
                 g.mul_(coef)
         return total
+
+    def unscale(self, scale: float) -> bool:
+        """fp16: divide the step's gradients by the loss scale; True when every rank's are finite (agreed over
+        the control channel, so that every rank skips the same steps and the stages never diverge)."""
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        shards = self.zero1.shard_grads() if self.zero1 is not None else []
+        finite = precision.unscale(grads, scale)
+        precision.unscale(shards, scale)
+        self.guard.peers = ()
+        return self.guard(lambda: self.control.min([int(finite)]), "the loss-scale overflow check")[0] == 1
 
     def after_step(self) -> None:
         """ZeRO-1: every replica gathers the updated parameters from the shards."""

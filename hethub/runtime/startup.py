@@ -32,6 +32,7 @@ from . import ds_seams, tp
 from .checks import (DEFAULT_TIMEOUT_S, HeteroSection, check_against_world, hetero_section, launched_world,
                      load_checked_schedule, load_config, local_device_index, on_gpu, resolve_plan)
 from .control import Control
+from .precision import Precision, check_device_dtype, plan_dtype_note, precision_from_config
 from .engine import HeteroPipelineEngine
 from .errors import fail, first_line
 from .grid import HeteroGrid
@@ -55,9 +56,10 @@ class _Checked:
     """The inputs of one start, all checked (``_check_inputs``) before any collective."""
 
     def __init__(self, cfg: dict, hetero: HeteroSection, plan: Plan, rank: int, layers: list, ties: tuple,
-                 tp_plan: Optional[dict], schedule: Optional[list]):
+                 tp_plan: Optional[dict], schedule: Optional[list], precision: Precision):
         self.cfg, self.hetero, self.plan, self.rank = cfg, hetero, plan, rank
         self.layers, self.ties, self.tp_plan, self.schedule = layers, ties, tp_plan, schedule
+        self.precision = precision
 
 
 def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
@@ -65,6 +67,7 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
     try:
         cfg = load_config(config if config is not None else getattr(args, "deepspeed_config", None))
         hetero = hetero_section(cfg)
+        precision = precision_from_config(cfg)  # takes bf16/fp16 out of cfg: hethub runs them, not DeepSpeed
         parse_factors(os.environ.get("HETHUB_EMULATE_SLOWDOWN", ""))  # a bad one is one line here, not mid-start
         the_plan = resolve_plan(plan, hetero, args)
         rank, world = launched_world()
@@ -77,7 +80,7 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
         ds_seams.check()
     except InputError as exc:
         fail(str(exc))
-    return _Checked(cfg, hetero, the_plan, rank, list(layers), ties, tp_plan, schedule)
+    return _Checked(cfg, hetero, the_plan, rank, list(layers), ties, tp_plan, schedule, precision)
 
 
 def _fix_local_rank(plan: Plan, rank: int) -> None:
@@ -222,16 +225,20 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     run = _check_inputs(layers, config, plan, optimizer, args, tp_plan)
     cfg = run.cfg
     cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
-    # bf16: autocast compute with fp32 weights, gradients and optimizer state (hethub runs it, not DeepSpeed's
-    # BF16_Optimizer, whose gradient bookkeeping assumes equal widths).
-    bf16 = bool((cfg.pop("bf16", None) or {}).get("enabled"))
     # ZeRO-1: hethub shards the optimizer itself (hethub.runtime.zero); DeepSpeed's engine sees plain data parallelism.
     zero1 = (cfg.pop("zero_optimization", None) or {}).get("stage", 0) == 1
     _fix_local_rank(run.plan, run.rank)
+    try:
+        check_device_dtype(run.precision, torch.device(get_accelerator().current_device_name()))
+    except InputError as exc:
+        fail(str(exc))
     init_distributed(run.hetero.timeout_s, gloo_world=world_backend(run.plan) == GLOO)
     control = Control(run.hetero.timeout_s)
     _register_clean_shutdown(control)
     _check_every_rank_agrees(run.plan, control)
+    note = plan_dtype_note(run.plan, run.precision)
+    if note and run.rank == 0:
+        print(note, file=sys.stderr, flush=True)
     grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name(),
                       timeout_s=run.hetero.timeout_s)
     module = HeteroPipelineModule(_stage_layers(run, grid), loss_fn, grid)
@@ -244,7 +251,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     engine = HeteroPipelineEngine(
         plan=run.plan, grid=grid, module=module, config=cfg, config_class=DeepSpeedConfig(cfg, grid),
         optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
-        control=control, autocast_dtype=torch.bfloat16 if bf16 else None, ties=run.ties,
+        control=control, precision=run.precision, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
         zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20))
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume

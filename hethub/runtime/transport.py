@@ -68,10 +68,15 @@ class Transport:
     group (``grid.p2p``); on each group this rank's operations run in the order the schedule posts them
     (``ordered``), the order ``partitioner.ordering`` proves deadlock-free. A tensor lives on its group's device:
     host memory for gloo groups (the bridge, CPU runs), the rank's accelerator otherwise. Sends are released as
-    they complete, not at the end of the iteration."""
+    they complete, not at the end of the iteration.
 
-    def __init__(self, grid, device: torch.device, guard: Guard):
+    ``default_wire`` is the wire dtype of a boundary whose plan entry names none: the run's 16-bit training
+    dtype, so that a bf16/fp16 run sends what the cost model prices (the residual stream stays fp32 under
+    autocast, and would otherwise cross at twice the bytes); a boundary's own ``dtype`` (``fp32`` included) wins."""
+
+    def __init__(self, grid, device: torch.device, guard: Guard, default_wire: Optional[str] = None):
         self.grid, self.device, self.guard = grid, device, guard
+        self.default_wire = default_wire
         self.rows = grid.sample_stop - grid.sample_start  # this replica's rows of a micro-batch
         self.is_lead = grid.tp_rank == 0  # talks to the neighbouring stages (every rank without TP)
         self.recv_meta: Optional[Meta] = None  # what this rank receives from the previous stage
@@ -164,7 +169,7 @@ class Transport:
         group = self.grid.p2p[(direction, after_stage)]
         host = self.grid.on_host(group)
         return _Route(direction, group, torch.device("cpu") if host else self.device,
-                      boundary.dtype if boundary is not None else None)
+                      boundary.dtype if boundary is not None and boundary.dtype else self.default_wire)
 
     def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, route: "_Route") -> None:
         """isend each peer its rows of every tensor, packed (and cast to the boundary's wire dtype)."""

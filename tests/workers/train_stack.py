@@ -1,7 +1,8 @@
 """Worker for the equivalence tests: train a small layer stack under a plan, save losses and weights.
 
-usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16] [zero1] [schedule=PATH]   ({rank} in PLAN, OUT: this rank)
-With "single", trains the same layers in one process (the reference) without hethub.
+usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16|fp16=POWER] [zero1] [schedule=PATH]   ({rank} in PLAN, OUT:
+this rank). With "single", trains the same layers in one process (the reference) without hethub. fp16=POWER:
+fp16 autocast, dynamic loss scale from 2**POWER, halved on each overflow (hysteresis 1), the step then skipped.
 """
 import contextlib
 import os
@@ -35,16 +36,25 @@ def loss_fn(out, y):
     return nn.functional.mse_loss(out, y)
 
 
-def reference_step(model, opt, batches, loss, clip: float, cast=None) -> float:
+def reference_step(model, opt, batches, loss, clip: float, cast=None, scaler=None) -> float:
     """One single-process step over a global batch of equal micro-batches: the mean loss, the
-    reference every equivalence test compares hethub against."""
+    reference every equivalence test compares hethub against. ``scaler`` ({"scale", "skipped"}): fp16's
+    dynamic loss scaling as DeepSpeed's policy runs it with hysteresis 1 and a window longer than the run."""
     opt.zero_grad()
     total = 0.0
     for x, y in batches:
         with cast or contextlib.nullcontext():
             value = loss(model(x), y) / len(batches)
-        value.backward()
+        (value * scaler["scale"] if scaler else value).backward()
         total += value.item()
+    if scaler:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            g.mul_(1.0 / scaler["scale"])
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            scaler["scale"] = max(scaler["scale"] / 2, 1.0)
+            scaler["skipped"] += 1
+            return total
     if clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
@@ -87,7 +97,10 @@ def main():
     plan_path = plan_path.replace("{rank}", os.environ.get("RANK", "0"))  # a copy per rank, as hosts have
     single = "single" in sys.argv[5:]
     bf16 = "bf16" in sys.argv[5:]
-    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    fp16 = next((int(a.split("=", 1)[1]) for a in sys.argv[5:] if a.startswith("fp16=")), None)
+    cast = torch.autocast("cpu", dtype=torch.float16 if fp16 is not None else torch.bfloat16,
+                          enabled=bf16 or fp16 is not None)
+    scaler = {"scale": 2.0 ** fp16, "skipped": 0} if fp16 is not None else None
     from hethub.partitioner import load_plan
     plan = load_plan(plan_path)
     layers = make_layers(plan.model.num_planner_layers)
@@ -98,7 +111,7 @@ def main():
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         for step in range(steps):
             losses.append(reference_step(model, opt, [micro_batch(step, m, mb) for m in range(M)], loss_fn, clip,
-                                         cast))
+                                         cast, scaler))
         with torch.no_grad():
             with cast:
                 eval_loss = sum(loss_fn(model(x), y).item() for x, y in (micro_batch(-1, m, mb) for m in range(2))) / 2
@@ -108,6 +121,8 @@ def main():
         config = {"gradient_clipping": clip} if clip > 0 else {}
         if bf16:
             config["bf16"] = {"enabled": True}
+        if fp16 is not None:
+            config["fp16"] = {"enabled": True, "initial_scale_power": fp16, "hysteresis": 1}
         if "zero1" in sys.argv[5:]:  # optimizer state sharded over each stage's replicas (hethub.zero)
             config["zero_optimization"] = {"stage": 1}
         # buckets of 1 KiB: a stage's all-reduce runs as several, started during the last backward
@@ -117,6 +132,14 @@ def main():
                 config["hetero"]["schedule"] = arg.split("=", 1)[1]
             if arg.startswith("bucket_mb="):
                 config["hetero"]["bucket_mb"] = float(arg.split("=", 1)[1])
+        import hethub.runtime.transport as transport
+        wire, plain_pack = set(), transport.pack
+
+        def recorded_pack(x, ranges, dtype=None):  # the dtypes boundary buffers cross in
+            buf = plain_pack(x, ranges, dtype)
+            wire.add(str(buf.dtype))
+            return buf
+        transport.pack = recorded_pack
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
                                             optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         # runs of the stage's first layer while training (twice per micro-batch under recompute), counted in its
@@ -145,6 +168,8 @@ def main():
         trace = " ".join(engine.executed)  # what the last train_batch ran, action by action
         first_layer.forward = plain_forward
         eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
+        if fp16 is not None:
+            scaler = {"scale": engine.loss_scaler.cur_scale, "skipped": engine.skipped_steps}
         first, last = engine.grid.stage.layers
         params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
     if os.environ.get("END_SLEEP_RANK0") and os.environ.get("RANK") == "0":
@@ -153,6 +178,7 @@ def main():
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
                 "forwards": 0 if single else forwards[0], "weight_casts": weight_casts,
+                "wire": [] if single else sorted(wire), "loss_scale": scaler["scale"] if scaler else 0.0, "skipped": scaler["skipped"] if scaler else 0,
                 "device_type": "" if single else engine.grid.device_type,
                 "stage_bridge": False if single else engine.grid.dp_bridged,
                 "world_backend": "" if single else dist.get_backend(),

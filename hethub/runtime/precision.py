@@ -1,0 +1,121 @@
+"""The precision a run trains in: fp32, bf16 or fp16 autocast over fp32 weights, gradients and optimizer state.
+
+Why hethub runs it rather than DeepSpeed's BF16_Optimizer / FP16_Optimizer: their flat-buffer gradient
+bookkeeping assumes every replica of a stage holds the same samples and the same shapes, which a heterogeneous
+plan breaks. Autocast over fp32 masters needs no bookkeeping at all; fp16 adds one thing, loss scaling, whose
+policy is DeepSpeed's own (``DynamicLossScaler`` / ``LossScaler``, configured by the ds_config ``"fp16"`` keys
+DeepSpeed documents). A step whose unscaled gradients are not finite on *any* rank is skipped on every rank,
+so the stages never diverge.
+
+The ds_config decides, as in DeepSpeed; a plan records the dtype it was priced in (``plan.dtype``), and a run in
+another precision says once, on rank 0, that the plan's predictions assume the other one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from pydantic import ConfigDict, Field
+
+from ..partitioner.errors import InputError
+from ..partitioner.records import Plan, Record, parse_record
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class FP16Section(Record):
+    """ds_config's ``"fp16"`` section: DeepSpeed's keys and defaults (``loss_scale`` 0 = dynamic). Keys hethub
+    has no use for (``auto_cast``, ...) are accepted and ignored, as DeepSpeed's own config would read them."""
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    enabled: bool = False
+    loss_scale: float = Field(0.0, ge=0, le=2.0 ** 64)
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1, le=10 ** 9)
+    hysteresis: int = Field(2, ge=1, le=10 ** 6)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0, le=2.0 ** 64)
+
+
+@dataclass
+class Precision:
+    dtype: str  # "fp32" | "bf16" | "fp16"
+    fp16: FP16Section
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        return AUTOCAST[self.dtype]
+
+    def loss_scaler(self):
+        """DeepSpeed's scaler for fp16 (dynamic unless ``loss_scale`` fixes it); None otherwise. Built after
+        ``torch.distributed`` starts: the dynamic one logs from rank 0."""
+        if self.dtype != "fp16":
+            return None
+        f = self.fp16
+        if f.loss_scale > 0:
+            return LossScaler(f.loss_scale)
+        return DynamicLossScaler(init_scale=2.0 ** f.initial_scale_power, scale_window=f.loss_scale_window,
+                                 min_scale=f.min_loss_scale, delayed_shift=f.hysteresis,
+                                 consecutive_hysteresis=f.consecutive_hysteresis)
+
+
+def precision_from_config(cfg: dict) -> Precision:
+    """The run's precision from the ds_config's ``bf16`` / ``fp16`` sections (checked: one line naming the
+    field); both are removed from ``cfg``, since DeepSpeed must not build its own optimizer wrappers."""
+    bf16 = cfg.pop("bf16", None) or {}
+    if not isinstance(bf16, dict):
+        raise InputError("config.bf16", f"expected an object like {{\"enabled\": true}}, got {bf16!r}"[:160])
+    fp16 = parse_record(FP16Section, cfg.pop("fp16", None) or {}, "config.fp16")
+    if bf16.get("enabled") and fp16.enabled:
+        raise InputError("config.fp16.enabled", "bf16 and fp16 are both enabled: train in one of them")
+    return Precision("bf16" if bf16.get("enabled") else "fp16" if fp16.enabled else "fp32", fp16)
+
+
+def plan_dtype_note(plan: Plan, precision: Precision) -> Optional[str]:
+    """A line for rank 0 when the run's precision is not the one the plan was priced in (None when it is)."""
+    if plan.dtype is None or plan.dtype == precision.dtype:
+        return None
+    how = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true}', "fp32": "no bf16/fp16 section"}
+    return (f"hethub: note: the plan was priced in {plan.dtype} (plan.dtype) and this run trains in "
+            f"{precision.dtype}: its predicted times assume {plan.dtype} (ds_config {how[plan.dtype]} trains in it)")
+
+
+def check_device_dtype(precision: Precision, device: torch.device) -> None:
+    """bf16 on a GPU without it (V100, T4) would run without tensor cores at a fraction of the plan's speed."""
+    if precision.dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        raise InputError("config.bf16.enabled", f"{torch.cuda.get_device_name(device)} has no bf16: train in fp16 "
+                                                f"(\"fp16\": {{\"enabled\": true}}; plan with --dtype fp16)")
+
+
+def unscale(grads: list, scale: float) -> bool:
+    """Divide gradients by the loss scale in place; whether all of them are finite (one device sync)."""
+    for g in grads:
+        g.mul_(1.0 / scale)
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")  # DeepSpeed's, by name
+
+
+def scaler_state(scaler) -> Optional[dict]:
+    """What a checkpoint keeps of the loss scaler, so that a resumed fp16 run scales as the unbroken one."""
+    if scaler is None:
+        return None
+    return {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
+
+
+def load_scaler_state(scaler, state, where: str) -> None:
+    """Restore ``scaler_state``; a checkpoint's numbers are checked (data from a file, not trusted)."""
+    if scaler is None or state is None:
+        return
+    if not isinstance(state, dict):
+        raise InputError("checkpoint", f"{where}: loss_scaler must be an object, got {type(state).__name__}")
+    for k, v in state.items():
+        ok = (k in _SCALER_FIELDS and hasattr(scaler, k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+              and abs(v) <= 2.0 ** 64 and (k != "cur_scale" or v > 0))
+        if not ok:
+            raise InputError("checkpoint", f"{where}: loss_scaler.{str(k)[:40]} = {str(v)[:40]} is not a valid "
+                                           "loss-scaler value")
+        setattr(scaler, k, v)
