@@ -162,6 +162,14 @@ def test_profiler_measures_every_layer_and_round_trips(tmp_path):
     block = prof.layers[1]
     # autograd keeps at least the block's input and the MLP's hidden activations (fp32, 1 x 32 x 256)
     assert block.activation_bytes >= 4 * 32 * 256
+    r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--reps", "2", "--dtype", "bf16",
+                "-o", str(tmp_path / "bf16.json"))
+    assert r.returncode == 0, r.stderr
+    low = load_profile(str(tmp_path / "bf16.json"))
+    # profiled as the runtime trains in bf16: fp32 weights and residual under autocast, whose matmuls keep
+    # bf16 copies of their inputs, so the block keeps fewer bytes than in fp32 and more than half (every
+    # tensor in bf16, as a profile of a bf16-cast block had it: 0.501 of fp32 here; autocast 0.526)
+    assert low.dtype == "bf16" and 0.51 < low.layers[1].activation_bytes / block.activation_bytes < 0.9
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--micro-batch-size", "0")
     assert r.returncode == 2 and r.stderr.strip() == "error: --micro-batch-size: must be in 1..65536, got 0"
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--tensor-parallel", "2")

@@ -45,8 +45,11 @@ def test_fp8_runs_compiled_where_the_device_has_e4m3_and_on_the_reference_elsewh
     assert bool(((out - x).abs() <= 2 ** -4 * x.abs() + 2 ** -10 * scale + 1e-12).all())
 
 
-def test_one_rank_on_nccl_initializes_trains_saves_and_loads(tmp_path):
-    """The first GPU run of a user: hethub.initialize on NCCL, one train_batch, a checkpoint saved and loaded."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_one_rank_on_nccl_initializes_trains_saves_and_loads(tmp_path, precision):
+    """The first GPU run of a user: hethub.initialize on NCCL, one train_batch, a checkpoint saved and loaded, in
+    each training precision (fp16 with its loss scaler)."""
+    config = {} if precision == "fp32" else {precision: {"enabled": True}}
     from hethub.partitioner import Cluster, ModelConfig
     from hethub.partitioner.placement import StageLayout, build_plan
     gpu = torch.cuda.get_device_name(0)
@@ -65,7 +68,7 @@ import json, torch, hethub
 from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import ModelConfig
 m = ModelConfig.model_validate_json({model.model_dump_json()!r})
-engine, *_ = hethub.initialize(layers=build_layers(m), loss_fn=lm_loss, plan={path!r},
+engine, *_ = hethub.initialize(layers=build_layers(m), loss_fn=lm_loss, plan={path!r}, config={config!r},
                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 loss = float(engine.train_batch(iter(counting_batches(0, 2, 4, m.seq_length, m.vocab_size))))
 engine.save_checkpoint({str(tmp_path / "ckpt")!r})
@@ -74,9 +77,26 @@ print(json.dumps({{"loss": loss, "backend": torch.distributed.get_backend(),
                    "device": str(next(engine.module.parameters()).device)}}))
 """
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29533", "HETHUB_DEVICE_TYPE": "GPU", "PYTHONPATH": ROOT}
+           "MASTER_PORT": str(29533 + ["fp32", "bf16", "fp16"].index(precision)), "HETHUB_DEVICE_TYPE": "GPU", "PYTHONPATH": ROOT}
     env.pop("DS_ACCELERATOR", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["backend"] == "nccl" and got["device"].startswith("cuda") and got["loss"] > 0, (gpu, got)
+
+
+def test_the_profilers_clock_reads_cuda_events_and_leaves_out_the_hosts_round_trips():
+    """``hethub profile`` times layers with CUDA events: a matmul's event interval is positive and no longer
+    than the host's perf_counter pair around the synchronisations."""
+    import time
+    from hethub.cli.profiler import Clock
+    clock = Clock(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    h0, t0 = time.perf_counter(), clock.mark()
+    for _ in range(10):
+        a = a @ a / 64
+    t1 = clock.mark()
+    ms = clock.ms(t0, t1)
+    host_ms = (time.perf_counter() - h0) * 1e3
+    assert 0 < ms <= host_ms * 1.01

@@ -9,6 +9,7 @@ only where the device reports it (CUDA/ROCm).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -37,6 +38,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Clock:
+    """Marks on the device's own timeline: CUDA events on a GPU (the stream's time between two marks, without
+    the host's synchronisation round trips a perf_counter pair around ``synchronize`` adds to every short
+    layer), perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+
+    def mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start, end) -> float:
+        if not self.events:
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def training_precision(device: torch.device, dtype: str):
+    """The precision the runtime trains in: fp32 weights under an autocast to ``dtype`` (none for fp32). One
+    region around every repetition, as the runtime keeps one around its iteration, so the weights' cast is
+    cached after the warm-ups instead of counted in every forward; ``measure_layer`` runs backward with it off."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=_DTYPES[dtype])
+
+
 def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -60,6 +92,7 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
     peak = None
     it = 0
     target = warmup + reps
+    clock = Clock(device)
     while it < target:
         agree(0)  # tensor parallel: start each repetition together, so no rank's time holds another's idling
         x = make_input()
@@ -74,24 +107,23 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
             return t
 
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = module(x)
-        _sync(device)
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        _sync(device)
-        t2 = time.perf_counter()
+        t1 = clock.mark()
+        with torch.autocast(device.type, enabled=False):  # backward outside autocast, as the runtime runs it
+            y.backward(torch.ones_like(y))
+        t2 = clock.mark()
         if it >= warmup:
-            fwd.append((t1 - t0) * 1e3)
-            bwd.append((t2 - t1) * 1e3)
+            fwd.append(clock.ms(t0, t1))
+            bwd.append(clock.ms(t1, t2))
             saved = sum(kept)
             if device.type == "cuda":
                 peak = int(torch.cuda.max_memory_allocated(device))
         elif it == warmup - 1:
             # Short layers get more repetitions (at least ~50 ms of measurements, at most 200): a median of
             # a handful of sub-millisecond runs moves by tens of percent between runs.
-            target = agree(warmup + min(200, max(reps, int(0.05 / max(t2 - t0, 1e-6)))))
+            target = agree(warmup + min(200, max(reps, int(0.05 / max(clock.ms(t0, t2) / 1e3, 1e-6)))))
         it += 1
     return {"forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd),
             "activation_bytes": saved, "peak_memory_bytes": peak}
@@ -134,11 +166,11 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         agree, mesh = _tp_group(tensor_parallel)
     torch.manual_seed(seed)
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size
-    tdtype = _DTYPES[dtype]
+    # fp32 weights and an fp32 residual stream under the training dtype's autocast: what the runtime runs
     kinds: list[tuple[str, nn.Module, Callable[[], torch.Tensor]]] = [
         ("embedding", Embedding(model), lambda: torch.randint(0, model.vocab_size, (b, s), device=device)),
-        ("block", Block(model), lambda: torch.randn(b, s, h, device=device, dtype=tdtype, requires_grad=True)),
-        ("head", Head(model), lambda: torch.randn(b, s, h, device=device, dtype=tdtype, requires_grad=True)),
+        ("block", Block(model), lambda: torch.randn(b, s, h, device=device, requires_grad=True)),
+        ("head", Head(model), lambda: torch.randn(b, s, h, device=device, requires_grad=True)),
     ]
     rows: dict[str, dict] = {}
     bar = None
@@ -148,12 +180,13 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         task = bar.add_task(f"profiling {model.name} on {device_type}", total=len(kinds))
     try:
         for kind, module, make_input in kinds:
-            module = module.to(device=device, dtype=tdtype)
+            module = module.to(device=device)
             if mesh is not None and kind == "block":
                 parallelize(1, [module], {}, mesh)
             if slowdown != 1.0:
                 module = SlowDown(module, slowdown)
-            rows[kind] = measure_layer(module, make_input, device, warmup, reps, agree)
+            with training_precision(device, dtype):
+                rows[kind] = measure_layer(module, make_input, device, warmup, reps, agree)
             if bar:
                 bar.advance(task)
     finally:
