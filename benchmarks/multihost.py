@@ -46,15 +46,17 @@ def cluster_at(rate_mbit: float) -> Cluster:
         "network": {"intra_node_gbps": 40, "inter_node_gbps": rate_mbit / 1000}})
 
 
-def run_across(plan, rate_mbit: float, model_json: str, steps: int, tmp: str, tag: str) -> float:
-    """The plan on the hosts it uses (both, or one), one `hethub launch --no_ssh` each; median s/iteration."""
+def run_across(plan, rate_mbit: float, model_json: str, steps: int, tmp: str, tag: str, extra=(),
+               emulate: float = None) -> float:
+    """The plan on the hosts it uses (both, or one), one `hethub launch --no_ssh` each; median s/iteration.
+    ``extra``: more bench_worker flags; ``emulate``: FAST's slow-down (default FAST)."""
     path, out = os.path.join(tmp, f"{tag}.json"), os.path.join(tmp, f"{tag}-out.json")
     with open(path, "w") as f:
         f.write(plan.to_json())
     hosts_used = sorted({r.host for st in plan.stages for r in st.replicas}, key=ADDRS.index)
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    script = [WORKER, "--mode", "hethub", "--model-json", model_json, "--emulate", f"FAST={FAST:g}",
-              "--steps", str(steps), "--out", out]
+    script = [WORKER, "--mode", "hethub", "--model-json", model_json, "--emulate", f"FAST={emulate or FAST:g}",
+              "--steps", str(steps), "--out", out, *extra]
     with two_hosts(rate_mbit) as hosts:
         mine = [hosts[ADDRS.index(a)] for a in hosts_used]  # node k = the plan's k-th host
         procs = [subprocess.Popen(["ip", "netns", "exec", h.namespace, sys.executable, "-m", "hethub.cli", "launch",

@@ -60,6 +60,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--timeline", default=None, help="write each rank's per-action times (hethub mode) to FILE.RANK")
     p.add_argument("--zero1", action="store_true", help="hethub mode: ZeRO-1 within each stage")
+    p.add_argument("--bucket-mb", type=float, default=None, help="hethub mode: the gradient bucket (hetero.bucket_mb)")
     p.add_argument("--state-out", default=None, help="hethub mode: write each rank's optimizer-state bytes to FILE.RANK")
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args()
@@ -91,6 +92,8 @@ def main() -> None:
         config = {"hetero": {"emulate_slowdown": factors}}
         if a.zero1:
             config["zero_optimization"] = {"stage": 1}
+        if a.bucket_mb is not None:
+            config["hetero"]["bucket_mb"] = a.bucket_mb
         engine, *_ = hethub.initialize(layers=layers, loss_fn=lm_loss, plan=a.hetero_plan, optimizer=optimizer,
                                        config=config)
         mb, M = engine.plan.micro_batch_size, engine.plan.num_micro_batches
@@ -106,6 +109,8 @@ def main() -> None:
         t0 = time.perf_counter()
         loss = float(engine.train_batch(iter(data)))
         log.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
+        if a.mode == "hethub":  # seconds the step's AR action waited: the all-reduce the backward did not hide
+            log[-1]["ar_s"] = sum(e - s for n, (s, e, _) in zip(engine.executed, engine.executed_s) if n.startswith("AR"))
         if rank == 0:
             print(f"step {step + 1}/{a.steps} loss {loss:.4f} {log[-1]['seconds']:.3f} s", flush=True)
     if a.mode == "hethub":
