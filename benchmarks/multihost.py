@@ -71,6 +71,18 @@ def run_across(plan, rate_mbit: float, model_json: str, steps: int, tmp: str, ta
         return json.load(f)["median_s"]
 
 
+def bench_setup(model: ModelConfig, script: str) -> tuple[str, str]:
+    """(scratch folder, model JSON in it) for a benchmark across emulated hosts; exits where none can be made."""
+    if not probe()[0]:
+        raise SystemExit(f"benchmarks/{script} needs root and iproute2 (network namespaces)")
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="hethub-bench-")
+    model_json = os.path.join(tmp, "model.json")
+    with open(model_json, "w") as f:
+        f.write(model.to_json())
+    return tmp, model_json
+
+
 def layout(plan) -> str:
     return "; ".join(f"layers [{s.layers[0]},{s.layers[1]}) x{s.width} on "
                      f"{'A' if s.replicas[0].host == ADDRS[0] else 'B'}" for s in plan.stages) + \
@@ -79,14 +91,8 @@ def layout(plan) -> str:
 
 def main() -> None:
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 10
-    if not probe()[0]:
-        raise SystemExit("benchmarks/multihost.py needs root and iproute2 (network namespaces)")
-    torch.set_num_threads(1)
     model = ModelConfig.model_validate(FID_MODEL)
-    tmp = tempfile.mkdtemp(prefix="hethub-bench-")
-    model_json = os.path.join(tmp, "model.json")
-    with open(model_json, "w") as f:
-        f.write(model.to_json())
+    tmp, model_json = bench_setup(model, "multihost.py")
     profiles = [profile_model(model, "FAST", mb, "fp32", reps=5, slowdown=FAST, progress=False) for mb in (1, 2, 4, 8)]
     rows_a, rows_b, base = [], [], None
     for rate in RATES_MBIT:

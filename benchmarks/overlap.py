@@ -13,17 +13,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from multihost import cluster_at, run_across  # noqa: E402
+from multihost import bench_setup, cluster_at, run_across  # noqa: E402
 from runtime import write_result  # noqa: E402
 
 from hethub.cli.profiler import profile_model  # noqa: E402
-from hethub.emulated.netem import ADDRS, probe  # noqa: E402
 from hethub.partitioner import Cluster, ModelConfig  # noqa: E402
 from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import predict  # noqa: E402
@@ -51,14 +47,8 @@ def exposed_ar_s(out: str, warmup: int = 3) -> float:
 
 def main() -> None:
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 10
-    if not probe()[0]:
-        raise SystemExit("benchmarks/overlap.py needs root and iproute2 (network namespaces)")
-    torch.set_num_threads(1)
     model = ModelConfig.model_validate(MODEL)
-    tmp = tempfile.mkdtemp(prefix="hethub-overlap-")
-    model_json = os.path.join(tmp, "model.json")
-    with open(model_json, "w") as f:
-        f.write(model.to_json())
+    tmp, model_json = bench_setup(model, "overlap.py")
     profiles = [profile_model(model, "FAST", mb, "fp32", reps=5, slowdown=EMULATE, progress=False) for mb in (1, 2, 4)]
     cluster = one_per_host(RATE_MBIT)
     plan = build_plan(model, cluster, [StageLayout((0, model.num_planner_layers), "FAST", (MB // 2, MB // 2))], MB, M)

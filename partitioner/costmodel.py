@@ -199,6 +199,9 @@ class DeviceCosts:
 
 
 TRAINING_DTYPES = ("bf16", "fp16", "fp32")  # what the runtime trains in (16-bit: autocast over fp32 weights)
+# the ds_config that makes the runtime train in each (hethub.runtime.precision reads these sections)
+DS_CONFIG_FOR = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true} (dynamic loss scaling)',
+                 "fp32": "no bf16/fp16 section"}
 
 
 def natural_dtype(cluster: Cluster, types: Optional[Sequence[str]] = None) -> tuple[str, str]:

@@ -7,7 +7,7 @@ import os
 from rich.console import Console
 
 from ..partitioner.api import BASELINES, make_baseline, make_plan, solve
-from ..partitioner.costmodel import CostModel, natural_dtype
+from ..partitioner.costmodel import DS_CONFIG_FOR, CostModel, natural_dtype
 from ..partitioner.errors import InfeasibleError, InputError
 from ..partitioner.explain import explain
 from ..partitioner.loaders import load_model
@@ -16,10 +16,6 @@ from ..partitioner.planner import PlannerOptions
 from ..partitioner.records import ModelConfig, load_cluster, load_profiles, parse_record
 from ..partitioner.whatif import apply_what_if
 from .show import print_plan
-
-# the ds_config section that trains in each dtype
-_DS_PRECISION = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true} (dynamic loss scaling)',
-                 "fp32": "without bf16/fp16 sections"}
 
 
 class _SolveStatus:
@@ -71,8 +67,7 @@ def _inputs(args: argparse.Namespace) -> tuple[CostModel, PlannerOptions, list[s
     dtype, why = natural_dtype(cluster) if args.dtype == "auto" else (args.dtype, "--dtype")
     cm = CostModel(cluster, model, dtype=dtype, profiles=profiles, memory_reserve_gib=args.memory_reserve_gib,
                    zero1=args.zero1)
-    cm.notes.insert(0, f"dtype {dtype} ({why}); the run trains in it: ds_config "
-                       f"{_DS_PRECISION[dtype]}")
+    cm.notes.insert(0, f"dtype {dtype} ({why}); the run trains in it: ds_config {DS_CONFIG_FOR[dtype]}")
     opts = PlannerOptions(solver=args.solver, time_limit_s=args.time_limit, micro_batch_sizes=sizes,
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
                           max_units=args.max_units, equal_widths=args.equal_widths,

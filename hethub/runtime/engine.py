@@ -63,8 +63,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
         self.zero1 = zero1(self.optimizer) if zero1 is not None else None
-        self.transport = Transport(grid, self.device, self.guard,
-                                   default_wire=self.precision.dtype if self.precision.dtype != "fp32" else None)
+        self.transport = Transport(grid, self.device, self.guard, default_wire=self.precision.wire)
         self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1, bucket_bytes)
         self.executor = Executor(grid, module, self.transport, self.gradients, self.guard, device=self.device,
                                  micro_batch_size=plan.micro_batch_size, next_batch=self._next_batch,

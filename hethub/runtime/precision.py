@@ -19,6 +19,7 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from pydantic import ConfigDict, Field
 
+from ..partitioner.costmodel import DS_CONFIG_FOR
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, Record, parse_record
 
@@ -46,6 +47,12 @@ class Precision:
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
         return AUTOCAST[self.dtype]
+
+    @property
+    def wire(self) -> Optional[str]:
+        """The wire dtype of a boundary the plan gives none: the 16-bit training dtype (what the cost model
+        prices), else the tensors' own."""
+        return None if self.dtype == "fp32" else self.dtype
 
     def loss_scaler(self):
         """DeepSpeed's scaler for fp16 (dynamic unless ``loss_scale`` fixes it); None otherwise. Built after
@@ -76,9 +83,9 @@ def plan_dtype_note(plan: Plan, precision: Precision) -> Optional[str]:
     """A line for rank 0 when the run's precision is not the one the plan was priced in (None when it is)."""
     if plan.dtype is None or plan.dtype == precision.dtype:
         return None
-    how = {"bf16": '"bf16": {"enabled": true}', "fp16": '"fp16": {"enabled": true}', "fp32": "no bf16/fp16 section"}
     return (f"hethub: note: the plan was priced in {plan.dtype} (plan.dtype) and this run trains in "
-            f"{precision.dtype}: its predicted times assume {plan.dtype} (ds_config {how[plan.dtype]} trains in it)")
+            f"{precision.dtype}: its predicted times assume {plan.dtype} (ds_config {DS_CONFIG_FOR[plan.dtype]} "
+            f"trains in it)")
 
 
 def check_device_dtype(precision: Precision, device: torch.device) -> None:
