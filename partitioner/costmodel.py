@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
+import pulp
 
 from .errors import InputError
+from .quiet import quiet_stdout
 from .records import Cluster, ModelConfig, Plan, Profile
 
 # Bytes per element of activations, the tensors crossing a stage boundary and gradients, by training dtype:
@@ -247,6 +249,36 @@ def allreduce_end_s(allreduce_s, buckets, ends_s, hides_s):
     return np.maximum(np.max(ends, axis=-1) + a / n, first_ready + a)
 
 
+def work_bound_samples_per_s(layer_s: dict[str, np.ndarray], counts: dict[str, int]) -> float:
+    """Samples/s no placement of layers on devices can exceed (no communication, no memory limit).
+
+    Why not "each device alone runs the whole model": the types' speed ratio differs between layers (memory-
+    bound embedding and head vs compute-bound blocks; more so under measured profiles), so a plan that gives
+    each type the layers it is relatively good at beats that sum (a profiled plan printed 296% of it). The
+    bound is the fractional assignment LP: max X with, per layer l, sum_t x_lt = X samples/s, and per type
+    t, sum_l x_lt * s_lt <= count_t device-seconds per second. Should the LP solver fail, the closed form
+    X <= sum_t count_t * max_l(best_l / s_lt) / sum_l best_l (each device at its relatively best layer's
+    speed) is returned: looser, still a bound."""
+    types = [t for t in counts if counts[t] > 0]
+    best = np.min(np.stack([layer_s[t] for t in types]), axis=0)
+    loose = sum(counts[t] * float(np.max(best / np.maximum(layer_s[t], 1e-300))) for t in types) / float(best.sum())
+    prob = pulp.LpProblem("upper_bound", pulp.LpMaximize)
+    var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3 owns variables by the model
+    x_total = var("X", lowBound=0, upBound=loose)
+    x = {(l, t): var(f"x_{l}_{i}", lowBound=0) for l in range(len(best)) for i, t in enumerate(types)}
+    prob += x_total
+    for l in range(len(best)):
+        prob += pulp.lpSum(x[l, t] for t in types) == x_total
+    for t in types:  # seconds scaled by the slowest layer time keep the LP's coefficients near 1
+        prob += pulp.lpSum(x[l, t] * float(layer_s[t][l] / best.max()) for l in range(len(best))) \
+            <= counts[t] / float(best.max())
+    with quiet_stdout():
+        status = prob.solve(pulp.HiGHS(msg=False, threads=1))
+    if pulp.LpStatus[status] != "Optimal" or x_total.value() is None:
+        return loose
+    return min(loose, float(x_total.value()) * (1.0 + 1e-9))  # the solver's tolerance, on the safe side
+
+
 @dataclass
 class CostModel:
     """Times and memory for every (layer range, device type, samples) the planner asks about."""
@@ -452,9 +484,12 @@ class CostModel:
         return usd / (samples * self.model.seq_length) * 1e6
 
     def upper_bound_samples_per_s(self, counts: Optional[dict[str, int]] = None) -> float:
-        """Sum over devices of what each could do alone with the whole model's compute, no communication."""
+        """Samples/s no plan can pass, under profiles too (``work_bound_samples_per_s``); one LP per device mix."""
         counts = counts or self.cluster.count_by_type()
-        return float(sum(c / self.sample_s(t) for t, c in counts.items()))
+        key, cache = tuple(sorted(counts.items())), self.__dict__.setdefault("_bound_cache", {})
+        if key not in cache:
+            cache[key] = work_bound_samples_per_s({t: np.diff(self.prefix(t)) for t in counts}, counts)
+        return cache[key]
 
     # ---------------------------------------------------------------- memory
     def range_params(self, first, last, tp: int = 1):

@@ -25,7 +25,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "hf-model", seq_length
     if not isinstance(cfg, dict):
         raise InputError("model", f"a Hugging Face config.json holds an object, got {type(cfg).__name__}")
     kind = cfg.get("model_type")
-    if kind not in SUPPORTED:
+    if not isinstance(kind, str) or kind not in SUPPORTED:
         raise InputError("model.model_type", f"hethub plans {', '.join(sorted(SUPPORTED))} models, got {kind!r}")
 
     def field(*names: str, default: Any = None) -> Any:
@@ -36,20 +36,29 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "hf-model", seq_length
             return default
         raise InputError(f"model.{names[0]}", f"is required in a {kind} config.json")
 
+    def flag(name: str, default: bool) -> bool:
+        value = cfg.get(name, default)
+        if not isinstance(value, bool):  # bool("false") is True: a string here would silently tie weights
+            raise InputError(f"model.{name}", f"must be true or false, got {str(value)[:40]!r}")
+        return value
+
+    def context(*names: str) -> Any:  # --seq-length says what is trained at; only without it is the config asked
+        return seq_length if seq_length is not None else field(*names)
+
     if kind == "gpt2":
         hidden = field("n_embd", "hidden_size")
         data = {"architecture": "gpt", "num_layers": field("n_layer", "num_hidden_layers"), "hidden_size": hidden,
                 "num_attention_heads": field("n_head", "num_attention_heads"),
                 "ffn_hidden_size": field("n_inner", default=4 * hidden if isinstance(hidden, int) else None),
-                "vocab_size": field("vocab_size"), "seq_length": seq_length or field("n_positions", "n_ctx"),
-                "tie_embeddings": bool(cfg.get("tie_word_embeddings", True))}
+                "vocab_size": field("vocab_size"), "seq_length": context("n_positions", "n_ctx"),
+                "tie_embeddings": flag("tie_word_embeddings", True)}
     else:
         data = {"architecture": "llama", "num_layers": field("num_hidden_layers"), "hidden_size": field("hidden_size"),
                 "num_attention_heads": field("num_attention_heads"),
                 "num_key_value_heads": cfg.get("num_key_value_heads"),
                 "ffn_hidden_size": field("intermediate_size"), "vocab_size": field("vocab_size"),
-                "seq_length": seq_length or field("max_position_embeddings"),
-                "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+                "seq_length": context("max_position_embeddings"),
+                "tie_embeddings": flag("tie_word_embeddings", False)}
     return parse_record(ModelConfig, {"name": name, **data}, "model")
 
 

@@ -48,6 +48,7 @@ def write_atomic(path: str, text_or_writer, flag: str, inputs: Iterable[Optional
                 f.write(text_or_writer)
                 f.flush()
                 os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except OSError as exc:
         raise InputError(flag, f"cannot write {path!r}: {exc.strerror or exc}") from None
@@ -56,6 +57,14 @@ def write_atomic(path: str, text_or_writer, flag: str, inputs: Iterable[Optional
             os.close(fd)
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _file_mode() -> int:
+    """The mode ``open()`` would give a new file (0666 less the umask): mkstemp's 0600 would make a plan
+    unreadable to the other users and services of a shared cluster that launch from it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _call_writer(writer: Callable[[str], None], tmp: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from .errors import InputError
-from .records import Cluster, builtin_device_type
+from .records import MAX_DEVICES, Cluster, builtin_device_type
 
 _ADD = re.compile(r"^add\s+(\d+)\s+(\S+)$", re.I)
 _REMOVE = re.compile(r"^remove\s+(\d+)\s+(\S+)$", re.I)
@@ -37,10 +37,12 @@ def apply_what_if(cluster: Cluster, text: str) -> Cluster:
                 raise InputError("--what-if", f"{short!r}: no host {host!r} in cluster {cluster.name!r}")
             nodes = [n for n in nodes if n["host"] != host]
         elif m := _ADD.match(sentence):
-            count, t = int(m.group(1)), m.group(2)
+            count, t = _count(m.group(1), short), m.group(2)
             _known_type(cluster, t, short)
-            if count < 1:
-                raise InputError("--what-if", f"{short!r}: add at least 1 device")
+            have = sum(n["count"] for n in nodes)
+            if count < 1 or have + count > MAX_DEVICES:
+                raise InputError("--what-if", f"{short!r}: add 1 to {MAX_DEVICES - have} devices (a cluster holds at "
+                                              f"most {MAX_DEVICES}, this one {have})")
             size = max((n["count"] for n in nodes if n["device_type"] == t), default=8)
             k = 0
             while count > 0:
@@ -51,7 +53,7 @@ def apply_what_if(cluster: Cluster, text: str) -> Cluster:
                 nodes.append({"host": host, "device_type": t, "count": min(size, count)})
                 count -= min(size, count)
         elif m := _REMOVE.match(sentence):
-            count, t = int(m.group(1)), m.group(2)
+            count, t = _count(m.group(1), short), m.group(2)
             have = sum(n["count"] for n in nodes if n["device_type"] == t)
             if count < 1 or count > have:
                 raise InputError("--what-if", f"{short!r}: the cluster has {have} {t} devices")
@@ -75,6 +77,13 @@ def apply_what_if(cluster: Cluster, text: str) -> Cluster:
     except ValueError as exc:
         raise InputError("--what-if", f"{text[:80]!r} gives an invalid cluster: {str(exc).splitlines()[-1][:120]}") \
             from None
+
+
+def _count(digits: str, sentence: str) -> int:
+    """A device count, read only when it can be one: int() of thousands of digits is slow, then refused."""
+    if len(digits) > len(str(MAX_DEVICES)):
+        raise InputError("--what-if", f"{sentence!r}: a count is at most {MAX_DEVICES}")
+    return int(digits)
 
 
 def _known_type(cluster: Cluster, t: str, sentence: str) -> None:

@@ -144,7 +144,9 @@ def test_error_lines_of_ranks_sharing_one_pipe_never_glue_together():
 
 HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start)
     "misspelt_key": ({"hetero": {"timout_s": 10}}, "", "error: config.hetero.timout_s: unknown field"),
-    "negative_timeout": ({"hetero": {"timeout_s": -1}}, "", "error: config.hetero.timeout_s: must be > 0, got -1"),
+    "negative_timeout": ({"hetero": {"timeout_s": -1}}, "", "error: config.hetero.timeout_s: must be >= 1, got -1"),
+    "tiny_timeout": ({"hetero": {"timeout_s": 1e-9}}, "", "error: config.hetero.timeout_s: must be >= 1, got 1e-09"),
+    "hetero_list": ({"hetero": []}, "", "error: config.hetero: expected an object of hethub's settings, got list"),
     "timeout_not_a_number": ({"hetero": {"timeout_s": "soon"}}, "", "error: config.hetero.timeout_s: "),
     "slowdown_below_1": ({"hetero": {"emulate_slowdown": {"SLOW": 0.5}}}, "",
                          "error: config.hetero.emulate_slowdown.SLOW: must be in [1, 10000], got 0.5"),
@@ -269,3 +271,58 @@ def test_random_mutations_of_valid_files_load_or_give_one_line(tmp_path, kind, v
     except InputError as exc:
         text = str(exc)
         assert "\n" not in text and len(text) < 600, text
+
+
+# ---- a new user's paths (each failed before its fix)
+LLAMA_CFG = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("change, says", [
+    ("add 1000000000 V100-32GB", "a count is at most 65536"),  # was a loop building 10^8 nodes (a hang)
+    ("add " + "9" * 5000 + " V100-32GB", "a count is at most 65536"),  # was int()'s traceback
+    ("add 65530 A100-80GB", "add 1 to 65524 devices"),  # past the cluster's limit with its 12
+])
+def test_what_if_counts_are_bounded(tmp_path, capsys, change, says):
+    line = cli_error(capsys, ["plan", "--cluster", CLUSTER, "--model", "llama-7b", "--global-batch", "64",
+                              "--what-if", change, "-o", str(tmp_path / "p.json")])
+    assert line.startswith("error: --what-if:") and says in line, line
+
+
+@pytest.mark.parametrize("extra, field, says", [
+    ({"model_type": ["llama"]}, "model.model_type", "got ['llama']"),
+    ({"max_position_embeddings": 64, "tie_word_embeddings": "false"}, "model.tie_word_embeddings",
+     "must be true or false, got 'false'"),  # bool("false") tied the weights
+])
+def test_bad_hf_config_fields(tmp_path, capsys, extra, field, says):
+    cfg = write(tmp_path, "config.json", json.dumps({**LLAMA_CFG, **extra}))
+    line = cli_error(capsys, ["plan", "--cluster", CLUSTER, "--model", f"hf:{cfg}", "--global-batch", "8",
+                              "-o", str(tmp_path / "p.json")])
+    assert line.startswith(f"error: {field}:") and says in line, line
+
+
+def test_seq_length_supplies_a_missing_context_and_plans_are_world_readable(tmp_path, capsys):
+    cfg = write(tmp_path, "config.json", json.dumps(LLAMA_CFG))  # no max_position_embeddings
+    out = tmp_path / "p.json"
+    old = os.umask(0o022)
+    try:
+        rc = main(["plan", "--cluster", CLUSTER, "--model", f"hf:{cfg}", "--seq-length", "64", "--global-batch",
+                   "8", "--time-limit", "5", "--no-compare", "-o", str(out)])
+    finally:
+        os.umask(old)
+    assert rc == 0, capsys.readouterr()
+    assert json.loads(out.read_text())["model"]["seq_length"] == 64
+    assert os.stat(out).st_mode & 0o777 == 0o644  # mkstemp's 0600 hid plans from a cluster's other users
+
+
+def test_interrupt_during_comparisons_leaves_no_plan(tmp_path, capsys, monkeypatch):
+    import hethub.cli.plan as cli_plan
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_plan, "_compare", interrupted)
+    out = tmp_path / "p.json"
+    rc = main(["plan", "--cluster", CLUSTER, "--model", "llama-7b", "--global-batch", "64", "--time-limit", "5",
+               "-o", str(out)])
+    assert rc == 130 and "interrupted" in capsys.readouterr().err
+    assert not out.exists() and os.listdir(tmp_path) == []

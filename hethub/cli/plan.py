@@ -13,7 +13,7 @@ from ..partitioner.explain import explain
 from ..partitioner.loaders import load_model
 from ..partitioner.outputs import check_output_path, write_atomic
 from ..partitioner.planner import PlannerOptions
-from ..partitioner.records import ModelConfig, load_cluster, load_profiles, parse_record
+from ..partitioner.records import load_cluster, load_profiles
 from ..partitioner.whatif import apply_what_if
 from .show import print_plan
 
@@ -50,9 +50,7 @@ class _SolveStatus:
 
 def _inputs(args: argparse.Namespace) -> tuple[CostModel, PlannerOptions, list[str]]:
     """The cost model and planner options the flags ask for, and every input file (never overwritten)."""
-    cluster, model = load_cluster(args.cluster), load_model(args.model)
-    if args.seq_length:
-        model = parse_record(ModelConfig, {**model.model_dump(), "seq_length": args.seq_length}, "--seq-length")
+    cluster, model = load_cluster(args.cluster), load_model(args.model, seq_length=args.seq_length)
     profile_files = ([os.path.join(args.profiles, f) for f in os.listdir(args.profiles)]
                      if args.profiles and os.path.isdir(args.profiles) else [])
     inputs = [args.cluster, args.model, *profile_files]
@@ -89,7 +87,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with _SolveStatus(console) as status:
             plan = make_plan(cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm,
                              with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective)
-    write_atomic(args.output, plan.to_json() + "\n", "--output", inputs)
     print_plan(plan, console)
     split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
                     if s.tensor_parallel > 1 and not cm.tp_measured(s.device_type, s.tensor_parallel)})
@@ -102,6 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.explain:
         for line in explain(plan, cm, opts, solve):
             console.print(f"explain: {line}", soft_wrap=True)
+    # written last: an interrupt or error during the comparisons or --explain leaves no plan behind
+    write_atomic(args.output, plan.to_json() + "\n", "--output", inputs)
     console.print(f"wrote {args.output}")
     return 0
 

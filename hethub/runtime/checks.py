@@ -34,7 +34,7 @@ def load_config(config: Union[dict, str, None]) -> dict:
     return data
 
 
-MAX_TIMEOUT_S = 7 * 86400  # a week: past it a timeout is a typo
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400  # under a second no start-up finishes; past a week it is a typo
 MIN_BUCKET_MB, MAX_BUCKET_MB = 1e-3, 65536.0  # 1 KiB (tests, tiny models) .. 64 GiB (one bucket for anything)
 
 
@@ -48,7 +48,7 @@ class HeteroSection(Record):
     schedule: Optional[str] = None  # a hand-edited schedule file (``hethub simulate --print-schedule``'s format)
     resume: Optional[str] = None  # load the newest complete checkpoint in this directory at initialize
     emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulated.slowdown)
-    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
     # the data-parallel gradient all-reduce's bucket size (hethub.runtime.buckets; the cost model's default)
     bucket_mb: float = Field(DEFAULT_BUCKET_MB, ge=MIN_BUCKET_MB, le=MAX_BUCKET_MB)
 
@@ -63,7 +63,12 @@ class HeteroSection(Record):
 
 def hetero_section(config: dict) -> HeteroSection:
     """The checked ``"hetero"`` section of a ds_config dict (an absent section is all defaults)."""
-    return parse_record(HeteroSection, config.get("hetero") or {}, "config.hetero")
+    section = config.get("hetero")
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise InputError("config.hetero", f"expected an object of hethub's settings, got {type(section).__name__}")
+    return parse_record(HeteroSection, section, "config.hetero")
 
 
 def resolve_plan(plan: Union[Plan, str, None], section: HeteroSection, args: Any = None) -> Plan:

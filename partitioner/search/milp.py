@@ -7,8 +7,6 @@ computed from these.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -17,6 +15,7 @@ import highspy
 import pulp
 
 from ..errors import InputError
+from ..quiet import quiet_stdout
 
 # A search whose proven gap is within this is reported optimal: HiGHS's default relative MIP gap, where it stops
 # and calls a MILP optimal itself.
@@ -81,18 +80,3 @@ def solver_for(solver: str, time_limit_s: float, cutoff: Optional[float]):
             warnings.simplefilter("ignore", DeprecationWarning)
             return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))), threads=1)
     raise InputError("--solver", f"unknown MILP solver {solver!r}")
-
-
-class quiet_stdout:
-    """HiGHS prints its banner from C++ on file descriptor 1, past msg=False: silence the fd while solving."""
-
-    def __enter__(self):
-        sys.stdout.flush()
-        self.saved = os.dup(1)
-        self.null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(self.null, 1)
-
-    def __exit__(self, *exc):
-        os.dup2(self.saved, 1)
-        os.close(self.saved)
-        os.close(self.null)
