@@ -108,8 +108,9 @@ def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, 
     else:
         placement = ["--hostfile", hostfile_path, "--include", include_arg(plan),
                      *host_flags(plan, flags, script, dry_run)]
-        with open(hostfile_path, "w", encoding="utf-8") as f:
-            f.write(hostfile_text(plan))
+        if not dry_run:  # a dry run writes nothing: it prints the hostfile's lines instead
+            with open(hostfile_path, "w", encoding="utf-8") as f:
+                f.write(hostfile_text(plan))
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *flags, *placement, script,
            "--hetero-plan", plan_path, *script_args]
     return cmd, env
@@ -126,15 +127,17 @@ def host_flags(plan: Plan, flags: Sequence[str], script: str, dry_run: bool = Fa
     shows the command even where pdsh is missing (it may be planned on another machine).
     """
     hosts = [h for h, _ in host_layout(plan)]
-    if len(hosts) == 1:
+    if len(hosts) == 1 and is_this_host(hosts[0]):
         return []
     ns = parse_deepspeed_flags([*flags, script])
     names = ", ".join(f"{k} = {h!r}" for k, h in enumerate(hosts))
     if not ns.no_ssh:
         if ns.launcher.lower() == "pdsh" and shutil.which("pdsh") is None and not dry_run:
-            raise InputError("launch", f"the plan spans {len(hosts)} hosts and DeepSpeed's pdsh launcher is not "
-                                       "installed: install pdsh, or on each host run `hethub launch --hetero-plan "
-                                       "PLAN --no_ssh --master_addr ADDR ...` (node ranks: " + names + ")")
+            where = (f"the plan spans {len(hosts)} hosts" if len(hosts) > 1 else
+                     f"the plan's one host {hosts[0]!r} is not this machine (--local runs every rank here)")
+            raise InputError("launch", f"{where} and DeepSpeed's pdsh launcher is not installed: install pdsh, or on "
+                                       "each host run `hethub launch --hetero-plan PLAN --no_ssh --master_addr ADDR "
+                                       "...` (node ranks: " + names + ")")
         return []
     if not ns.master_addr:
         raise InputError("--master_addr", f"--no_ssh needs the address of node 0, host {hosts[0]!r}")
@@ -153,7 +156,7 @@ def is_this_host(host: str) -> bool:
     """Is ``host`` (a cluster file's host field) this machine: its host name (or the name's first label), or an
     IP address of one of its interfaces (binding to it succeeds only then)? No DNS lookup: it may hang."""
     name = socket.gethostname()
-    if host in (name, name.split(".")[0]):
+    if host in (name, name.split(".")[0], "localhost"):
         return True
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -218,27 +221,29 @@ def _usage() -> str:
     return 0
 
 
+DRY_RUN_HOSTFILE = "HOSTFILE"  # the dry run's stand-in for the temporary hostfile's path
+
+
 def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
     plan = load_plan(plan_path)
     host_layout(plan)
     if not rest:
         raise InputError("launch", "no training script given: hethub launch --hetero-plan plan.json train.py")
-    folder = tempfile.mkdtemp(prefix="hethub-")
-    keep = False
-    try:
-        cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"),
-                                 dry_run)
+    if dry_run:
+        cmd, _ = build_command(os.path.abspath(plan_path), plan, rest, local, DRY_RUN_HOSTFILE, dry_run=True)
         _check_script(rest)
-        if dry_run:
-            print(" ".join(cmd))
-            if not local:  # the dry run prints the hostfile's path for the user to use: it stays
-                print(f"# {os.path.join(folder, 'hostfile')}:\n" + hostfile_text(plan), end="")
-                keep = True
-            return 0
+        print(" ".join(cmd))
+        if not local:
+            print(f"# {DRY_RUN_HOSTFILE} (the launch writes it to a temporary folder; a dry run writes nothing):\n"
+                  + hostfile_text(plan), end="")
+        return 0
+    folder = tempfile.mkdtemp(prefix="hethub-")
+    try:
+        cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"))
+        _check_script(rest)
         return _run_launcher(cmd, env)
     finally:
-        if not keep:
-            shutil.rmtree(folder, ignore_errors=True)  # our own temporary folder: only the hostfile is in it
+        shutil.rmtree(folder, ignore_errors=True)  # our own temporary folder: only the hostfile is in it
 
 
 def _check_script(rest: Sequence[str]) -> None:
