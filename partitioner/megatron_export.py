@@ -9,6 +9,7 @@ numbers of layers (``pipeline_model_parallel_layout``). Pure Python: no megatron
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import InputError
 from .records import Plan
@@ -25,6 +26,20 @@ class MegatronExport:
     micro_batch_size: int  # per data-parallel rank
     global_batch_size: int
     rank_order: list[tuple[int, int, int, str, int, str]]  # megatron rank, stage, replica, host, slot, type
+    distributed_optimizer: bool = False  # a stage shards its optimizer state (ZeRO-1) to fit
+    recompute_stages: tuple[int, ...] = ()  # stages the plan recomputes activations on
+    dtype: Optional[str] = None  # the plan's training dtype (None: a plan from before it was recorded)
+
+    def notes(self) -> list[str]:
+        """What the flags do differently from the plan (Megatron sets these for every stage at once)."""
+        out = []
+        if self.distributed_optimizer:
+            out.append("--use-distributed-optimizer: the plan needs ZeRO-1 to fit; Megatron shards the optimizer "
+                       "state on every stage")
+        if self.recompute_stages and len(self.recompute_stages) < self.pipeline_model_parallel_size:
+            out.append(f"full recompute: the plan recomputes on stages {list(self.recompute_stages)} only; Megatron "
+                       "recomputes on every stage (same memory bound, slower on the others)")
+        return out
 
     def flags(self) -> list[str]:
         out = [f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}",
@@ -33,6 +48,12 @@ class MegatronExport:
                f"--pipeline-model-parallel-layout \"{self.layout}\"",
                f"--micro-batch-size {self.micro_batch_size}",
                f"--global-batch-size {self.global_batch_size}"]
+        if self.dtype in ("bf16", "fp16"):
+            out.append(f"--{self.dtype}")
+        if self.distributed_optimizer:
+            out.append("--use-distributed-optimizer")
+        if self.recompute_stages:
+            out += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
         return out
 
 
@@ -78,6 +99,8 @@ def export_megatron(plan: Plan) -> MegatronExport:
         s, rest = divmod(r, dp * tp)
         j, k = divmod(rest, tp)
         rep = plan.stages[s].replicas[j]
-        order.append((r, s, j, rep.host, rep.group_slots(tp)[k], plan.stages[s].device_type))
+        order.append((r, s, j, rep.host, rep.group_slots(tp)[k], plan.stages[s].type_of(rep)))
     return MegatronExport(S, dp, plan.stages[0].tensor_parallel, plan.model.num_layers, layout, first_last,
-                          plan.micro_batch_size // dp, plan.global_batch_size, order)
+                          plan.micro_batch_size // dp, plan.global_batch_size, order,
+                          distributed_optimizer=any(plan.shards_optimizer(s) for s in plan.stages),
+                          recompute_stages=tuple(s.index for s in plan.stages if s.recompute), dtype=plan.dtype)

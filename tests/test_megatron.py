@@ -30,6 +30,25 @@ def test_equal_widths_plan_and_export():
     assert free.predicted.samples_per_s >= plan.predicted.samples_per_s * (1 - 1e-9)  # a restriction costs
 
 
+def test_export_carries_zero1_recompute_dtype_and_each_replicas_type():
+    """Before: a plan that needs ZeRO-1 to fit exported no distributed-optimizer flag, recompute was dropped,
+    and a mixed stage's V100 replica was listed as the stage's A100."""
+    plan = make_plan(TWO_TYPE, builtin_model("gpt-1.3b"), 64, opts=PlannerOptions(equal_widths=True),
+                     with_homogeneous_sum=False)
+    first = plan.stages[0]
+    odd = first.replicas[-1].model_copy(update={"device_type": "V100-32GB"})
+    first = first.model_copy(update={"zero1": True, "recompute": True, "replicas": [*first.replicas[:-1], odd]})
+    ex = export_megatron(plan.model_copy(update={"stages": [first, *plan.stages[1:]], "dtype": "fp16"}))
+    flags = ex.flags()
+    assert {"--use-distributed-optimizer", "--recompute-granularity full", "--fp16"} <= set(flags)
+    if plan.num_stages > 1:
+        assert any("recomputes on stages [0] only" in n for n in ex.notes())
+    dp = ex.data_parallel_size
+    assert [row[5] for row in ex.rank_order[:dp]] == [*[first.device_type] * (dp - 1), "V100-32GB"]
+    plain = export_megatron(plan)
+    assert not {"--use-distributed-optimizer", "--recompute-granularity full"} & set(plain.flags())
+
+
 def test_plans_megatron_cannot_express_are_refused_with_the_reason():
     with pytest.raises(InputError, match=r"stage widths \[2, 3, 4\] differ.*hethub's runtime"):
         export_megatron(load_plan(os.path.join(EXAMPLES, "plan.json")))

@@ -10,6 +10,8 @@ from ..partitioner.records import load_plan
 def cmd_export(args: argparse.Namespace) -> int:
     ex = export_megatron(load_plan(args.plan))
     print(" \\\n".join(ex.flags()))
+    for note in ex.notes():
+        print(f"# {note}")
     print(f"# data-parallel size {ex.data_parallel_size} (world = {ex.pipeline_model_parallel_size} x "
           f"{ex.data_parallel_size}); per-rank micro-batch {ex.micro_batch_size}")
     if ex.first_last:
