@@ -71,3 +71,8 @@ def _call_writer(writer: Callable[[str], None], tmp: str) -> None:
     writer(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+
+
+def count(n: int, noun: str) -> str:
+    """``1 stage``, ``3 stages``: what users read in titles and summaries."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -21,7 +21,7 @@ from typing import Optional
 from .costmodel import CostModel, allreduce_end_s
 from .errors import InputError
 from .ordering import check_order
-from .outputs import write_atomic
+from .outputs import count, write_atomic
 from .records import Plan
 from .schedule import Action, Transfer, build_schedule, lead_ranks
 
@@ -402,7 +402,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     ax.set_yticks(range(n))
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("ms")
-    ax.set_title(title or f"{plan.model.name}: {plan.num_stages} stages, {plan.world_size} ranks, "
+    ax.set_title(title or f"{plan.model.name}: {count(plan.num_stages, 'stage')}, {count(plan.world_size, 'rank')}, "
                           f"{result.iteration_s * 1e3:.1f} ms/iteration, bubble {result.bubble_fraction:.1%}")
     ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
                        Patch(facecolor="white", edgecolor="black", hatch="///", label="backward"),

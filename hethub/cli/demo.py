@@ -26,7 +26,7 @@ from rich.table import Table
 
 from ..partitioner.api import make_baseline, make_plan
 from ..partitioner.costmodel import CostModel
-from ..partitioner.outputs import write_atomic
+from ..partitioner.outputs import count, write_atomic
 from ..partitioner.planner import PlannerOptions
 from ..partitioner.records import Cluster, ModelConfig
 from ..partitioner.simulator import simulate, write_png
@@ -125,7 +125,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
             write_atomic(path, p.to_json() + "\n", "--output-dir")
         out = os.path.join(out_dir, f"run-{name}.json")
         cmd = _launch_command(p, path, label == "DeepSpeed", worker, [*common, "--out", out])
-        console.print(f"[bold]{label}[/bold]: {_layout(p)} ({p.world_size} ranks)")
+        console.print(f"[bold]{label}[/bold]: {_layout(p)} ({count(p.world_size, 'rank')})")
         rc, tail = _stream(cmd, env, label, console, timeout_s)
         if rc != 0:
             console.print(f"error: the {label} run exited with {rc}:\n{tail}")
@@ -174,7 +174,11 @@ def _free_port() -> int:
 
 
 def _layout(plan) -> str:
-    return "; ".join(f"{s.device_type} x{s.width} layers [{s.layers[0]},{s.layers[1]})" for s in plan.stages) + \
+    """One line per plan: each stage's device types with their replica counts (a mixed stage names both)."""
+    def devices(s) -> str:
+        kinds = [s.type_of(r) for r in s.replicas]
+        return "+".join(f"{t} x{kinds.count(t)}" for t in s.types)
+    return "; ".join(f"{devices(s)} layers [{s.layers[0]},{s.layers[1]})" for s in plan.stages) + \
         f"; micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}"
 
 

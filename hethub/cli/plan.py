@@ -11,7 +11,7 @@ from ..partitioner.costmodel import DS_CONFIG_FOR, CostModel, natural_dtype
 from ..partitioner.errors import InfeasibleError, InputError
 from ..partitioner.explain import explain
 from ..partitioner.loaders import load_model
-from ..partitioner.outputs import check_output_path, write_atomic
+from ..partitioner.outputs import check_output_path, count, write_atomic
 from ..partitioner.planner import PlannerOptions
 from ..partitioner.records import load_cluster, load_profiles
 from ..partitioner.whatif import apply_what_if
@@ -128,7 +128,7 @@ def _what_if(args: argparse.Namespace, cm, opts, console) -> int:
             plan = solve(model, args.global_batch, opts)
             results.append(plan.predicted.samples_per_s)
             console.print(f"{label}: {plan.predicted.samples_per_s:.4g} samples/s on {plan.world_size} of "
-                          f"{model.cluster.num_devices} devices, {plan.num_stages} stages")
+                          f"{model.cluster.num_devices} devices, {count(plan.num_stages, 'stage')}")
         except InfeasibleError as exc:
             results.append(0.0)
             console.print(f"{label}: no feasible plan ({exc.message})")

@@ -6,6 +6,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from ..partitioner.outputs import count
 from ..partitioner.records import Plan, load_plan
 
 
@@ -26,8 +27,8 @@ def _ranks(stage) -> str:
 
 def plan_table(plan: Plan) -> Table:
     pred = plan.predicted
-    t = Table(title=f"{plan.model.name} on {plan.cluster.name}: {plan.num_stages} stages, "
-                    f"{plan.world_size} ranks")
+    t = Table(title=f"{plan.model.name} on {plan.cluster.name}: {count(plan.num_stages, 'stage')}, "
+                    f"{count(plan.world_size, 'rank')}")
     for col in ("stage", "layers", "device", "width", "tp", "samples/replica", "ranks", "hosts:slots", "recompute",
                 "zero1"):
         t.add_column(col)
