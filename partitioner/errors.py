@@ -51,6 +51,19 @@ class InputError(ValueError):
         super().__init__(f"{self.field}: {self.message}" if self.field else self.message)
 
 
+# the optional packages a command may need, by the setup.py extra that installs them
+EXTRA_OF = {"torch": "runtime", "deepspeed": "runtime", "triton": "runtime", "matplotlib": "plot",
+            "transformers": "hf", "megatron": "test"}
+
+
+def missing_package(field: str, package: str) -> InputError:
+    """One line naming the extra that brings ``package``. hethub installs from its checkout (it is on no
+    package index), so the hint is the checkout's ``pip install -e ".[extra]"``."""
+    extra = EXTRA_OF.get(package.split(".")[0], "runtime")
+    return InputError(field, f"needs {package.split('.')[0]}, which this install lacks: pip install -e \".[{extra}]\" "
+                             f"in hethub's checkout (or pip install \"hethub[{extra}] @ <path or URL of it>\")")
+
+
 class InfeasibleError(InputError):
     """The input is well formed but no plan satisfies it (model does not fit, batch not divisible)."""
 

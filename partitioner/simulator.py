@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .costmodel import CostModel, allreduce_end_s
-from .errors import InputError
+from .errors import InputError, missing_package
 from .ordering import check_order
 from .outputs import count, write_atomic
 from .records import Plan
@@ -368,7 +368,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     try:
         import matplotlib
     except ImportError:
-        raise InputError("--png", "needs matplotlib: pip install 'hethub[plot]'") from None
+        raise missing_package("--png", "matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch

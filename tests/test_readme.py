@@ -22,3 +22,43 @@ def test_ci_runs_the_readme_test_command():
     _, test_cmd = _readme_commands()
     ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
     assert test_cmd in ci
+
+
+def _command_rows() -> dict:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## Commands"):]
+    section = section[:section.index("\n## ", 5)]
+    rows = {}
+    for line in section.splitlines():
+        if m := re.match(r"\| `hethub (\w+)", line):
+            rows[m.group(1)] = rows.get(m.group(1), "") + line
+    return rows
+
+
+def _shown(default) -> str:
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def test_every_flag_and_default_is_in_the_readmes_command_reference():
+    """Each subcommand's row in "Commands" names every long flag --help lists, and every default that is a
+    value (not off, not unset); hethub launch's own flags too (DeepSpeed's pass through)."""
+    import argparse
+    from hethub.cli.launch import OWN_FLAGS
+    from hethub.cli.parser import build_parser
+    rows = _command_rows()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, parser in sub.choices.items():
+        row = rows.get(name, "")
+        if not row:
+            missing.append(f"hethub {name}: no row")
+        for action in parser._actions:
+            flags = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+            if not flags:
+                continue
+            if not any(f"{o}" in row for o in action.option_strings):
+                missing.append(f"hethub {name} {flags[0]}")
+            elif action.default not in (None, False, argparse.SUPPRESS) and _shown(action.default) not in row:
+                missing.append(f"hethub {name} {flags[0]}: default {_shown(action.default)}")
+    missing += [f"hethub launch {f}" for f in OWN_FLAGS if f not in rows.get("launch", "")]
+    assert not missing, missing

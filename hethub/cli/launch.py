@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-from ..partitioner.errors import InputError
+from ..partitioner.errors import InputError, missing_package
 from ..partitioner.records import Plan, load_plan
 
 # deepspeed flags that place ranks: the plan decides these
@@ -76,7 +76,7 @@ def parse_deepspeed_flags(args: list[str]):
     try:
         from deepspeed.launcher import runner  # lazy: a planning-only install has no DeepSpeed (one line below)
     except ImportError:
-        raise InputError("launch", "needs DeepSpeed: pip install 'hethub[runtime]'") from None
+        raise missing_package("launch", "deepspeed") from None
     usage = io.StringIO()
     try:
         with contextlib.redirect_stderr(usage):
@@ -175,6 +175,9 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+OWN_FLAGS = ("--hetero-plan", "--local", "--dry-run", "--resume")  # hethub launch's; the rest is DeepSpeed's
 
 
 def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:

@@ -10,7 +10,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from ..partitioner.errors import InputError, print_error
+from ..partitioner.errors import EXTRA_OF, InputError, missing_package, print_error
 from .parser import build_parser
 
 
@@ -31,6 +31,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(getattr(importlib.import_module(f".{module}", __package__), func)(args) or 0)
     except InputError as exc:
         print_error(str(exc))
+        return 2
+    except ModuleNotFoundError as exc:  # a planning-only install running profile or demo: name the extra
+        if (exc.name or "").split(".")[0] not in EXTRA_OF:
+            raise
+        print_error(str(missing_package(argv[0] if argv else "hethub", exc.name)))
         return 2
     except KeyboardInterrupt:
         print_error("interrupted")
