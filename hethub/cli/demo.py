@@ -183,7 +183,7 @@ def _layout(plan) -> str:
 
 
 def _report(console, runs, out_dir: str, plan_path: str, png: str) -> int:
-    table = Table(title="one iteration = the same global batch, same model, same data, same ranks' speeds")
+    table = Table(title="one iteration = the same global batch, same model, same ranks' speeds")
     for col in ("plan", "stages", "devices used", "predicted s/it", "measured s/it", "measured samples/s"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     measured = {}
