@@ -263,12 +263,17 @@ class Cluster(Record):
         return builtin_device_type(name)
 
     def node(self, host: str) -> Optional[Node]:
-        return next((n for n in self.nodes if n.host == host), None)
+        return self._node_by_host.get(host)
 
-    @property
-    def type_names(self) -> list[str]:
-        """Device types present, in order of first appearance."""
-        return list(dict.fromkeys(n.device_type for n in self.nodes))
+    @cached_property
+    def _node_by_host(self) -> dict[str, Node]:
+        """Why cached: a plan's check asks once per replica, and a wide plan has tens of thousands."""
+        return {n.host: n for n in reversed(self.nodes)}  # reversed: the first node of a host wins
+
+    @cached_property
+    def type_names(self) -> tuple[str, ...]:
+        """Device types present, in order of first appearance (cached: checked once per replica)."""
+        return tuple(dict.fromkeys(n.device_type for n in self.nodes))
 
     def count_by_type(self) -> dict[str, int]:
         counts: dict[str, int] = {}
