@@ -170,6 +170,23 @@ SIM_BUDGET = 30_000  # (rank, micro-batch) pairs one prediction replays; past it
 # (planner benchmark: within 0.2% of the full replay on its 768- and 4096-device plans)
 
 
+# The most (rank, micro-batch) pairs any replay runs, even at its 2S + 2 minimum: a 1000-stage plan replays
+# 2002 micro-batches on 1000 ranks (2.4 GiB of events); past this the closed form stands in.
+MAX_REPLAY_PAIRS = 300_000
+
+
+def replay_fits(plan: Plan) -> bool:
+    """Whether the plan's shortest faithful replay stays within MAX_REPLAY_PAIRS."""
+    return plan.world_size * replay_micro_batches(plan) <= MAX_REPLAY_PAIRS
+
+
+def replay_limit_message(plan: Plan) -> str:
+    m = replay_micro_batches(plan)
+    return (f"{plan.num_stages} stages on {plan.world_size} ranks: a faithful replay runs at least {m} "
+            f"micro-batches ({plan.world_size * m:,} rank-micro-batches), past the {MAX_REPLAY_PAIRS:,} "
+            "the simulator replays")
+
+
 def with_micro_batches(plan: Plan, num_micro_batches: int) -> Plan:
     """The same plan running ``num_micro_batches`` micro-batches per iteration (for shortened replays)."""
     return plan.model_copy(update={"num_micro_batches": num_micro_batches,
@@ -198,7 +215,7 @@ def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) ->
 def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
     costs = stage_costs(plan, cm)
     closed = iteration_s(costs, plan.num_micro_batches)
-    it = replay_iteration_s(plan, cm)
+    it = replay_iteration_s(plan, cm) if replay_fits(plan) else closed  # closed_form_s == iteration_s says so
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
     return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,

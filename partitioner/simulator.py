@@ -195,7 +195,7 @@ class _Replay:
         self.recv_keys: dict[tuple, list[tuple]] = {}  # (rank, "A"|"G", mb) -> keys of that receive
         self.nic_out: dict[str, list[tuple[float, float]]] = {}  # host -> sorted busy intervals
         self.nic_in: dict[str, list[tuple[float, float]]] = {}
-        self.ar_waiting: dict[int, float] = {}  # rank -> time it reached its AR
+        self.ar_waiting: dict[int, dict[int, float]] = {}  # stage -> {rank: time it reached its AR}
         self.last_grad: dict[int, tuple[float, float]] = {}  # rank -> (end, seconds) of its last gradient pass
         # micro-batches whose weight gradients run as their own W: their B accumulates none
         self.split_mbs = {r: {a.mb for a in acts if a.kind == "W"} for r, acts in sched.items()}
@@ -278,13 +278,19 @@ class _Replay:
             return None
         return max(self.done[k] for k in keys)
 
+    def in_allreduce(self, r: int) -> bool:
+        """Whether rank r waits in its stage's all-reduce for the other replicas."""
+        return r in self.ar_waiting.get(self.where[r][0].index, ())
+
     def try_allreduce(self, r: int) -> bool:
         st = self.where[r][0]
-        self.ar_waiting.setdefault(r, self.clock[r])
-        group = [rep.rank for rep in st.replicas]
-        if not all(q in self.ar_waiting for q in group):
+        waiting = self.ar_waiting.setdefault(st.index, {})  # counted per stage: a stage may be 65,536 wide
+        waiting.setdefault(r, self.clock[r])
+        if len(waiting) < st.width:
             return False
-        arrived = [self.ar_waiting.pop(q) for q in group]
+        group = [rep.rank for rep in st.replicas]
+        arrived = [waiting[q] for q in group]
+        del self.ar_waiting[st.index]
         # the buckets' all-reduce runs during each replica's last gradient pass (``CostModel.allreduce_end_s``)
         ar, buckets, rest = self.cm.stage_sync_parts(self.plan, st.index)
         passes = [self.last_grad.get(q, (self.clock[q], 0.0)) for q in group]
@@ -332,7 +338,7 @@ class _Replay:
         while progress:
             progress = False
             for r in ranks:
-                while self.pc[r] < len(self.sched[r]) and r not in self.ar_waiting and self.step(r):
+                while self.pc[r] < len(self.sched[r]) and not self.in_allreduce(r) and self.step(r):
                     progress = True
         stuck = [r for r in ranks if self.pc[r] < len(self.sched[r])]
         if stuck:

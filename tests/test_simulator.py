@@ -315,3 +315,31 @@ def test_the_replay_hides_the_bucketed_allreduce_behind_the_last_backward():
     assert ars and all(e.end_s - e.start_s == pytest.approx(ar - bwd * (n - 1) / n + rest, rel=1e-6) for e in ars)
     assert sim.iteration_s == pytest.approx(one.iteration_s - ar_one + ar - bwd * (n - 1) / n, rel=1e-6)
     assert predict(plan, many).iteration_s == pytest.approx(sim.iteration_s)
+
+
+def test_a_wide_stage_prints_its_busy_range_and_a_replay_past_the_limit_is_refused(tmp_path, capsys, monkeypatch):
+    """A 16-replica stage prints min/median/max busy (65,536 replicas printed 65,536 entries); a plan whose
+    shortest faithful replay is past MAX_REPLAY_PAIRS is one line (a 1000-stage plan took 2.4 GiB) and its
+    prediction is the closed form."""
+    from hethub.cli.main import main
+    from hethub.partitioner import evaluate
+    plan = build_plan(MODEL, CLUSTER, [StageLayout((0, 6), "A100-80GB", (1,) * 16),
+                                       StageLayout((6, 12), "V100-32GB", (2,) * 8)], 16, 4)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert main(["simulate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^stage 0 \(A100-80GB\): busy 16 replicas, min \d+%, median \d+%, max \d+%$", out, re.M), out
+    assert re.search(r"^stage 1 \(V100-32GB\): busy r16 \d+%, .*r23 \d+%$", out, re.M), out
+    assert plan.cluster.type_names is plan.cluster.type_names  # computed once, not per replica
+
+    cm = CostModel(CLUSTER, MODEL)
+    monkeypatch.setattr(evaluate, "MAX_REPLAY_PAIRS", plan.world_size * 4 - 1)
+    assert not evaluate.replay_fits(plan)
+    pred = predict(plan, cm)
+    assert pred.iteration_s == pred.closed_form_s
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"error: plan: 2 stages on 24 ranks: a faithful replay runs at least 4 micro-batches "
+                        r"\(96 rank-micro-batches\), past the 95 the simulator replays; the closed form predicts "
+                        r"[\d.]+ ms", err), err

@@ -4,13 +4,27 @@ from __future__ import annotations
 import argparse
 
 from ..partitioner.costmodel import cost_model_for
-from ..partitioner.evaluate import closed_form_s, replay_iteration_s, replay_micro_batches, with_micro_batches
+from ..partitioner.errors import InputError
+from ..partitioner.evaluate import (closed_form_s, replay_fits, replay_iteration_s, replay_limit_message,
+                                     replay_micro_batches, with_micro_batches)
 from ..partitioner.outputs import check_output_path
 from ..partitioner.records import load_plan, load_profiles
 from ..partitioner.schedule import build_schedule, format_schedule, read_schedule_file
 from ..partitioner.simulator import simulate, write_png, write_trace
 
 TIMELINE_BUDGET = 1_000  # (rank, micro-batch) pairs drawn in a PNG or Chrome trace
+
+
+BUSY_LISTED = 8  # a stage wider than this prints its replicas' busy range, not each
+
+
+def _busy(stage, busy: dict[int, float]) -> str:
+    """Each replica's share of the iteration spent computing; a wide stage's as min/median/max."""
+    if stage.width <= BUSY_LISTED:
+        return ", ".join(f"r{r.rank} {busy[r.rank]:.0%}" for r in stage.replicas)
+    shares = sorted(busy[r.rank] for r in stage.replicas)
+    return (f"{stage.width} replicas, min {shares[0]:.0%}, median {shares[len(shares) // 2]:.0%}, "
+            f"max {shares[-1]:.0%}")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -20,6 +34,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if path:
             check_output_path(path, flag, inputs)
     cm = cost_model_for(plan, load_profiles(args.profiles) if args.profiles else ())
+    if not args.schedule and not replay_fits(plan):
+        raise InputError("plan", f"{replay_limit_message(plan)}; the closed form predicts "
+                                 f"{closed_form_s(plan, cm) * 1e3:.3f} ms")
     m = plan.num_micro_batches if args.schedule else replay_micro_batches(plan)
     shown = plan if m == plan.num_micro_batches else with_micro_batches(plan, m)
     sched = read_schedule_file(args.schedule) if args.schedule else build_schedule(shown)
@@ -37,8 +54,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"iteration {it * 1e3:.3f} ms, {plan.global_batch_size / it:.4g} samples/s, "
           f"bubble {res.bubble_fraction:.1%} ({pred}; closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
     for st in plan.stages:
-        print(f"stage {st.index} ({st.device_type}): busy " +
-              ", ".join(f"r{r.rank} {res.busy[r.rank]:.0%}" for r in st.replicas))
+        print(f"stage {st.index} ({st.device_type}): busy {_busy(st, res.busy)}")
     if (args.trace or args.png) and shown.world_size * shown.num_micro_batches > TIMELINE_BUDGET and not args.schedule:
         m_t = max(2 * plan.num_stages + 2, TIMELINE_BUDGET // plan.world_size)
         shown = with_micro_batches(plan, min(m_t, plan.num_micro_batches))
