@@ -417,6 +417,15 @@ def load_profiles(directory: str) -> list[Profile]:
 # ---------------------------------------------------------------- plan
 
 
+class ProfileRef(Record):
+    """A profile file a plan was priced with (``partitioner.provenance``): its path relative to the plan's
+    folder and its bytes' sha256."""
+
+    path: str = Field(min_length=1, max_length=4096)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    device_type: str = Name
+
+
 class Replica(Record):
     """One data-parallel replica of a stage. With the stage's ``tensor_parallel`` t > 1 it is a tensor-parallel
     group of t ranks on one host, written ``ranks``/``slots`` (``rank``/``slot`` are then its first, the lead
@@ -565,6 +574,8 @@ class Plan(Record):
     dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
+    # The measured profiles the plan was priced with (empty: the analytic cost model).
+    profiles: list[ProfileRef] = Field(default_factory=list, max_length=10_000)
 
     @model_validator(mode="after")
     def _check(self) -> "Plan":

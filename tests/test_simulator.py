@@ -1,6 +1,7 @@
 """Tier 1: schedules as data, the event-level simulator, and its agreement with the closed form."""
 import itertools
 import json
+import os
 import re
 import random
 
@@ -343,3 +344,44 @@ def test_a_wide_stage_prints_its_busy_range_and_a_replay_past_the_limit_is_refus
     assert re.fullmatch(r"error: plan: 2 stages on 24 ranks: a faithful replay runs at least 4 micro-batches "
                         r"\(96 rank-micro-batches\), past the 95 the simulator replays; the closed form predicts "
                         r"[\d.]+ ms", err), err
+
+
+def test_a_plan_records_its_profiles_and_simulate_uses_them_or_says_why_not(tmp_path, capsys):
+    """A plan made with --profiles was simulated on the analytic model (+5525% against its prediction)."""
+    from conftest import EXAMPLES
+    from hethub.cli.main import main
+    from hethub.partitioner import builtin_model
+    from hethub.partitioner.records import LayerProfile, Profile, load_plan
+    m = builtin_model("gpt-tiny")
+    prof_dir = tmp_path / "prof"
+    prof_dir.mkdir()
+    for t in ("A100-80GB", "V100-32GB"):  # 40 ms a layer: far from the analytic microseconds
+        p = Profile(device_type=t, model=m, micro_batch_size=2, layers=[
+            LayerProfile(index=li.index, kind=li.kind, forward_ms=40.0, backward_ms=80.0) for li in m.layers()])
+        (prof_dir / f"{t}.json").write_text(p.to_json())
+    out = tmp_path / "plans" / "plan.json"
+    out.parent.mkdir()
+    assert main(["plan", "--cluster", os.path.join(EXAMPLES, "cluster.yaml"), "--model", "gpt-tiny",
+                 "--global-batch", "8", "--profiles", str(prof_dir), "--no-compare", "--time-limit", "5",
+                 "-o", str(out)]) == 0
+    plan = load_plan(str(out))
+    assert [(r.path, r.device_type) for r in plan.profiles] == [
+        (os.path.join("..", "prof", "A100-80GB.json"), "A100-80GB"), (os.path.join("..", "prof", "V100-32GB.json"),
+                                                                       "V100-32GB")]
+    capsys.readouterr()
+
+    assert main(["simulate", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "profiles: 2 the plan records (bytes unchanged)" in text
+    delta = float(re.search(r"predicted [\d.]+ ms, ([+-][\d.]+)%", text).group(1))
+    assert abs(delta) < 5, text  # the replay of the plan's own cost model
+    assert main(["show", str(out)]) == 0
+    assert "priced with: profiles ../prof/A100-80GB.json (A100-80GB, sha256 " in capsys.readouterr().out
+
+    (prof_dir / "V100-32GB.json").write_text((prof_dir / "V100-32GB.json").read_text().replace("40.0", "41.0"))
+    assert main(["simulate", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^note: profiles\[1\]: .*V100-32GB.json changed since the plan was made", text, re.M), text
+    assert "simulating with the analytic cost model" in text
+    assert main(["simulate", str(out), "--profiles", str(prof_dir)]) == 0
+    assert "1 of its profiles are not the ones the plan was made with" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from ..partitioner.explain import explain
 from ..partitioner.loaders import load_model
 from ..partitioner.outputs import check_output_path, count, write_atomic
 from ..partitioner.planner import PlannerOptions
+from ..partitioner.provenance import profile_refs
 from ..partitioner.records import load_cluster, load_profiles
 from ..partitioner.whatif import apply_what_if
 from .show import print_plan
@@ -87,6 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with _SolveStatus(console) as status:
             plan = make_plan(cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm,
                              with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective)
+    if args.profiles:  # recorded, so that simulate and show find them again
+        plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output)})
     print_plan(plan, console)
     split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
                     if s.tensor_parallel > 1 and not cm.tp_measured(s.device_type, s.tensor_parallel)})

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..partitioner.outputs import count
+from ..partitioner.provenance import as_notes
 from ..partitioner.records import Plan, load_plan
 
 
@@ -70,6 +71,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         if p.usd_per_million_tokens is not None:
             line += f", ${p.usd_per_million_tokens:.4g} per 1M tokens"
         console.print(line)
+    console.print("priced with: " + (f"profiles {as_notes(plan.profiles)}" if plan.profiles
+                                     else "the analytic cost model"), soft_wrap=True)
     used, total = plan.devices_by_type(), plan.cluster.count_by_type()
     console.print("devices used: " + ", ".join(f"{t} {used.get(t, 0)}/{n}" for t, n in total.items()))
     if plan.solver:

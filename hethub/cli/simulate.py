@@ -8,6 +8,7 @@ from ..partitioner.errors import InputError
 from ..partitioner.evaluate import (closed_form_s, replay_fits, replay_iteration_s, replay_limit_message,
                                      replay_micro_batches, with_micro_batches)
 from ..partitioner.outputs import check_output_path
+from ..partitioner.provenance import recorded_profiles, unrecorded
 from ..partitioner.records import load_plan, load_profiles
 from ..partitioner.schedule import build_schedule, format_schedule, read_schedule_file
 from ..partitioner.simulator import simulate, write_png, write_trace
@@ -27,13 +28,32 @@ def _busy(stage, busy: dict[int, float]) -> str:
             f"max {shares[-1]:.0%}")
 
 
+def _profiles(plan, args: argparse.Namespace) -> list:
+    """--profiles DIR, else the profiles the plan records (where their bytes still match); says which."""
+    if args.profiles:
+        for note in unrecorded(plan, args.profiles):
+            print(f"note: {note}")
+        return load_profiles(args.profiles)
+    if not plan.profiles:
+        return []
+    found, missing = recorded_profiles(plan, args.plan)
+    if missing:
+        for note in missing:
+            print(f"note: {note}")
+        print("note: simulating with the analytic cost model, which the plan's prediction did not use; "
+              "--profiles DIR names the profiles")
+        return []
+    print(f"profiles: {len(found)} the plan records (bytes unchanged)")
+    return found
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     inputs = (args.plan, args.schedule)
     for path, flag in ((args.trace, "--trace"), (args.png, "--png")):
         if path:
             check_output_path(path, flag, inputs)
-    cm = cost_model_for(plan, load_profiles(args.profiles) if args.profiles else ())
+    cm = cost_model_for(plan, _profiles(plan, args))
     if not args.schedule and not replay_fits(plan):
         raise InputError("plan", f"{replay_limit_message(plan)}; the closed form predicts "
                                  f"{closed_form_s(plan, cm) * 1e3:.3f} ms")
