@@ -36,6 +36,7 @@ MAX_DIM = 10_000_000  # hidden, ffn, vocab, sequence length, heads
 MAX_BATCH = 10_000_000  # samples in a global batch
 MAX_MICRO_BATCHES = 100_000  # micro-batches in one iteration
 MAX_RATE = 1e9  # TFLOP/s, GiB, GB/s, Gbit/s, microseconds: finite and at most this
+MIN_RATE = 1e-6  # TFLOP/s, GB/s, Gbit/s: more than this (1e-300 made the MILP's coefficients overflow)
 
 Name = Field(min_length=1, max_length=MAX_NAME_CHARS)
 # What a hostfile line and an ssh/pdsh argument can carry safely: a host name or an address, never a flag
@@ -107,7 +108,9 @@ def read_data_file(path: str, what: str) -> Any:
         if isinstance(exc, json.JSONDecodeError):
             raise InputError(what, f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: "
                                    f"{exc.msg})") from None
-        raise InputError(what, f"{path}: {exc}") from None  # e.g. an integer over 4300 digits
+        if "integer string conversion" in str(exc):  # Python's limit; its message names sys.set_int_max_str_digits
+            raise InputError(what, f"{path}: holds an integer of over 4300 digits; no field takes one") from None
+        raise InputError(what, f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -123,7 +126,7 @@ class DeviceType(Record):
     # dtype -> dense peak TFLOP/s; a bare number means bf16 (and fp16).
     peak_tflops: dict[str, float]
     memory_gib: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
-    memory_gbps: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
+    memory_gbps: float = Field(gt=MIN_RATE, le=MAX_RATE, allow_inf_nan=False)
     # Fraction of peak a transformer layer's matmuls reach (MFU); a measured profile calibrates it.
     efficiency: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
     # Price of one device-hour (cloud list price or amortised cost), for $/1M tokens and --objective cost.
@@ -132,8 +135,15 @@ class DeviceType(Record):
     @field_validator("peak_tflops", mode="before")
     @classmethod
     def _number_means_bf16(cls, v: Any) -> Any:
+        if isinstance(v, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; every other number field takes it
+            try:
+                v = float(v)
+            except ValueError:
+                raise ValueError(f"expected TFLOP/s (a number) or a map dtype -> TFLOP/s, got {short(v)}") from None
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return {"bf16": float(v), "fp16": float(v)}
+        if not isinstance(v, dict):
+            raise ValueError(f"expected TFLOP/s (a number) or a map dtype -> TFLOP/s, got {short(v)}")
         return v
 
     @field_validator("peak_tflops")
@@ -144,8 +154,8 @@ class DeviceType(Record):
         for dtype, tf in v.items():
             if dtype not in ("fp8", "bf16", "fp16", "tf32", "fp32", "fp64"):
                 raise ValueError(f"{dtype[:40]}: unknown dtype, expected one of fp8/bf16/fp16/tf32/fp32/fp64")
-            if not tf > 0:
-                raise ValueError(f"{dtype}: must be > 0, got {tf!r}")
+            if not tf > MIN_RATE:
+                raise ValueError(f"{dtype}: must be > {MIN_RATE:g} TFLOP/s, got {tf!r}")
             if not tf <= MAX_RATE:
                 raise ValueError(f"{dtype}: must be <= {MAX_RATE:g}, got {tf!r}")
         return v
@@ -191,10 +201,10 @@ class Network(Record):
     # Gbit/s between two devices of one node; one number or a map device_type -> number.
     intra_node_gbps: Union[float, dict[str, float]] = 2400.0
     # Gbit/s of one node's NIC towards another node.
-    inter_node_gbps: float = Field(default=100.0, gt=1e-6, le=MAX_RATE, allow_inf_nan=False)
+    inter_node_gbps: float = Field(default=100.0, gt=MIN_RATE, le=MAX_RATE, allow_inf_nan=False)
     # Between devices of different vendors, traffic goes device -> host -> network -> host -> device.
     # None: inter_node_gbps, limited by host copies (PCIe) in the cost model.
-    cross_vendor_gbps: Optional[float] = Field(default=None, gt=1e-6, le=MAX_RATE, allow_inf_nan=False)
+    cross_vendor_gbps: Optional[float] = Field(default=None, gt=MIN_RATE, le=MAX_RATE, allow_inf_nan=False)
     intra_node_latency_us: float = Field(default=5.0, ge=0, le=MAX_RATE, allow_inf_nan=False)
     inter_node_latency_us: float = Field(default=20.0, ge=0, le=MAX_RATE, allow_inf_nan=False)
 
@@ -203,8 +213,8 @@ class Network(Record):
     def _positive(cls, v: Any) -> Any:
         values = v.items() if isinstance(v, dict) else [("", v)]
         for k, x in values:
-            if not 1e-6 < x <= MAX_RATE:
-                raise ValueError(f"{k[:40] + ': ' if k else ''}must be > 1e-06 and <= {MAX_RATE:g}, got {x!r}")
+            if not MIN_RATE < x <= MAX_RATE:
+                raise ValueError(f"{k[:40] + ': ' if k else ''}must be > {MIN_RATE:g} and <= {MAX_RATE:g}, got {x!r}")
         return v
 
     def intra_gbps(self, device_type: str) -> float:
@@ -367,7 +377,7 @@ class LinkProfile(Record):
     src_rank: int = Field(ge=0)
     dst_rank: int = Field(ge=0)
     op: Literal["p2p", "allreduce"]
-    gbps: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)  # Gbit/s
+    gbps: float = Field(gt=MIN_RATE, le=MAX_RATE, allow_inf_nan=False)  # Gbit/s
     bytes: int = Field(gt=0)
 
 

@@ -125,3 +125,11 @@ def test_planning_package_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def test_a_yaml_exponent_without_a_dot_is_a_peak_like_any_other_number():
+    """YAML 1.1 reads ``1e3`` as a string; every float field takes it, so the peak does too."""
+    import yaml
+    from hethub.partitioner.records import DeviceType
+    d = DeviceType.model_validate(yaml.safe_load("{vendor: nvidia, peak_tflops: 1e3, memory_gib: 8, memory_gbps: 1e3}"))
+    assert d.peak_tflops == {"bf16": 1000.0, "fp16": 1000.0} and d.memory_gbps == 1000.0

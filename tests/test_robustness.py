@@ -59,7 +59,22 @@ FILE_CASES = {
     "deep_json": ("[" * 5000 + "]" * 5000, lambda p: ["show", p], "nested too deeply"),
     "deep_yaml": ("a:\n" + "".join(" " * i + "- \n" for i in range(1, 3)) + "[" * 5000 + "]" * 5000,
                   lambda p: ["plan", "--cluster", p, "--model", "gpt-1.3b", "--global-batch", "8"], "cluster"),
-    "huge_int": ('{"schema_version": ' + "9" * 5000 + "}", lambda p: ["show", p], "plan"),
+    "huge_int": ('{"schema_version": ' + "9" * 5000 + "}", lambda p: ["show", p],
+                 "huge_int.json: holds an integer of over 4300 digits; no field takes one"),
+    "huge_int_yaml": ("name: x\nnodes: [{host: a, device_type: T4, count: " + "9" * 5000 + "}]\n",
+                      lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "holds an integer of over 4300 digits"),
+    # YAML reads 1e-300 (no dot) as a string: it said "input should be a valid dictionary"
+    "peak_tiny": (cluster_with(**{"device_types.MY-GPU.peak_tflops": 1e-300}),
+                  lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "peak_tflops.bf16: must be > 1e-06 TFLOP/s"),
+    "peak_tiny_yaml": ("name: x\ndevice_types: {G: {vendor: nvidia, peak_tflops: 1e-300, memory_gib: 24, "
+                       "memory_gbps: 900}}\nnodes: [{host: a, device_type: G, count: 1}]\n",
+                       lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "peak_tflops.bf16: must be > 1e-06 TFLOP/s"),
+    "peak_word": ("name: x\ndevice_types: {G: {vendor: nvidia, peak_tflops: fast, memory_gib: 24, "
+                  "memory_gbps: 900}}\nnodes: [{host: a, device_type: G, count: 1}]\n",
+                  lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:],
+                  "peak_tflops: expected TFLOP/s (a number) or a map dtype -> TFLOP/s, got 'fast'"),
+    "memory_gbps_tiny": (cluster_with(**{"device_types.MY-GPU.memory_gbps": 1e-300}),
+                         lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:], "memory_gbps"),
     "count_1e12": (cluster_with(**{"nodes.0.count": 10 ** 12}), lambda p: PLAN_ARGS[:2] + [p] + PLAN_ARGS[3:],
                    "cluster.nodes[0].count: must be <= 65536"),
     "count_1e9_total": (cluster_with(nodes=[{"host": f"h{i}", "device_type": "A100-80GB", "count": 60000}
