@@ -195,3 +195,30 @@ def test_a_missing_training_script_is_one_line_before_the_launcher_starts(dry):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith("error: launch: no training script 'nothere.py'"), lines[0]
+
+
+CONFIG_CASES = {  # ds_config given to the script -> the launcher's one line (was: each rank's, after start-up)
+    "batch": ({"train_batch_size": 7}, "error: config.train_batch_size: must agree with the plan (8 on rank 0), got 7"),
+    "micro": ({"train_micro_batch_size_per_gpu": 2},
+              "error: config.train_micro_batch_size_per_gpu: must agree with the plan (1 on rank 3), got 2"),
+    "zero3": ({"zero_optimization": {"stage": 3}}, "error: config.zero_optimization.stage: hethub runs ZeRO stage 0"),
+    "zero_list": ({"zero_optimization": [1]}, "error: config.zero_optimization: expected an object"),
+    "hetero_typo": ({"hetero": {"timout_s": 5}}, "error: config.hetero.timout_s: unknown field"),
+    "two_dtypes": ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "error: config.fp16.enabled: bf16 and fp16"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_CASES))
+def test_the_launcher_checks_the_scripts_ds_config_before_deepspeed_starts(tmp_path, capsys, name):
+    import json
+    from hethub.cli.main import main
+    config, expected = CONFIG_CASES[name]
+    plan, cfg = tmp_path / "plan.json", tmp_path / "ds.json"
+    plan.write_text(unequal_plan().to_json())
+    cfg.write_text(json.dumps(config))
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    for flags in (["--dry-run", "--local"], ["--local"]):  # the real launch stops before DeepSpeed too
+        for tail in (["--deepspeed_config", str(cfg)], [f"--deepspeed_config={cfg}"]):
+            assert main(["launch", "--hetero-plan", str(plan), *flags, script, *tail]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(expected) and len(err.splitlines()) == 1, err

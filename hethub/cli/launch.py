@@ -22,6 +22,7 @@ import sys
 import tempfile
 from typing import Sequence
 
+from ..dsconfig import check_config, load_config
 from ..partitioner.errors import InputError, missing_package
 from ..partitioner.records import Plan, load_plan
 
@@ -235,6 +236,7 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     if dry_run:
         cmd, _ = build_command(os.path.abspath(plan_path), plan, rest, local, DRY_RUN_HOSTFILE, dry_run=True)
         _check_script(rest)
+        _check_config(plan, rest)
         print(" ".join(cmd))
         if not local:
             print(f"# {DRY_RUN_HOSTFILE} (the launch writes it to a temporary folder; a dry run writes nothing):\n"
@@ -244,9 +246,26 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     try:
         cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"))
         _check_script(rest)
+        _check_config(plan, rest)
         return _run_launcher(cmd, env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # our own temporary folder: only the hostfile is in it
+
+
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")  # the script's ds_config, as DeepSpeed names it
+
+
+def _check_config(plan: Plan, rest: Sequence[str]) -> None:
+    """The ds_config the script is given, checked against the plan here: one line in a second, not one per rank
+    after ~25 s of start-up inside DeepSpeed's logs."""
+    _flags, _script, args = split_script(rest)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in CONFIG_FLAGS:
+            path = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+            if path is None:
+                raise InputError(name, "expects the ds_config file")
+            check_config(plan, load_config(path))
 
 
 def _check_script(rest: Sequence[str]) -> None:

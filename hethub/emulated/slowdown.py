@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..dsconfig import MAX_SLOWDOWN
 from ..partitioner.errors import InputError
 
 
@@ -105,7 +106,6 @@ class SlowDown(nn.Module):
         return y
 
 
-MAX_SLOWDOWN = 1e4  # as `hethub profile --emulate-slowdown` allows: past it a factor is a typo
 
 
 def parse_factors(text: str, what: str = "HETHUB_EMULATE_SLOWDOWN") -> dict[str, float]:

@@ -6,69 +6,17 @@ same input and ends with the same one line and exit 2, before any rank can wait 
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from pydantic import Field, field_validator
 
-from ..emulated.slowdown import MAX_SLOWDOWN
-from ..partitioner.costmodel import DEFAULT_BUCKET_MB, cost_model_for
+from ..dsconfig import HeteroSection, check_batch_keys, check_zero
+from ..partitioner.costmodel import cost_model_for
 from ..partitioner.errors import InputError
-from ..partitioner.records import Plan, Record, load_plan, parse_record, read_data_file
+from ..partitioner.records import Plan, load_plan, parse_record
 from ..partitioner.schedule import read_schedule_file
 from ..partitioner.simulator import simulate
-
-DEFAULT_TIMEOUT_S = 300
-
-
-def load_config(config: Union[dict, str, None]) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return json.loads(json.dumps(config))  # deep copy; we fill in batch keys
-    data = read_data_file(str(config), "config")  # JSON (YAML also accepted)
-    if not isinstance(data, dict):
-        raise InputError("config", f"{config}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400  # under a second no start-up finishes; past a week it is a typo
-MIN_BUCKET_MB, MAX_BUCKET_MB = 1e-3, 65536.0  # 1 KiB (tests, tiny models) .. 64 GiB (one bucket for anything)
-
-
-class HeteroSection(Record):
-    """ds_config's ``"hetero"`` section, checked whole on every rank before any collective.
-
-    Why: a misspelt key (``"timout_s"``) would otherwise be a setting silently ignored, and a bad value a
-    traceback halfway through start-up; here either is one line naming ``config.hetero.<field>``.
-    """
-    plan: Optional[Union[str, dict]] = None  # plan.json, or the plan itself (overridden by plan= and --hetero-plan)
-    schedule: Optional[str] = None  # a hand-edited schedule file (``hethub simulate --print-schedule``'s format)
-    resume: Optional[str] = None  # load the newest complete checkpoint in this directory at initialize
-    emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulated.slowdown)
-    timeout_s: float = Field(DEFAULT_TIMEOUT_S, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
-    # the data-parallel gradient all-reduce's bucket size (hethub.runtime.buckets; the cost model's default)
-    bucket_mb: float = Field(DEFAULT_BUCKET_MB, ge=MIN_BUCKET_MB, le=MAX_BUCKET_MB)
-
-    @field_validator("emulate_slowdown")
-    @classmethod
-    def _slowdowns(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        for name, k in (value or {}).items():
-            if not 1.0 <= k <= MAX_SLOWDOWN:
-                raise ValueError(f"{name}: must be in [1, {MAX_SLOWDOWN:g}], got {k!r}")
-        return value
-
-
-def hetero_section(config: dict) -> HeteroSection:
-    """The checked ``"hetero"`` section of a ds_config dict (an absent section is all defaults)."""
-    section = config.get("hetero")
-    if section is None:
-        section = {}
-    if not isinstance(section, dict):
-        raise InputError("config.hetero", f"expected an object of hethub's settings, got {type(section).__name__}")
-    return parse_record(HeteroSection, section, "config.hetero")
 
 
 def resolve_plan(plan: Union[Plan, str, None], section: HeteroSection, args: Any = None) -> Plan:
@@ -151,21 +99,8 @@ def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any]
     if len(layers) != n:
         raise InputError("layers", f"the plan's model {plan.model.name!r} has {n} planner layers "
                                    f"(embedding, {plan.model.num_layers} blocks, head), got a list of {len(layers)}")
-    samples = stage.replicas[rep].samples
-    expected = {"train_batch_size": plan.global_batch_size, "gradient_accumulation_steps": plan.num_micro_batches,
-                "train_micro_batch_size_per_gpu": samples}
-    for key, want in expected.items():
-        if key in config and config[key] != want:
-            raise InputError(f"config.{key}", f"must agree with the plan ({want} on rank {rank}), got {config[key]}")
-    zero = (config.get("zero_optimization") or {}).get("stage", 0)
-    if zero not in (0, 1):
-        raise InputError("config.zero_optimization.stage", f"hethub runs ZeRO stage 0 or 1 (stage 1 shards optimizer "
-                                                           f"state over each stage's replicas); stages 2 and 3 are "
-                                                           f"not supported, got {zero!r}")
-    if plan.zero1 and zero != 1:
-        raise InputError("config.zero_optimization.stage", "the plan was made with --zero1 (its memory assumes "
-                                                           "optimizer state sharded over each stage's replicas): set "
-                                                           "\"zero_optimization\": {\"stage\": 1}")
+    check_batch_keys(plan, config, [rank])
+    check_zero(plan, config)
     if stage.tensor_parallel > 1 and optimizer is not None and hasattr(optimizer, "step"):
         raise InputError("optimizer", "with tensor parallelism pass a callable params -> Optimizer: hethub splits "
                                       "the layers' parameters first, so an optimizer built before holds the old ones")

@@ -25,13 +25,14 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..dsconfig import FP16Section
 from ..partitioner.schedule import build_schedule
 from . import checkpoint, ds_seams
 from .control import Control
 from .errors import Guard
 from .executor import Executor
 from .gradients import BUCKET_BYTES, Gradients
-from .precision import FP16Section, Precision
+from .precision import Precision
 from .grid import HeteroGrid
 from .module import HeteroPipelineModule
 from .tp import local

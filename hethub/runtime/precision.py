@@ -17,26 +17,12 @@ from typing import Optional
 
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from pydantic import ConfigDict, Field
-
+from ..dsconfig import FP16Section, config_dtype
 from ..partitioner.costmodel import DS_CONFIG_FOR
 from ..partitioner.errors import InputError
-from ..partitioner.records import Plan, Record, parse_record
+from ..partitioner.records import Plan
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class FP16Section(Record):
-    """ds_config's ``"fp16"`` section: DeepSpeed's keys and defaults (``loss_scale`` 0 = dynamic). Keys hethub
-    has no use for (``auto_cast``, ...) are accepted and ignored, as DeepSpeed's own config would read them."""
-    model_config = ConfigDict(frozen=True, extra="ignore")
-    enabled: bool = False
-    loss_scale: float = Field(0.0, ge=0, le=2.0 ** 64)
-    initial_scale_power: int = Field(16, ge=0, le=64)
-    loss_scale_window: int = Field(1000, ge=1, le=10 ** 9)
-    hysteresis: int = Field(2, ge=1, le=10 ** 6)
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0, le=2.0 ** 64)
 
 
 @dataclass
@@ -68,15 +54,12 @@ class Precision:
 
 
 def precision_from_config(cfg: dict) -> Precision:
-    """The run's precision from the ds_config's ``bf16`` / ``fp16`` sections (checked: one line naming the
-    field); both are removed from ``cfg``, since DeepSpeed must not build its own optimizer wrappers."""
-    bf16 = cfg.pop("bf16", None) or {}
-    if not isinstance(bf16, dict):
-        raise InputError("config.bf16", f"expected an object like {{\"enabled\": true}}, got {bf16!r}"[:160])
-    fp16 = parse_record(FP16Section, cfg.pop("fp16", None) or {}, "config.fp16")
-    if bf16.get("enabled") and fp16.enabled:
-        raise InputError("config.fp16.enabled", "bf16 and fp16 are both enabled: train in one of them")
-    return Precision("bf16" if bf16.get("enabled") else "fp16" if fp16.enabled else "fp32", fp16)
+    """The run's precision from the ds_config's ``bf16`` / ``fp16`` sections (``dsconfig.config_dtype``); both are
+    removed from ``cfg``, since DeepSpeed must not build its own optimizer wrappers."""
+    dtype, fp16 = config_dtype(cfg)
+    cfg.pop("bf16", None)
+    cfg.pop("fp16", None)
+    return Precision(dtype, fp16)
 
 
 def plan_dtype_note(plan: Plan, precision: Precision) -> Optional[str]:

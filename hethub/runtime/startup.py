@@ -23,14 +23,15 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from .._version import __version__
+from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
 from ..emulated.slowdown import SlowDown, parse_factors, slowdown_for
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_backend
 from ..partitioner.records import Plan
 from . import ds_seams, tp
-from .checks import (DEFAULT_TIMEOUT_S, HeteroSection, check_against_world, hetero_section, launched_world,
-                     load_checked_schedule, load_config, local_device_index, on_gpu, resolve_plan)
+from .checks import (check_against_world, launched_world, load_checked_schedule, local_device_index, on_gpu,
+                     resolve_plan)
 from .control import Control
 from .precision import Precision, check_device_dtype, plan_dtype_note, precision_from_config
 from .engine import HeteroPipelineEngine
