@@ -24,6 +24,7 @@ from typing import Sequence
 
 from ..dsconfig import check_config, load_config
 from ..partitioner.errors import InputError, missing_package
+from ..partitioner.outputs import count
 from ..partitioner.records import Plan, load_plan
 
 # deepspeed flags that place ranks: the plan decides these
@@ -178,12 +179,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-OWN_FLAGS = ("--hetero-plan", "--local", "--dry-run", "--resume")  # hethub launch's; the rest is DeepSpeed's
+OWN_FLAGS = ("--hetero-plan", "--local", "--dry-run", "--resume", "--verbose")  # hethub launch's; the rest is DeepSpeed's
 
 
 def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
     """hethub's own flags come first: --hetero-plan P [--local] [--dry-run]; the rest goes to DeepSpeed."""
-    plan, local, dry, resume, i = None, False, False, None, 0
+    plan, local, dry, resume, verbose, i = None, False, False, None, False, 0
     argv = list(argv)
     while i < len(argv):
         tok = argv[i]
@@ -201,6 +202,8 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
             resume, i = argv[i + 1], i + 2
         elif tok == "--dry-run":
             dry, i = True, i + 1
+        elif tok == "--verbose":
+            verbose, i = True, i + 1
         elif tok in ("-h", "--help"):
             raise SystemExit(_usage())
         else:
@@ -209,9 +212,25 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
         raise InputError("--hetero-plan", "is required: hethub launch --hetero-plan plan.json [--local] "
                                           "[deepspeed flags] train.py [args]")
     rest = argv[i:]
+    if not verbose:
+        rest = _quiet(rest)
     if resume is not None:
         rest = _insert_after_script(rest, ["--hetero-resume", resume])
     return plan, local, dry, rest
+
+
+_LOG_FLAGS = ("--log_level", "-q", "--quiet")  # DeepSpeed's runner's: the user's choice wins
+
+
+def _quiet(rest: list[str]) -> list[str]:
+    """DeepSpeed's runner and per-node launcher log at INFO by default (34 of 39 lines of a local run): warnings
+    and above unless the user chose a level or asked for ``--verbose``."""
+    if not rest:
+        return rest
+    flags, _script, _args = split_script(rest)
+    if any(f.split("=")[0] in _LOG_FLAGS for f in flags):
+        return rest
+    return ["--log_level=warning", *rest]
 
 
 def _insert_after_script(rest: list[str], extra: list[str]) -> list[str]:
@@ -220,7 +239,8 @@ def _insert_after_script(rest: list[str], extra: list[str]) -> list[str]:
 
 
 def _usage() -> str:
-    print("usage: hethub launch --hetero-plan plan.json [--local] [--resume DIR] [--dry-run] [deepspeed launcher flags] "
+    print("usage: hethub launch --hetero-plan plan.json [--local] [--resume DIR] [--dry-run] [--verbose] "
+          "[deepspeed launcher flags] "
           "train.py [script args]\n\n" + __doc__)
     return 0
 
@@ -247,6 +267,9 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
         cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"))
         _check_script(rest)
         _check_config(plan, rest)
+        hosts = len(host_layout(plan)) if not local else 1
+        print(f"hethub: starting {count(plan.world_size, 'rank')} on {count(hosts, 'host')} under DeepSpeed's launcher "
+              "(each rank imports torch and DeepSpeed first: often 10-30 s before its first line)", flush=True)
         return _run_launcher(cmd, env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # our own temporary folder: only the hostfile is in it

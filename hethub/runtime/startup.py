@@ -28,6 +28,7 @@ from ..emulated.slowdown import SlowDown, parse_factors, slowdown_for
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_backend
+from ..partitioner.outputs import count
 from ..partitioner.records import Plan
 from . import ds_seams, tp
 from .checks import (check_against_world, launched_world, load_checked_schedule, local_device_index, on_gpu,
@@ -237,6 +238,9 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     control = Control(run.hetero.timeout_s)
     _register_clean_shutdown(control)
     _check_every_rank_agrees(run.plan, control)
+    if run.rank == 0:  # the first line a launch prints after its ranks' silent imports
+        print(f"hethub: {count(run.plan.world_size, 'rank')} joined and agree on the plan "
+              f"({count(run.plan.num_stages, 'stage')}); building them", file=sys.stderr, flush=True)
     note = plan_dtype_note(run.plan, run.precision)
     if note and run.rank == 0:
         print(note, file=sys.stderr, flush=True)
