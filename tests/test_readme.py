@@ -2,6 +2,8 @@
 import os
 import re
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -62,3 +64,33 @@ def test_every_flag_and_default_is_in_the_readmes_command_reference():
                 missing.append(f"hethub {name} {flags[0]}: default {_shown(action.default)}")
     missing += [f"hethub launch {f}" for f in OWN_FLAGS if f not in rows.get("launch", "")]
     assert not missing, missing
+
+
+def _quickstart_lines() -> list[str]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## Quickstart"):]
+    section = section[:section.index("\n## ", 5)]
+    return [line for block in re.findall(r"```sh\n(.*?)```", section, re.S) for line in block.strip().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_as_written(tmp_path):
+    """Every quickstart line runs in a fresh folder holding examples/ (one marked [several hosts] needs the
+    cluster's hosts: it is only dry-run here, by the line before it)."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copytree(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               OMP_NUM_THREADS="1")
+    lines = _quickstart_lines()
+    assert len(lines) >= 6 and sum("# [several hosts]" in line for line in lines) == 1, lines
+    for line in lines:
+        if "# [several hosts]" in line:
+            continue
+        r = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-2000:])
+        if line.startswith("hethub launch") and "--local" in line:
+            assert re.search(r"^step +2 +loss [\d.]+", r.stdout + r.stderr, re.M), r.stdout[-2000:]
+    for out in ("my-cluster.yaml", "plan.json", "plan.png", "tiny.json"):
+        assert (tmp_path / out).is_file(), out
