@@ -371,6 +371,9 @@ class LayerProfile(Record):
     activation_bytes: Optional[int] = Field(default=None, ge=0)
     # Peak memory of forward+backward of this layer alone (bytes); where the device reports it.
     peak_memory_bytes: Optional[int] = Field(default=None, ge=0)
+    # (p90 - p10) / median of its repetitions, and how many times it was measured to get there (hethub profile).
+    spread: Optional[float] = Field(default=None, ge=0, le=MAX_RATE, allow_inf_nan=False)
+    rounds: int = Field(default=1, ge=1, le=100)
 
 
 class LinkProfile(Record):

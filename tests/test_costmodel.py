@@ -1,6 +1,7 @@
 """Tier 1: the analytic cost model; tier 2 (torch, seconds): the profiler and its merge."""
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -156,8 +157,11 @@ def test_profiler_measures_every_layer_and_round_trips(tmp_path):
     out = tmp_path / "p.json"
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--reps", "2", "-o", str(out))
     assert r.returncode == 0, r.stderr
+    for kind in ("embedding", "block", "head"):  # each layer's spread, said and recorded
+        assert re.search(rf"^{kind}: forward [\d.]+ ms, backward [\d.]+ ms, spread \d+%", r.stdout, re.M), r.stdout
     from hethub.partitioner import load_profile
     prof = load_profile(str(out))
+    assert all(l.spread is not None and 1 <= l.rounds <= 3 for l in prof.layers)
     assert [l.index for l in prof.layers] == list(range(6))
     assert all(l.forward_ms > 0 and l.backward_ms > 0 for l in prof.layers)
     block = prof.layers[1]
@@ -304,3 +308,17 @@ def test_upper_bound_holds_when_layer_speed_ratios_differ():
     # proportional ratios: the bound is the old sum exactly
     same = {"A": np.array([1.0, 2.0]), "B": np.array([2.0, 4.0])}
     assert work_bound_samples_per_s(same, {"A": 2, "B": 1}) == pytest.approx(2 / 3 + 1 / 6, rel=1e-6)
+
+
+def test_a_layer_whose_repetitions_spread_wide_is_measured_again_and_the_steadiest_round_kept():
+    pytest.importorskip("torch")
+    from hethub.cli.profiler import MAX_ROUNDS, SPREAD_LIMIT, measure_steady, spread
+    assert spread([1.0] * 9) == 0.0
+    assert spread([1.0] * 9 + [5.0]) == 0.0  # one slow repetition in ten: the median already ignores it
+    assert spread([1.0] * 8 + [5.0, 5.0]) == pytest.approx(4.0)  # two: the layer's time is not steady
+    for spreads, kept, rounds in (([0.1], 0.1, 1), ([0.9, 0.5, 0.1], 0.1, 3), ([0.9, 0.1], 0.1, 2),
+                                  ([0.9, 0.8, 0.95], 0.8, MAX_ROUNDS)):
+        it = iter(spreads)
+        got = measure_steady(lambda: {"spread": next(it), "forward_ms": 1.0})
+        assert (got["spread"], got["rounds"]) == (kept, rounds), spreads
+    assert SPREAD_LIMIT < 0.5
