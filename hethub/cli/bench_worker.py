@@ -118,7 +118,8 @@ def main() -> None:
     if rank == 0:
         times = [e["seconds"] for e in log]
         with open(a.out, "w", encoding="utf-8") as f:
-            json.dump({"log": log, "times": times, "median_s": statistics.median(times[min(a.warmup, len(times) - 1):])},
+            json.dump({"log": log, "times": times, "median_s": statistics.median(times[min(a.warmup, len(times) - 1):]),
+                       "timed": times[min(a.warmup, len(times) - 1):]},
                       f)
 
 
