@@ -382,7 +382,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     leads = lead_ranks(plan)  # one row per replica (a tensor-parallel group as its lead)
     row = {r: k for k, r in enumerate(leads)}
     n = len(leads)
-    fig, ax = plt.subplots(figsize=(12, 0.45 * n + 1.6))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * n + 2.0))
     # tab20 without its two greys, which read as transfers / all-reduce
     palette = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (14, 15)]
     cmap = lambda mb: palette[mb % len(palette)]  # noqa: E731
@@ -410,12 +410,14 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     ax.set_xlabel("ms")
     ax.set_title(title or f"{plan.model.name}: {count(plan.num_stages, 'stage')}, {count(plan.world_size, 'rank')}, "
                           f"{result.iteration_s * 1e3:.1f} ms/iteration, bubble {result.bubble_fraction:.1%}")
-    ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
+    fig.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
                        Patch(facecolor="white", edgecolor="black", hatch="///", label="backward"),
                        Patch(facecolor="dimgray", label="transfer"), Patch(facecolor="lightgray", label="all-reduce"),
                        Patch(facecolor="darkorange", label="tensor-parallel all-reduce"),
-                       Patch(facecolor="black", label="optimizer")], loc="upper right", fontsize=7, ncol=5)
-    fig.tight_layout()
+                       Patch(facecolor="black", label="optimizer")], loc="lower center", fontsize=7, ncol=6,
+               frameon=False)
+    # the legend below the axes, never over the top rank's row
+    fig.tight_layout(rect=(0, 0.4 / fig.get_figheight(), 1, 1))
     try:
         write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), "--png", inputs)
     finally:

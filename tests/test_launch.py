@@ -180,10 +180,12 @@ def test_demo_runs_end_to_end(tmp_path):
     pytest.importorskip("deepspeed")
     r = run_cli("demo", "--steps", "2", "--global-batch", "16", "-o", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert re.search(r"hethub vs fastest-only: [\d.]+x measured \([\d.]+x predicted\)", r.stdout), r.stdout[-3000:]
+    assert re.search(r"hethub vs fastest-only: [\d.]+x measured \([\d.]+x predicted; step by step [\d.]+x-[\d.]+x\)",
+                     r.stdout), r.stdout[-3000:]
     assert re.search(r"hethub vs DeepSpeed: [\d.]+x measured", r.stdout)
     assert "step 2/2 loss" in r.stdout  # progress, step by step
-    for f in ("plan.json", "timeline.png", "train-log.json", "run-hethub.json", "run-fast.json", "run-deepspeed.json"):
+    for f in ("plan.json", "timeline.png", "timeline-fastest-only.png", "timeline-deepspeed.png", "train-log.json",
+              "run-hethub.json", "run-fast.json", "run-deepspeed.json"):
         assert (tmp_path / f).exists(), f
 
 

@@ -109,6 +109,8 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
     print_plan(plan, console)
     png = os.path.join(out_dir, "timeline.png")
     write_png(simulate(plan, cm), plan, png)
+    for name, other in (("timeline-fastest-only.png", fastest), ("timeline-deepspeed.png", deepspeed)):
+        write_png(simulate(other, cm), other, os.path.join(out_dir, name))  # the same replay, for comparison
 
     model_json = os.path.join(out_dir, "model.json")
     write_atomic(model_json, model.to_json() + "\n", "--output-dir")
@@ -233,7 +235,7 @@ def _report(console, runs, out_dir: str, plan_path: str, png: str) -> int:
                   f"ms ({ours[1].predicted.iteration_s / measured[ours[0]] - 1:+.0%})")
     log_path = os.path.join(out_dir, "train-log.json")
     write_atomic(log_path, json.dumps(log) + "\n", "--output-dir")
-    console.print(f"wrote {plan_path}, {png}, {log_path}")
+    console.print(f"wrote {plan_path}, {png} (and the baselines' timeline-*.png), {log_path}")
     if not losses[-1] < losses[0]:
         console.print("error: the loss did not fall")
         ok = False
