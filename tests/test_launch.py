@@ -237,3 +237,23 @@ def test_deepspeeds_launcher_logs_warnings_unless_asked(capsys, own, ds, level):
     cmd = next(l for l in capsys.readouterr().out.splitlines() if "deepspeed.launcher.runner" in l).split()
     assert ("--log_level=warning" in cmd) == (level is not None), cmd
     assert cmd.count("--log_level") + sum(c.startswith("--log_level=") for c in cmd) <= 1
+
+
+def test_the_demo_tells_deepspeed_it_runs_on_cpu_before_deepspeed_is_imported(monkeypatch):
+    """Its first line was DeepSpeed's "Setting accelerator to CPU ... unable to detect it" warning."""
+    import importlib
+    import types
+    cli_main = importlib.import_module("hethub.cli.main")  # the module (hethub.cli's `main` is its function)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    seen = {}
+    real = cli_main.importlib.import_module
+
+    def fake(name, package=None):
+        if name == ".demo":
+            seen["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR")
+            return types.SimpleNamespace(cmd_demo=lambda args: 0)
+        return real(name, package)
+
+    monkeypatch.setattr(cli_main.importlib, "import_module", fake)
+    assert cli_main.main(["demo"]) == 0
+    assert seen == {"DS_ACCELERATOR": "cpu"}

@@ -7,6 +7,7 @@ never a traceback for a user error. Each command lives in its own module (``plan
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -27,6 +28,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.print_help()
             return 0
         module, _, func = args.run.partition(":")
+        if module == "demo":  # the demo runs on CPU by design: DeepSpeed need not warn that it found no GPU
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # lazy: only the command that runs is imported (profiler and demo import torch, plan must not)
         return int(getattr(importlib.import_module(f".{module}", __package__), func)(args) or 0)
     except InputError as exc:
