@@ -17,10 +17,8 @@ from typing import Optional, Sequence
 from .records import MAX_FILE_BYTES, Plan, Profile, ProfileRef, load_profile
 
 
-def file_sha256(path: str) -> Optional[str]:
-    """Hex sha256 of a regular file of at most MAX_FILE_BYTES; None if it is missing, not a file or larger."""
-    if not os.path.isfile(path) or os.path.getsize(path) > MAX_FILE_BYTES:
-        return None
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks (a plan's profiles, a checkpoint's layer files)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -28,15 +26,21 @@ def file_sha256(path: str) -> Optional[str]:
     return h.hexdigest()
 
 
-def profile_refs(directory: str, plan_path: str) -> list[ProfileRef]:
-    """What a plan written at ``plan_path`` records of the profiles in ``directory`` (as load_profiles reads them)."""
+def file_sha256(path: str) -> Optional[str]:
+    """Hex sha256 of a regular file of at most MAX_FILE_BYTES; None if it is missing, not a file or larger."""
+    if not os.path.isfile(path) or os.path.getsize(path) > MAX_FILE_BYTES:
+        return None
+    return sha256_file(path)
+
+
+def profile_refs(directory: str, plan_path: str, profiles: Sequence[Profile]) -> list[ProfileRef]:
+    """What a plan written at ``plan_path`` records of the profiles in ``directory``; ``profiles`` are those
+    files as ``load_profiles`` read them (sorted by name, so in this order), not read again here."""
     base = os.path.dirname(os.path.abspath(plan_path))
-    refs = []
-    for name in sorted(f for f in os.listdir(directory) if f.endswith(".json")):
-        path = os.path.join(directory, name)
-        refs.append(ProfileRef(path=os.path.relpath(os.path.abspath(path), base),
-                               sha256=file_sha256(path) or "", device_type=load_profile(path).device_type))
-    return refs
+    names = sorted(f for f in os.listdir(directory) if f.endswith(".json"))
+    return [ProfileRef(path=os.path.relpath(os.path.abspath(os.path.join(directory, name)), base),
+                       sha256=file_sha256(os.path.join(directory, name)) or "", device_type=prof.device_type)
+            for name, prof in zip(names, profiles)]
 
 
 def recorded_profiles(plan: Plan, plan_path: str) -> tuple[list[Profile], list[str]]:

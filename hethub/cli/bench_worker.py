@@ -117,10 +117,9 @@ def main() -> None:
         _write_rank_files(a, engine, rank)
     if rank == 0:
         times = [e["seconds"] for e in log]
+        timed = times[min(a.warmup, len(times) - 1):]  # after the warm-up steps
         with open(a.out, "w", encoding="utf-8") as f:
-            json.dump({"log": log, "times": times, "median_s": statistics.median(times[min(a.warmup, len(times) - 1):]),
-                       "timed": times[min(a.warmup, len(times) - 1):]},
-                      f)
+            json.dump({"log": log, "times": times, "median_s": statistics.median(timed), "timed": timed}, f)
 
 
 if __name__ == "__main__":

@@ -160,22 +160,21 @@ def _profile(model, console, out_dir: str) -> list:
     return profiles
 
 
-def _two_digits(ms: float) -> float:
-    return float(f"{ms:.2g}")
+def _with_times(prof, time_of, **update):
+    """The profile with every layer's forward and backward milliseconds mapped by ``time_of``."""
+    layers = [l.model_copy(update={"forward_ms": time_of(l.forward_ms), "backward_ms": time_of(l.backward_ms)})
+              for l in prof.layers]
+    return prof.model_copy(update={"layers": layers, **update})
 
 
 def _rounded(prof):
-    return prof.model_copy(update={"layers": [l.model_copy(update={"forward_ms": _two_digits(l.forward_ms),
-                                                                   "backward_ms": _two_digits(l.backward_ms)})
-                                              for l in prof.layers]})
+    return _with_times(prof, lambda ms: float(f"{ms:.2g}"))
 
 
 def _scaled(prof, device_type: str, factor: float):
     """The profile of a type ``factor`` x slower in every layer (what the emulation makes it)."""
-    layers = [l.model_copy(update={"forward_ms": l.forward_ms * factor, "backward_ms": l.backward_ms * factor})
-              for l in prof.layers]
-    return prof.model_copy(update={"device_type": device_type, "layers": layers,
-                                   "emulated_slowdown": prof.emulated_slowdown * factor})
+    return _with_times(prof, lambda ms: ms * factor, device_type=device_type,
+                       emulated_slowdown=prof.emulated_slowdown * factor)
 
 
 def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list[str]) -> list[str]:

@@ -250,7 +250,7 @@ DRY_RUN_HOSTFILE = "HOSTFILE"  # the dry run's stand-in for the temporary hostfi
 
 def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
     plan = load_plan(plan_path)
-    host_layout(plan)
+    layout = host_layout(plan)
     if not rest:
         raise InputError("launch", "no training script given: hethub launch --hetero-plan plan.json train.py")
     if dry_run:
@@ -267,7 +267,7 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
         cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"))
         _check_script(rest)
         _check_config(plan, rest)
-        hosts = len(host_layout(plan)) if not local else 1
+        hosts = len(layout) if not local else 1
         print(f"hethub: starting {count(plan.world_size, 'rank')} on {count(hosts, 'host')} under DeepSpeed's launcher "
               "(each rank imports torch and DeepSpeed first: often 10-30 s before its first line)", flush=True)
         return _run_launcher(cmd, env)

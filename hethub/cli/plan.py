@@ -89,7 +89,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plan = make_plan(cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm,
                              with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective)
     if args.profiles:  # recorded, so that simulate and show find them again
-        plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output)})
+        plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output, cm.profiles)})
     print_plan(plan, console)
     split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
                     if s.tensor_parallel > 1 and not cm.tp_measured(s.device_type, s.tensor_parallel)})

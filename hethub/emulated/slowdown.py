@@ -106,8 +106,6 @@ class SlowDown(nn.Module):
         return y
 
 
-
-
 def parse_factors(text: str, what: str = "HETHUB_EMULATE_SLOWDOWN") -> dict[str, float]:
     """``"SLOW=3,FAST=1.5"`` -> {"SLOW": 3.0, "FAST": 1.5}: the one parser of TYPE=FACTOR lists. A bad item is
     an InputError naming ``what`` (one line, exit 2, wherever it is read)."""

@@ -18,7 +18,6 @@ validated; a missing or dangling ``latest`` falls back to the newest complete ch
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..partitioner.errors import InputError, short
 from ..partitioner.outputs import write_atomic
+from ..partitioner.provenance import sha256_file
 from .errors import fail
 from .precision import load_scaler_state, scaler_state
 from .tp import full, gather_like, local, shard_of
@@ -94,14 +94,6 @@ def checked_tag(root: str, tag: object, what: str = "tag") -> str:
     if os.path.dirname(os.path.realpath(os.path.join(root, tag))) != os.path.realpath(root):
         raise InputError("checkpoint", f"{what} {short(tag)} leads out of {root[:100]!r} (a link): refused")
     return tag
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_meta(d: str) -> dict:
@@ -265,7 +257,7 @@ def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> N
             "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
                      "world_size": plan.world_size},
             # every layer file's sha256: a file whose bytes changed is refused at load, never trained on
-            "digests": {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
+            "digests": {name: sha256_file(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
                         if name.endswith(".pt")}}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -313,7 +305,7 @@ def _load(path: str, digests: dict) -> Any:
         raise InputError("checkpoint", f"missing file {path}")
     if name not in digests:
         raise InputError("checkpoint", f"{path[:160]} has no digest in meta.json: refused")
-    if _sha256(path) != digests[name]:
+    if sha256_file(path) != digests[name]:
         raise InputError("checkpoint", f"{path[:160]} does not match the digest saved with it (changed or "
                                        "corrupt): refused")
     try:
