@@ -16,7 +16,7 @@ import json
 import os
 import re
 from functools import cached_property
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Literal, NamedTuple, Optional, TypeVar, Union
 
 import pydantic
 import yaml
@@ -495,12 +495,24 @@ SCHEDULES = {
     "zb-h1": "1F1B whose stages after the first split each backward into B (input gradients, sent upstream at "
              "once) and W (weight gradients) right after it; the last stage runs its last B before its "
              "second-to-last W (Qi et al. 2023, ZB-H1's memory: one micro-batch more on the last stage only)",
+    "interleaved-1f1b": "each device group holds v chunks, chunk k on group k mod p (Narayanan et al. 2021): the "
+                        "fill shrinks about v-fold for v times the boundary traffic; any micro-batch count",
+    "zb-v": "each device group holds two chunks in a V (chunk k on group k, then on 2p-1-k), backward split into "
+            "input and weight gradients, weight passes filling the bubbles (Qi et al. 2024) at 1F1B's memory",
 }
+# Schedules whose groups hold several chunks (``Stage.chunks``); the others run one chunk (``Stage.layers``).
+CHUNKED = ("interleaved-1f1b", "zb-v")
+MAX_CHUNKS = 64  # per device group
 
 
 class Stage(Record):
+    """One device group of the pipeline. It holds one contiguous layer range (``layers``) or, under a chunked
+    schedule (``CHUNKED``), several (``chunks``, each half-open over the planner's layer list); a group written
+    with one chunk reads as ``layers``, so every plan without chunks means one chunk per group."""
+
     index: int = Field(ge=0)
-    layers: tuple[int, int]  # half-open [first, last) over the planner's layer list
+    layers: Optional[tuple[int, int]] = None  # half-open [first, last) over the planner's layer list
+    chunks: Optional[tuple[tuple[int, int], ...]] = Field(default=None, min_length=1, max_length=MAX_CHUNKS)
     device_type: str = Name
     tensor_parallel: int = Field(default=1, gt=0, le=1024)
     recompute: bool = False
@@ -508,6 +520,33 @@ class Stage(Record):
     # reduce assume it; the runtime shards it whatever the ds_config says). Plan-wide: Plan.zero1.
     zero1: bool = False
     replicas: list[Replica] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_layout(cls, data: Any) -> Any:
+        """``layers`` or ``chunks``, not both; one chunk is written (and read) as ``layers``."""
+        if isinstance(data, dict):
+            has_layers, chunks = data.get("layers") is not None, data.get("chunks")
+            if has_layers and chunks is not None:
+                raise ValueError("chunks: a group lists its layers or its chunks, not both")
+            if not has_layers and chunks is None:
+                raise ValueError("layers: a group needs its layers ([first, last)) or its chunks")
+            if isinstance(chunks, (list, tuple)) and len(chunks) == 1:
+                data = {**data, "layers": chunks[0]}
+                data.pop("chunks")
+        return data
+
+    @property
+    def chunk_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The group's layer ranges, in pipeline order."""
+        return self.chunks if self.chunks is not None else (self.layers,)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_ranges)
+
+    def layer_count(self) -> int:
+        return sum(b - a for a, b in self.chunk_ranges)
 
     @property
     def width(self) -> int:
@@ -531,8 +570,30 @@ class Stage(Record):
         return out
 
 
+class Chunk(NamedTuple):
+    """One contiguous layer range of the pipeline (a virtual stage): its position in pipeline order, the device
+    group holding it, its index among that group's chunks, and its layers [first, last)."""
+    position: int
+    group: int
+    local: int
+    first: int
+    last: int
+
+
+def chunk_group(schedule: str, num_groups: int, position: int) -> int:
+    """The device group that holds pipeline chunk ``position`` under ``schedule`` (the contract's placement):
+    round-robin (interleaved-1f1b), V-shaped (zb-v: k for k < p, then 2p-1-k), else chunk k is stage k."""
+    p = num_groups
+    if schedule == "interleaved-1f1b":
+        return position % p
+    if schedule == "zb-v":
+        return position if position < p else 2 * p - 1 - position
+    return position
+
+
 class Boundary(Record):
-    """How activations and gradients cross the boundary after stage ``after_stage``.
+    """How activations and gradients cross the boundary after stage ``after_stage`` (in a plan whose groups hold
+    several chunks: after pipeline chunk ``after_stage``, counted in pipeline order).
 
     transport: "direct" (the job's backend, e.g. NCCL/RCCL) or "host" (device -> host buffer -> gloo ->
     host -> device: the bridge between vendors whose collectives do not talk to each other).
@@ -598,6 +659,26 @@ class Plan(Record):
     @property
     def world_size(self) -> int:
         return sum(s.width * s.tensor_parallel for s in self.stages)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks per device group (v; 1 unless the schedule is chunked)."""
+        return self.stages[0].num_chunks
+
+    @cached_property
+    def pipeline(self) -> tuple["Chunk", ...]:
+        """Every chunk in pipeline order (by first layer): the virtual stages a micro-batch passes through. Without
+        chunks, chunk k is stage k."""
+        found = sorted((c[0], c[1], g, j) for g, st in enumerate(self.stages) for j, c in enumerate(st.chunk_ranges))
+        return tuple(Chunk(k, g, j, a, b) for k, (a, b, g, j) in enumerate(found))
+
+    @cached_property
+    def chunks_of_group(self) -> tuple[tuple[int, ...], ...]:
+        """Per device group, the pipeline positions of its chunks, in order."""
+        out: list[list[int]] = [[] for _ in self.stages]
+        for c in self.pipeline:
+            out[c.group].append(c.position)
+        return tuple(tuple(x) for x in out)
 
     @property
     def num_stages(self) -> int:
@@ -681,6 +762,9 @@ def check_tensor_parallel(m: "ModelConfig", t: int, field: str) -> None:
 
 def _check_layer_cover(plan: Plan) -> None:
     """Stages listed in order, each holding layers, covering the planner's layer list without gap or overlap."""
+    if plan.schedule in CHUNKED or any(st.chunks is not None for st in plan.stages):
+        _check_chunks(plan)
+        return
     n_layers = plan.model.num_planner_layers
     expected_first = 0
     for i, st in enumerate(plan.stages):
@@ -701,6 +785,47 @@ def _check_layer_cover(plan: Plan) -> None:
     if expected_first != n_layers:
         raise ValueError(f"stages[{len(plan.stages) - 1}].layers: stages must cover all {n_layers} planner layers, "
                          f"last stage ends at {expected_first}")
+
+
+def _check_chunks(plan: Plan) -> None:
+    """A chunked plan: every group holds the same number of chunks (two under zb-v), each a non-empty layer range
+    inside the model; together they cover the layer list without gap or overlap; chunk k sits on the group the
+    schedule places it on (``chunk_group``)."""
+    n_layers, p, v = plan.model.num_planner_layers, plan.num_stages, plan.num_chunks
+    for i, st in enumerate(plan.stages):
+        f = f"stages[{i}].{'chunks' if st.chunks is not None else 'layers'}"
+        if st.index != i:
+            raise ValueError(f"stages[{i}].index: stages must be listed in order, expected {i}, got {st.index}")
+        if plan.schedule not in CHUNKED:
+            raise ValueError(f"{f}: schedule {plan.schedule!r} runs one chunk per group; several need "
+                             f"{' or '.join(CHUNKED)}")
+        if plan.schedule == "zb-v" and st.num_chunks != 2:
+            raise ValueError(f"{f}: schedule 'zb-v' gives every group two chunks, got {st.num_chunks}")
+        if st.num_chunks != v:
+            raise ValueError(f"{f}: every group holds the same number of chunks ({v}, as stages[0]), "
+                             f"got {st.num_chunks}")
+        for j, (a, b) in enumerate(st.chunk_ranges):
+            where = f"{f}[{j}]" if st.chunks is not None else f
+            if b <= a:
+                raise ValueError(f"{where}: must hold at least one layer, got [{a}, {b})")
+            if b > n_layers:
+                raise ValueError(f"{where}: model {plan.model.name!r} has {n_layers} planner layers "
+                                 f"(0..{n_layers - 1}), got [{a}, {b})")
+    expected_first = 0
+    for c in plan.pipeline:
+        st = plan.stages[c.group]
+        where = f"stages[{c.group}].chunks[{c.local}]" if st.chunks is not None else f"stages[{c.group}].layers"
+        if c.first != expected_first:
+            what = "gap" if c.first > expected_first else "overlap"
+            raise ValueError(f"{where}: chunks must cover the layer list in order; chunk {c.position} must start at "
+                             f"{expected_first}, got [{c.first}, {c.last}) ({what})")
+        want = chunk_group(plan.schedule, p, c.position)
+        if c.group != want:
+            raise ValueError(f"{where}: schedule {plan.schedule!r} places chunk {c.position} (layers [{c.first}, "
+                             f"{c.last})) on group {want}, not {c.group}")
+        expected_first = c.last
+    if expected_first != n_layers:
+        raise ValueError(f"stages: chunks must cover all {n_layers} planner layers, they end at {expected_first}")
 
 
 def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict, seen_slots: dict) -> None:
@@ -736,11 +861,13 @@ def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict,
 
 
 def _check_boundaries(plan: Plan) -> None:
+    """A boundary follows a chunk of the pipeline (with one chunk per group: a stage), never the last."""
     seen = set()
+    last = len(plan.pipeline) - 2
     for k, bd in enumerate(plan.boundaries):
-        if bd.after_stage >= len(plan.stages) - 1:
-            raise ValueError(f"boundaries[{k}].after_stage: the last boundary is after stage {len(plan.stages) - 2}, "
-                             f"got {bd.after_stage}")
+        if bd.after_stage > last:
+            raise ValueError(f"boundaries[{k}].after_stage: the last boundary is after "
+                             f"{'chunk' if plan.num_chunks > 1 else 'stage'} {last}, got {bd.after_stage}")
         if bd.after_stage in seen:
             raise ValueError(f"boundaries[{k}].after_stage: boundary after stage {bd.after_stage} is listed twice")
         seen.add(bd.after_stage)
