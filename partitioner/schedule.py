@@ -34,8 +34,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from .chunked import chunk_orders
 from .errors import InputError
-from .records import SCHEDULES, Plan
+from .records import CHUNKED, SCHEDULES, Plan
 
 __all__ = ["SCHEDULES", "Action", "Transfer", "build_schedule", "parse_schedule", "format_schedule"]
 
@@ -67,17 +68,21 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Action:
+    """``chunk``: the pipeline position of the chunk the action runs or moves data of (``Plan.pipeline``), in a
+    plan whose groups hold several chunks, written ``F3@5``; None (and not written) with one chunk per group."""
     kind: str
     mb: Optional[int] = None
     transfers: tuple[Transfer, ...] = ()
+    chunk: Optional[int] = None
 
     def __str__(self) -> str:
         if self.kind in ("AR", "OPT"):
             return self.kind
         arrow = ">" if self.kind in ("SA", "SG") else "<"
-        return f"{self.kind}{self.mb}" + "".join(f"{arrow}r{t.peer}[{t.start}:{t.stop}]" for t in self.transfers)
+        at = f"@{self.chunk}" if self.chunk is not None else ""
+        return f"{self.kind}{self.mb}{at}" + "".join(f"{arrow}r{t.peer}[{t.start}:{t.stop}]" for t in self.transfers)
 
-    _RE = re.compile(r"^(OPT|AR|SA|RA|SG|RG|L|F|B|W)(\d*)((?:[<>]r\d+\[\d+:\d+\])*)$")
+    _RE = re.compile(r"^(OPT|AR|SA|RA|SG|RG|L|F|B|W)(\d*)(?:@(\d+))?((?:[<>]r\d+\[\d+:\d+\])*)$")
     _T = re.compile(r"([<>])r(\d+)\[(\d+):(\d+)\]")
 
     @classmethod
@@ -85,13 +90,15 @@ class Action:
         m = cls._RE.match(text.strip())
         if not m:
             raise ValueError(f"not a schedule action: {text!r}")
-        kind, mb, rest = m.groups()
+        kind, mb, chunk, rest = m.groups()
         if kind in ("AR", "OPT"):
-            if mb or rest:
-                raise ValueError(f"{kind} takes no micro-batch or peers: {text!r}")
+            if mb or rest or chunk:
+                raise ValueError(f"{kind} takes no micro-batch, chunk or peers: {text!r}")
             return cls(kind)
         if not mb:
             raise ValueError(f"{kind} needs a micro-batch number: {text!r}")
+        if kind == "L" and chunk:
+            raise ValueError(f"L loads a micro-batch for the whole rank, it takes no chunk: {text!r}")
         want = ">" if kind in ("SA", "SG") else "<"
         transfers = []
         for arrow, peer, a, b in cls._T.findall(rest):
@@ -102,7 +109,7 @@ class Action:
             raise ValueError(f"{kind} needs at least one peer: {text!r}")
         if kind in ("L", "F", "B", "W") and transfers:
             raise ValueError(f"{kind} takes no peers: {text!r}")
-        return cls(kind, int(mb), tuple(transfers))
+        return cls(kind, int(mb), tuple(transfers), int(chunk) if chunk else None)
 
 
 def format_schedule(actions: list[Action]) -> str:
@@ -157,13 +164,15 @@ def stage_order(num_micro_batches: int, num_stages: int, stage: int, train: bool
 
 
 def overlaps(plan: Plan, s: int, replica: int, direction: str) -> tuple[Transfer, ...]:
-    """Transfers between replica ``replica`` of stage s and the overlapping replicas of the neighbour stage."""
+    """Transfers between replica ``replica`` of stage s and the overlapping replicas of the neighbour stage (in a
+    chunked plan: of chunk s's group and the group of the chunk before or after it, ``Plan.pipeline``)."""
     other = s + 1 if direction == "next" else s - 1
-    if not 0 <= other < plan.num_stages:
+    if not 0 <= other < len(plan.pipeline):
         return ()
-    a, b = plan.stages[s].sample_ranges()[replica]
+    here, there = plan.stages[plan.pipeline[s].group], plan.stages[plan.pipeline[other].group]
+    a, b = here.sample_ranges()[replica]
     out = []
-    for rep, (c, d) in zip(plan.stages[other].replicas, plan.stages[other].sample_ranges()):
+    for rep, (c, d) in zip(there.replicas, there.sample_ranges()):
         lo, hi = max(a, c), min(b, d)
         if lo < hi:
             out.append(Transfer(rep.rank, lo, hi))
@@ -176,6 +185,8 @@ def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[i
     iteration. A tensor-parallel group's other ranks run their lead's list: the lead alone talks to the
     neighbouring stages and shares what it receives within the group (hethub's engine)."""
     M = num_micro_batches or plan.num_micro_batches
+    if plan.schedule in CHUNKED:
+        return _build_chunked(plan, M, train)
     out: dict[int, list[Action]] = {}
     for s, st in enumerate(plan.stages):
         order = stage_order(M, plan.num_stages, s, train, split=plan.schedule == "zb-h1")
@@ -183,6 +194,54 @@ def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[i
             nxt, prv = overlaps(plan, s, j, "next"), overlaps(plan, s, j, "prev")
             peers = {"SA": nxt, "RG": nxt, "RA": prv, "SG": prv}
             out[rep.rank] = [Action(kind, mb, peers.get(kind, ())) for kind, mb in order]
+    return out
+
+
+def lower_chunked(order, V: int, train: bool) -> list[tuple[str, Optional[int], Optional[int]]]:
+    """A chunked compute order (``chunked``) as (kind, micro-batch, chunk) actions, placed as 1F1B's are: the
+    receive of a forward's activations posted at the forward before it (at most two in flight), the micro-batch
+    loaded once per rank before the first forward of the first or last chunk that needs it, the activations sent
+    and their gradients' receive posted right after the forward, input gradients sent right after the backward."""
+    forwards = [(mb, k) for kind, mb, k in order if kind == "F"]
+    at = {fk: i for i, fk in enumerate(forwards)}
+    out: list[tuple[str, Optional[int], Optional[int]]] = []
+    posted, loaded = set(), set()
+    for kind, mb, k in order:
+        if kind == "F":
+            for mm, kk in forwards[at[(mb, k)]:at[(mb, k)] + 2]:  # this one and one ahead
+                if kk > 0 and (mm, kk) not in posted:
+                    out.append(("RA", mm, kk))
+                    posted.add((mm, kk))
+            if k in (0, V - 1) and mb not in loaded:
+                out.append(("L", mb, None))
+                loaded.add(mb)
+            out.append(("F", mb, k))
+            if k < V - 1:
+                out.append(("SA", mb, k))
+                if train:
+                    out.append(("RG", mb, k))
+        elif kind == "B":
+            out.append(("B", mb, k))
+            if k > 0:
+                out.append(("SG", mb, k))
+        else:
+            out.append((kind, mb, k))
+    if train:
+        out += [("AR", None, None), ("OPT", None, None)]
+    return out
+
+
+def _build_chunked(plan: Plan, M: int, train: bool) -> dict[int, list[Action]]:
+    V = len(plan.pipeline)
+    out: dict[int, list[Action]] = {}
+    for g, order in enumerate(chunk_orders(plan, M, train)):
+        lowered = lower_chunked(order, V, train)
+        for j, rep in enumerate(plan.stages[g].replicas):
+            peers = {}
+            for k in plan.chunks_of_group[g]:
+                nxt, prv = overlaps(plan, k, j, "next"), overlaps(plan, k, j, "prev")
+                peers.update({("SA", k): nxt, ("RG", k): nxt, ("RA", k): prv, ("SG", k): prv})
+            out[rep.rank] = [Action(kind, mb, peers.get((kind, k), ()), k) for kind, mb, k in lowered]
     return out
 
 

@@ -1,0 +1,182 @@
+"""Compute orders of the chunked schedules (``interleaved-1f1b``, ``zb-v``): per device group, which forward,
+backward and weight pass of which chunk and micro-batch runs next.
+
+A group of a chunked plan holds several chunks (``Plan.pipeline``); an order is a list of ``(kind, mb, chunk)``
+with ``kind`` in F, B, W and ``chunk`` the chunk's pipeline position. ``schedule.build_schedule`` lowers these
+orders into action lists (receives posted ahead, sends after the pass that makes them), the same way it lowers
+1F1B's; the simulator replays them and ``ordering.check_order`` proves them free of NCCL deadlocks.
+
+Both orders work for every micro-batch count M >= 1 (Megatron's interleaving needs M divisible by the pipeline
+size, ZB-V's published schedule M >= 2p), and both are static: a group's order does not depend on timing, so the
+runtime, the simulator and the deadlock check see the same lists.
+"""
+from __future__ import annotations
+
+import heapq
+
+from .records import CHUNKED, Plan, chunk_group
+
+Order = list[tuple[str, int, int]]  # (F|B|W, micro-batch, chunk position)
+
+
+def interleaved_order(p: int, v: int, g: int, M: int, train: bool = True) -> Order:
+    """Interleaved 1F1B on group g of p, each group holding v chunks (chunk c*p + g is its c-th).
+
+    Micro-batches run in rounds of p (the last round holds M mod p when p does not divide M: this is the
+    generalisation, where Megatron asks M % p == 0): a round's micro-batches go through chunk 0, then chunk 1, ...,
+    and their backwards through the chunks in reverse. Group g runs ``(v-1)*r + 2*(p-g-1)`` forwards before its
+    first backward (Megatron's warm-up with r = the first round's size, min(p, M)), then alternates one forward
+    and one backward, then drains. With v = 1 this is 1F1B (warm-up p-g-1)."""
+    rounds = [range(r0, min(r0 + p, M)) for r0 in range(0, M, p)]
+    fwd = [("F", mb, c * p + g) for rnd in rounds for c in range(v) for mb in rnd]
+    if not train:
+        return fwd
+    bwd = [("B", mb, c * p + g) for rnd in rounds for c in reversed(range(v)) for mb in rnd]
+    total = M * v
+    warm = p - g - 1 if v == 1 else (v - 1) * len(rounds[0]) + 2 * (p - g - 1)
+    warm = min(warm, total)
+    out: Order = fwd[:warm]
+    for i in range(total - warm):
+        out += [fwd[warm + i], bwd[i]]
+    return out + bwd[total - warm:]
+
+
+def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Order]:
+    """ZB-V for p groups, group g holding chunks g and 2p-1-g (``layers``: each chunk's layer count, pipeline
+    order), found by a list scheduler on unit costs (a pass of a chunk takes its layer count; chunk 0's backward,
+    which has no input gradient to split off, takes two).
+
+    Each group, when free, runs: a ready backward (input gradients: they unblock the group upstream), else a ready
+    forward while it holds fewer than 2p chunk-micro-batches of activations (2p chunks of 1/(2p) of the layers:
+    1F1B's first-stage memory, the V's promise), else its oldest pending weight pass (W fills what would be bubble),
+    else it waits for the next pass anywhere to end. Forwards and backwards of a chunk go in micro-batch order.
+    The resulting order is fixed data: it finished under unit costs, so its dependencies are acyclic and it finishes
+    under any costs (a deadlock would be a cycle)."""
+    V = 2 * p
+    groups = [(g, V - 1 - g) for g in range(p)]
+    cap = 2 * p
+    finish: dict[tuple[str, int, int], float] = {}  # (kind, mb, chunk) -> when it ends
+    nxt_f = {k: 0 for k in range(V)}
+    nxt_b = {k: 0 for k in range(V)}
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    held = [0] * p
+    free_at = [0.0] * p
+    orders: list[Order] = [[] for _ in range(p)]
+    events: list[float] = []
+    t = 0.0
+
+    def done(key, now):
+        return key in finish and finish[key] <= now
+
+    def pick(g: int, now: float):
+        if train:
+            for k in sorted(groups[g], reverse=True):
+                mb = nxt_b[k]
+                if mb < M and done(("F", mb, k), now) and (k == V - 1 or done(("B", mb, k + 1), now)):
+                    return "B", mb, k
+        if held[g] < cap or not train:
+            for k in sorted(groups[g], reverse=True):
+                mb = nxt_f[k]
+                if mb < M and (k == 0 or done(("F", mb, k - 1), now)):
+                    return "F", mb, k
+        if pending_w[g]:
+            mb, k = pending_w[g][0]
+            return "W", mb, k
+        return None
+
+    scheduled, need = 0, (3 * M * V - M if train else M * V)  # F, B, W per chunk and micro-batch; chunk 0 no W
+    while scheduled < need:
+        progressed = False
+        for g in range(p):
+            if free_at[g] > t:
+                continue
+            choice = pick(g, t)
+            if choice is None:
+                continue
+            kind, mb, k = choice
+            n = layers[k]
+            dur = float(n * (2 if kind == "B" and k == 0 else 1))
+            finish[(kind, mb, k)] = t + dur
+            free_at[g] = t + dur
+            heapq.heappush(events, t + dur)
+            orders[g].append((kind, mb, k))
+            scheduled += 1
+            progressed = True
+            if kind == "F":
+                nxt_f[k] += 1
+                held[g] += 1
+            elif kind == "B":
+                nxt_b[k] += 1
+                if k == 0:
+                    held[g] -= 1
+                else:
+                    pending_w[g].append((mb, k))
+            else:
+                pending_w[g].pop(0)
+                held[g] -= 1
+        if not progressed:
+            while events and events[0] <= t:
+                heapq.heappop(events)
+            if not events:
+                raise RuntimeError(f"zb-v: the list scheduler stalled at p={p}, M={M} (a bug)")
+            t = heapq.heappop(events)
+    return orders
+
+
+def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
+    """Per device group, its compute order under the plan's (chunked) schedule."""
+    p, v = plan.num_stages, plan.num_chunks
+    if plan.schedule == "zb-v":
+        return zbv_orders([c.last - c.first for c in plan.pipeline], p, M, train)
+    return [interleaved_order(p, v, g, M, train) for g in range(p)]
+
+
+def chunk_sizes(n_layers: int, v: int) -> list[int]:
+    """``n_layers`` split into v chunks as evenly as possible (the first ones take the remainder)."""
+    base, extra = divmod(n_layers, v)
+    return [base + (1 if c < extra else 0) for c in range(v)]
+
+
+def rechunk(plan: Plan, schedule: str, v: int) -> Plan:
+    """The plan's device groups (ranks, widths, sample splits, tensor parallel) running ``schedule`` with v chunks
+    each: group g keeps as many layers as it had, cut into v near-equal chunks placed by the contract's rule
+    (``records.chunk_group``), so the work per group, and with it the balance the planner found, stays; only the
+    fill, the boundary traffic and the in-flight memory change. A group with fewer than v layers cannot be cut:
+    ValueError. ``v`` must be 2 under zb-v; 1 with ``1f1b``/``zb-h1`` gives the one-chunk plan back."""
+    p = plan.num_stages
+    counts = [st.layer_count() for st in plan.stages]
+    if schedule not in CHUNKED:
+        v = 1
+    sizes = []
+    for g, n in enumerate(counts):
+        if n < v:
+            raise ValueError(f"stages[{g}]: {n} layer(s) cannot be cut into {v} chunks")
+        sizes.append(chunk_sizes(n, v))
+    chunks: list[list[list[int]]] = [[] for _ in range(p)]
+    first = 0
+    for k in range(p * v):
+        g = chunk_group(schedule, p, k) if schedule in CHUNKED else k
+        n = sizes[g][len(chunks[g])]
+        chunks[g].append([first, first + n])
+        first += n
+    stages = []
+    for st, cs in zip(plan.stages, chunks):
+        data = st.model_dump(exclude_none=True)
+        data.pop("layers", None)
+        data.pop("chunks", None)
+        data["layers" if len(cs) == 1 else "chunks"] = cs[0] if len(cs) == 1 else cs
+        stages.append(data)
+    vendor = [plan.cluster.device_type(st.device_type).vendor for st in plan.stages]
+    dtypes = {b.dtype for b in plan.boundaries}
+    wire = dtypes.pop() if len(dtypes) == 1 else None
+    placed = [chunk_group(schedule, p, k) if schedule in CHUNKED else k for k in range(p * v)]
+    boundaries = []
+    for k in range(p * v - 1):
+        host = vendor[placed[k]] != vendor[placed[k + 1]]
+        if host or wire is not None:
+            boundaries.append({"after_stage": k, "transport": "host" if host else "direct",
+                               **({"dtype": wire} if wire is not None else {})})
+    data = plan.model_dump(exclude_none=True)
+    data.update(stages=stages, boundaries=boundaries, schedule=schedule)
+    data.pop("predicted", None)
+    return Plan.model_validate(data)
