@@ -47,8 +47,10 @@ def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Or
     which has no input gradient to split off, takes two).
 
     Each group, when free, runs: a ready backward (input gradients: they unblock the group upstream), else a ready
-    forward while it holds fewer than 2p chunk-micro-batches of activations (2p chunks of 1/(2p) of the layers:
-    1F1B's first-stage memory, the V's promise), else its oldest pending weight pass (W fills what would be bubble),
+    forward of its second-leg chunk, else one of its first-leg chunk while it holds fewer than 2p chunk-micro-batches
+    of activations (2p chunks of 1/(2p) of the layers: 1F1B's first-stage memory, the V's promise; capping the
+    second leg too could stall a group full of first-leg activations that only a second-leg forward leads out
+    of), else its oldest pending weight pass (W fills what would be bubble),
     else it waits for the next pass anywhere to end. Forwards and backwards of a chunk go in micro-batch order.
     The resulting order is fixed data: it finished under unit costs, so its dependencies are acyclic and it finishes
     under any costs (a deadlock would be a cycle)."""
@@ -74,11 +76,10 @@ def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Or
                 mb = nxt_b[k]
                 if mb < M and done(("F", mb, k), now) and (k == V - 1 or done(("B", mb, k + 1), now)):
                     return "B", mb, k
-        if held[g] < cap or not train:
-            for k in sorted(groups[g], reverse=True):
-                mb = nxt_f[k]
-                if mb < M and (k == 0 or done(("F", mb, k - 1), now)):
-                    return "F", mb, k
+        for k in sorted(groups[g], reverse=True):  # the V's second leg first: it leads to the loss
+            mb = nxt_f[k]
+            if mb < M and (k == 0 or done(("F", mb, k - 1), now)) and (k >= p or held[g] < cap or not train):
+                return "F", mb, k
         if pending_w[g]:
             mb, k = pending_w[g][0]
             return "W", mb, k

@@ -28,6 +28,11 @@ from .groups import transfer_group
 from .records import Plan
 from .schedule import Action
 
+
+def vstage(plan: Plan, rank: int, a: Action) -> int:
+    """The pipeline position an action works at: its chunk in a chunked plan, else its rank's stage."""
+    return a.chunk if a.chunk is not None else plan.locate(rank)[0]
+
 GroupOf = Callable[[str, int], tuple]  # (action kind, stage) -> the group key its operations use
 
 
@@ -51,9 +56,9 @@ class _Rank:
     stage: int
     actions: list[Action]
     pc: int = 0  # the next action
-    posted: dict = field(default_factory=dict)  # (kind, mb) -> its ops
-    meta_sent: bool = False
-    meta_recvd: bool = False
+    posted: dict = field(default_factory=dict)  # (kind, mb, chunk) -> its ops
+    meta_sent: set = field(default_factory=set)  # groups this rank sent its metadata on
+    meta_recvd: set = field(default_factory=set)
     ops: list = field(default_factory=list)
 
 
@@ -74,12 +79,17 @@ class _Replay:
         self.queues: dict[tuple, deque] = {}  # (rank, group) -> its operations not yet run
         self.at_barrier: dict[str, set] = {}
 
+    def _group(self, st: _Rank, a: Action):
+        return self.group_of(a.kind, vstage(self.plan, st.rank, a))
+
     def _post(self, st: _Rank, a: Action, meta: bool = False) -> list[_Op]:
-        group = self.group_of(a.kind, st.stage)
+        """A transfer's operations on its group; a rank handing rows to itself (zb-v's turn, where one group holds
+        two consecutive chunks) moves them locally, with no operation."""
+        group = self._group(st, a)
         send = a.kind in ("SA", "SG")
         messages = ([("meta", None, 0)] if meta else
                     [(a.kind[1], a.mb, k) for k in range(self.n_tensors)])
-        ops = [_Op(send, st.rank, t.peer, m, str(a)) for m in messages for t in a.transfers]
+        ops = [_Op(send, st.rank, t.peer, m, str(a)) for m in messages for t in a.transfers if t.peer != st.rank]
         for op in ops:
             self.queues.setdefault((st.rank, group), deque()).append(op)
         st.ops += ops
@@ -87,26 +97,26 @@ class _Replay:
 
     def _ready(self, st: _Rank, a: Action) -> bool:
         """Whether the rank may run action ``a`` now (posting it if it posts), else it waits."""
-        k = a.kind
+        k, group = a.kind, (self._group(st, a) if a.kind in ("SA", "RA", "SG", "RG") else None)
         if k == "SA":
-            if not st.meta_sent:
+            if group not in st.meta_sent:
                 self._post(st, a, meta=True)
-                st.meta_sent = True
-            st.posted[("A", a.mb)] = self._post(st, a)
+                st.meta_sent.add(group)
+            st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
         elif k == "RA":
-            if not st.meta_recvd:
-                if ("meta",) not in st.posted:
-                    st.posted[("meta",)] = self._post(st, a, meta=True)
-                if not all(op.done for op in st.posted[("meta",)]):
+            if group not in st.meta_recvd:
+                if ("meta", group) not in st.posted:
+                    st.posted[("meta", group)] = self._post(st, a, meta=True)
+                if not all(op.done for op in st.posted[("meta", group)]):
                     return False
-                st.meta_recvd = True
-            st.posted[("A", a.mb)] = self._post(st, a)
+                st.meta_recvd.add(group)
+            st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
         elif k in ("SG", "RG"):
-            st.posted[("G", a.mb)] = self._post(st, a)
-        elif k == "F" and st.stage > 0:
-            return all(op.done for op in st.posted.get(("A", a.mb), ()))
-        elif k == "B" and st.stage < self.plan.num_stages - 1:
-            return all(op.done for op in st.posted.get(("G", a.mb), ()))
+            st.posted[("G", a.mb, a.chunk)] = self._post(st, a)
+        elif k == "F" and vstage(self.plan, st.rank, a) > 0:
+            return all(op.done for op in st.posted.get(("A", a.mb, a.chunk), ()))
+        elif k == "B" and vstage(self.plan, st.rank, a) < len(self.plan.pipeline) - 1:
+            return all(op.done for op in st.posted.get(("G", a.mb, a.chunk), ()))
         elif k in ("AR", "OPT"):
             return self._barrier(st, k)
         return True

@@ -199,7 +199,9 @@ def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[i
 
 def lower_chunked(order, V: int, train: bool) -> list[tuple[str, Optional[int], Optional[int]]]:
     """A chunked compute order (``chunked``) as (kind, micro-batch, chunk) actions, placed as 1F1B's are: the
-    receive of a forward's activations posted at the forward before it (at most two in flight), the micro-batch
+    receive of a forward's activations posted at the forward before it when that one is of the same chunk (the
+    first receive on a boundary waits for its metadata, which a chunk further on would only send after this
+    forward: posting it sooner deadlocks), else at its own forward; the micro-batch
     loaded once per rank before the first forward of the first or last chunk that needs it, the activations sent
     and their gradients' receive posted right after the forward, input gradients sent right after the backward."""
     forwards = [(mb, k) for kind, mb, k in order if kind == "F"]
@@ -208,8 +210,8 @@ def lower_chunked(order, V: int, train: bool) -> list[tuple[str, Optional[int], 
     posted, loaded = set(), set()
     for kind, mb, k in order:
         if kind == "F":
-            for mm, kk in forwards[at[(mb, k)]:at[(mb, k)] + 2]:  # this one and one ahead
-                if kk > 0 and (mm, kk) not in posted:
+            for mm, kk in forwards[at[(mb, k)]:at[(mb, k)] + 2]:  # this one and one ahead of the same chunk
+                if kk > 0 and kk == k and (mm, kk) not in posted:
                     out.append(("RA", mm, kk))
                     posted.add((mm, kk))
             if k in (0, V - 1) and mb not in loaded:

@@ -20,9 +20,9 @@ from typing import Optional
 
 from .costmodel import CostModel, allreduce_end_s
 from .errors import InputError, missing_package
-from .ordering import check_order
+from .ordering import check_order, vstage
 from .outputs import count, write_atomic
-from .records import Plan
+from .records import CHUNKED, Plan
 from .schedule import Action, Transfer, build_schedule, lead_ranks
 
 
@@ -92,32 +92,46 @@ def check_matching(sched: dict[int, list[Action]]) -> None:
 
 
 def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = True) -> None:
-    """What the runtime needs of each rank's list: every micro-batch's forward (and backward) once and in
-    order of dependence, each fed by exactly one receive of this rank's rows, posted before it."""
-    M = plan.num_micro_batches
+    """What the runtime needs of each rank's list: every micro-batch's forward (and backward) once per chunk the
+    rank holds and in order of dependence, each fed by exactly one receive of this rank's rows, posted before it."""
+    M, V = plan.num_micro_batches, len(plan.pipeline)
+    chunked = plan.num_chunks > 1 or plan.schedule in CHUNKED
     for rank, acts in sched.items():
         s, j = plan.locate(rank)
-        first, last = s == 0, s == plan.num_stages - 1
+        mine = plan.chunks_of_group[s]
         a, b = plan.stages[s].sample_ranges()[j]
-        seen: dict[tuple[str, Optional[int]], int] = {}
+        seen: dict[tuple, int] = {}
         for step, act in enumerate(acts):
             where = f"rank {rank} step {step}"
-            key = (act.kind, act.mb)
+            if chunked and act.kind not in ("L", "AR", "OPT") and act.chunk not in mine:
+                raise ScheduleError(where, f"{act}: rank {rank} holds chunks {', '.join(map(str, mine))}"
+                                           + ("" if act.chunk is not None else " (name one: F3@5)"))
+            if not chunked and act.chunk is not None:
+                raise ScheduleError(where, f"{act}: the plan's groups hold one chunk each; actions name none")
+            k = vstage(plan, rank, act) if act.kind not in ("L", "AR", "OPT") else None
+            first, last = k == 0, k == V - 1
+            key = (act.kind, act.mb, act.chunk)
             if key in seen:
                 raise ScheduleError(where, f"{act} repeats step {seen[key]}")
             seen[key] = step
             if act.mb is not None and not 0 <= act.mb < M:
                 raise ScheduleError(where, f"{act}: micro-batch {act.mb} is outside 0..{M - 1}")
+            loads = (0 in mine or V - 1 in mine) if chunked else (s == 0 or s == plan.num_stages - 1)
             need = {"F": [("RA", not first), ("L", first or last)], "B": [("F", True), ("RG", not last)],
                     "SA": [("F", not last)], "RG": [("F", not last)], "SG": [("B", not first)],
                     "RA": [("RA", False)], "L": [("L", False)], "OPT": [("AR", train)], "AR": [("AR", False)],
                     "W": [("B", True)]}
             for before, required in need[act.kind]:
-                if required and (before, act.mb) not in seen:
-                    raise ScheduleError(where, f"{act} needs {before}{'' if act.mb is None else act.mb} "
+                chunk = None if before in ("L", "AR") else act.chunk
+                if required and (before, act.mb, chunk) not in seen:
+                    at = "" if chunk is None else f"@{chunk}"
+                    raise ScheduleError(where, f"{act} needs {before}{'' if act.mb is None else act.mb}{at} "
                                                f"earlier on this rank")
+            if act.kind == "L" and not loads:
+                raise ScheduleError(where, f"{act}: rank {rank} holds neither the first nor the last layers")
             if act.kind in ("SA", "RG") and last or act.kind in ("RA", "SG") and first:
-                raise ScheduleError(where, f"{act}: stage {s} has no {'next' if last else 'previous'} stage")
+                raise ScheduleError(where, f"{act}: {'chunk' if chunked else 'stage'} {k} has no "
+                                           f"{'next' if last else 'previous'} {'chunk' if chunked else 'stage'}")
             if act.kind in ("RA", "RG"):
                 rows = sorted((t.start, t.stop) for t in act.transfers)
                 if act.kind == "RA" and (rows[0][0] != a or rows[-1][1] != b or
@@ -125,21 +139,24 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
                     raise ScheduleError(where, f"{act} must receive exactly this rank's rows {a}:{b}")
             if any(not (a <= t.start < t.stop <= b) for t in act.transfers if act.kind in ("SA", "SG")):
                 raise ScheduleError(where, f"{act} sends rows outside this rank's {a}:{b}")
+            if act.kind == "W" and k == 0:
+                raise ScheduleError(f"rank {rank}", f"{'chunk' if chunked else 'stage'} 0 has no input gradients to "
+                                                    "split from its weights': its B runs the whole backward, with no W")
         if not train and any(act.kind == "W" for act in acts):
             raise ScheduleError(f"rank {rank}", "an evaluation schedule has no W (weight-gradient) actions")
-        if any(act.kind == "W" for act in acts) and first:
-            raise ScheduleError(f"rank {rank}", "stage 0 has no input gradients to split from its weights': "
-                                                "its B runs the whole backward, with no W")
-        kinds = ["F"] + (["B"] if train else []) + (["W"] if any(act.kind == "W" for act in acts) else [])
-        ar = seen.get(("AR", None))
-        late = [mb for (kind, mb), step in seen.items() if kind == "W" and ar is not None and step > ar]
+        ar = seen.get(("AR", None, None))
+        late = [key for key, step in seen.items() if key[0] == "W" and ar is not None and step > ar]
         if late:
-            raise ScheduleError(f"rank {rank} step {seen[('W', late[0])]}",
-                                f"W{late[0]} comes after AR: weight gradients must be complete before the all-reduce")
-        for kind in kinds:
-            missing = [mb for mb in range(M) if (kind, mb) not in seen]
-            if missing:
-                raise ScheduleError(f"rank {rank}", f"no {kind}{missing[0]} (every micro-batch 0..{M - 1} needs one)")
+            raise ScheduleError(f"rank {rank} step {seen[late[0]]}",
+                                f"W{late[0][1]} comes after AR: weight gradients must be complete before the all-reduce")
+        for chunk in (mine if chunked else (None,)):
+            split = any(key[0] == "W" and key[2] == chunk for key in seen)
+            for kind in ["F"] + (["B"] if train else []) + (["W"] if split else []):
+                missing = [mb for mb in range(M) if (kind, mb, chunk) not in seen]
+                if missing:
+                    at = "" if chunk is None else f"@{chunk}"
+                    raise ScheduleError(f"rank {rank}", f"no {kind}{missing[0]}{at} (every micro-batch 0..{M - 1} "
+                                                        "needs one)")
 
 
 def _short_ranks(ranks: list[int]) -> str:
@@ -198,52 +215,57 @@ class _Replay:
         self.ar_waiting: dict[int, dict[int, float]] = {}  # stage -> {rank: time it reached its AR}
         self.last_grad: dict[int, tuple[float, float]] = {}  # rank -> (end, seconds) of its last gradient pass
         # micro-batches whose weight gradients run as their own W: their B accumulates none
-        self.split_mbs = {r: {a.mb for a in acts if a.kind == "W"} for r, acts in sched.items()}
+        self.split_mbs = {r: {(a.mb, a.chunk) for a in acts if a.kind == "W"} for r, acts in sched.items()}
         self.events: list[Event] = []
         self.durations: dict[int, dict[str, float]] = {}
         self.transfer_cache: dict[tuple, tuple[float, bool]] = {}
-        # per rank, the (kind, mb) its forwards/backwards wait for: activations or gradients it receives
-        self.receives = {r: {(a.kind[1], a.mb) for a in acts if a.kind in ("RA", "RG")} for r, acts in sched.items()}
+        # per rank, the (kind, mb, chunk) its forwards/backwards wait for: activations or gradients it receives
+        self.receives = {r: {(a.kind[1], a.mb, a.chunk) for a in acts if a.kind in ("RA", "RG")}
+                         for r, acts in sched.items()}
 
-    @staticmethod
-    def key(rank: int, a: Action, t: Transfer) -> tuple:
-        """(sender, receiver, "A"|"G", micro-batch, first row): both halves of a transfer share it."""
+    def key(self, rank: int, a: Action, t: Transfer) -> tuple:
+        """(sender, receiver, "A"|"G", micro-batch, boundary, first row): both halves of a transfer share it (the
+        boundary, after chunk b of the pipeline, tells a chunked plan's transfers between the same ranks apart)."""
+        b = vstage(self.plan, rank, a) - (a.kind in ("RA", "SG"))
         if a.kind in ("SA", "SG"):
-            return (rank, t.peer, a.kind[1], a.mb, t.start)
-        return (t.peer, rank, a.kind[1], a.mb, t.start)
+            return (rank, t.peer, a.kind[1], a.mb, b, t.start)
+        return (t.peer, rank, a.kind[1], a.mb, b, t.start)
 
     def duration(self, rank: int, a: Action) -> float:
-        if rank not in self.durations:
+        k = (rank, a.chunk)
+        if k not in self.durations:
             st, rep = self.where[rank]
-            first, last = st.layers
+            first, last = st.layers if a.chunk is None else self.plan.pipeline[a.chunk][3:]
             t = st.type_of(rep)
             tp = st.tensor_parallel
             fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, tp)
             tp_f, tp_b = self.cm.stage_tp_allreduce_s(t, first, last, rep.samples, st.recompute, tp)
-            # a rank whose list has W actions runs each backward in two: input gradients (B), weights' (W)
+            # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W)
             wgrad = (self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp)
-                     if any(a.kind == "W" for a in self.sched[rank]) else 0.0)
-            self.durations[rank] = {"F": fwd, "B": bwd - wgrad, "W": wgrad,
-                                    "OPT": self.cm.optimizer_s(t, first, last, st.width, tp, self.plan.shards_optimizer(st)),
-                                    "TPF": tp_f, "TPB": tp_b}
-        return self.durations[rank].get(a.kind, 0.0)  # L: the loader is not modelled
+                     if any(b.kind == "W" and b.chunk == a.chunk for b in self.sched[rank]) else 0.0)
+            opt = sum(self.cm.optimizer_s(t, c0, c1, st.width, tp, self.plan.shards_optimizer(st))
+                      for c0, c1 in st.chunk_ranges)
+            self.durations[k] = {"F": fwd, "B": bwd - wgrad, "W": wgrad, "OPT": opt, "TPF": tp_f, "TPB": tp_b}
+        return self.durations[k].get(a.kind, 0.0)  # L: the loader is not modelled
 
-    def transfer_s(self, src: int, dst: int, kind: str, rows: int) -> tuple[float, bool]:
-        """(seconds, same host) of moving ``rows`` rows of a boundary tensor from src to dst."""
-        k = (src, dst, kind, rows)
+    def transfer_s(self, src: int, dst: int, boundary: int, rows: int) -> tuple[float, bool]:
+        """(seconds, same host) of moving ``rows`` rows of the tensor crossing ``boundary`` from src to dst (a
+        rank handing a chunk's output to its own next chunk moves nothing)."""
+        k = (src, dst, boundary, rows)
         if k not in self.transfer_cache:
             (sst, srep), (dst_st, drep) = self.where[src], self.where[dst]
-            bd = self.plan.boundary(sst.index if kind == "A" else dst_st.index)
-            layer = (sst.layers[1] if kind == "A" else dst_st.layers[1]) - 1
+            bd = self.plan.boundary(boundary)
+            layer = self.plan.pipeline[boundary].last - 1
             nbytes = rows * float(self.cm.layers.out_bytes[layer]) * self.cm.wire_factor(bd.dtype if bd else None)
             same = srep.host == drep.host
-            self.transfer_cache[k] = (self.cm.p2p_s(nbytes, sst.type_of(srep), dst_st.type_of(drep), same), same)
+            t = 0.0 if src == dst else self.cm.p2p_s(nbytes, sst.type_of(srep), dst_st.type_of(drep), same)
+            self.transfer_cache[k] = (t, same)
         return self.transfer_cache[k]
 
     def start_transfer(self, key: tuple, stop: int) -> None:
         """Both halves are posted: the data moves once the links are free."""
-        src, dst, kind, mb, start_row = key
-        dur, same = self.transfer_s(src, dst, kind, stop - start_row)
+        src, dst, kind, mb, boundary, start_row = key
+        dur, same = self.transfer_s(src, dst, boundary, stop - start_row)
         begin = max(self.send_post[key], self.recv_post[key])
         if not same:
             srep, drep = self.where[src][1], self.where[dst][1]
@@ -266,11 +288,11 @@ class _Replay:
             if k in self.send_post and k in self.recv_post:
                 self.start_transfer(k, t.stop)
         if not sending:
-            self.recv_keys[(r, a.kind[1], a.mb)] = keys
+            self.recv_keys[(r, a.kind[1], a.mb, a.chunk)] = keys
 
     def data_ready(self, r: int, a: Action) -> Optional[float]:
         """When the rows a forward/backward needs have arrived (0 if it needs none); None: not yet known."""
-        need = ("A" if a.kind == "F" else "G", a.mb)
+        need = ("A" if a.kind == "F" else "G", a.mb, a.chunk)
         if need not in self.receives[r]:
             return 0.0
         keys = self.recv_keys.get((r, *need))
@@ -321,11 +343,11 @@ class _Replay:
             self.events.append(Event(r, str(a), a.kind, a.mb, begin, begin + d))
             if a.kind == "W":
                 self.compute[r] += d
-            if a.kind == "W" or (a.kind == "B" and a.mb not in self.split_mbs[r]):
+            if a.kind == "W" or (a.kind == "B" and (a.mb, a.chunk) not in self.split_mbs[r]):
                 self.last_grad[r] = (begin + d, d)
             if a.kind in ("F", "B"):
                 self.compute[r] += d
-                comm = self.durations[r]["TP" + a.kind]
+                comm = self.durations[(r, a.chunk)]["TP" + a.kind]
                 if comm > 0:  # the tensor-parallel all-reduces inside it, shown as their own track slice
                     self.events.append(Event(r, f"TP all-reduce {a}", "tp", a.mb, begin + d - comm, begin + d))
             self.clock[r] = begin + d
@@ -353,7 +375,7 @@ class _Replay:
             a = self.sched[r][self.pc[r]]
             if a.kind == "AR":
                 return f"{a} waits for stage {self.where[r][0].index}'s replicas"
-            need = ("A" if a.kind == "F" else "G", a.mb)
+            need = ("A" if a.kind == "F" else "G", a.mb, a.chunk)
             keys = self.recv_keys.get((r, *need))
             if keys is None:
                 return f"{a} waits for its receive R{need[0]}{a.mb}, which is not posted before it"
