@@ -12,6 +12,7 @@ from .evaluate import choose_by_simulation
 from .placement import build_plan
 from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
+from .schedule_search import choose_schedule, search_schedule
 
 
 
@@ -22,6 +23,8 @@ def fastest_type(cm: CostModel) -> str:
 def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
     """The MILP's best chains (per micro-batch size), placed; the simulator picks among the closest few."""
     started = time.perf_counter()
+    wanted = opts.schedule
+    opts = replace(opts, schedule=search_schedule(wanted))
     sol, stats = search(cm, global_batch, opts, progress)
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)
@@ -37,6 +40,10 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     # tenth of the limit is theirs even when the search used it all: cheap replays of small plans must not depend
     # on how busy the machine was)
     plan = choose_by_simulation(plans, cm, deadline=max(started + opts.time_limit_s, t0 + 0.1 * opts.time_limit_s))
+    if wanted != opts.schedule:  # chunked or auto: the MILP's groups, re-cut and re-scheduled
+        plan, tried = choose_schedule(plan, cm, wanted)
+        plan = plan.model_copy(update={"solver": plan.solver.model_copy(update={"schedules": [
+            {"schedule": name, "chunks": v, "iteration_s": it, "fits_memory": fits} for name, v, it, fits in tried]})})
     return plan.model_copy(update={"zero1": cm.zero1, "solver": plan.solver.model_copy(
         update={"seconds": time.perf_counter() - started})})
 

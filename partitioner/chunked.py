@@ -138,26 +138,71 @@ def chunk_sizes(n_layers: int, v: int) -> list[int]:
     return [base + (1 if c < extra else 0) for c in range(v)]
 
 
-def rechunk(plan: Plan, schedule: str, v: int) -> Plan:
+def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
+    """Layer counts of the p*v chunks (pipeline order) that minimise the slowest chunk's time, where
+    ``chunk_s(group, first, last)`` prices a chunk on its group: a binary search on that time, each chunk taking
+    as many layers as fit it (greedy is exact for a min-max cut of a sequence in a fixed order) and leaving one
+    for every chunk after it."""
+    p, n = plan.num_stages, plan.model.num_planner_layers
+    V = p * v
+    owner = [chunk_group(schedule, p, k) for k in range(V)]
+
+    def cut(limit: float):
+        sizes, first = [], 0
+        for k in range(V):
+            last = first + 1
+            while last < n - (V - k - 1) and chunk_s(owner[k], first, last + 1) <= limit:
+                last += 1
+            if k == V - 1 and last < n:
+                return None
+            sizes.append(last - first)
+            first = last
+        return sizes
+
+    lo, hi = 0.0, max(chunk_s(g, 0, n) for g in range(p))
+    best = cut(hi) or [1] * (V - 1) + [n - V + 1]
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        sizes = cut(mid)
+        if sizes is None:
+            lo = mid
+        else:
+            best, hi = sizes, mid
+    return best
+
+
+def rechunk(plan: Plan, schedule: str, v: int, chunk_s=None) -> Plan:
     """The plan's device groups (ranks, widths, sample splits, tensor parallel) running ``schedule`` with v chunks
     each: group g keeps as many layers as it had, cut into v near-equal chunks placed by the contract's rule
     (``records.chunk_group``), so the work per group, and with it the balance the planner found, stays; only the
     fill, the boundary traffic and the in-flight memory change. A group with fewer than v layers cannot be cut:
-    ValueError. ``v`` must be 2 under zb-v; 1 with ``1f1b``/``zb-h1`` gives the one-chunk plan back."""
+    ValueError. ``v`` must be 2 under zb-v; 1 with ``1f1b``/``zb-h1`` gives the one-chunk plan back.
+
+    ``chunk_s(group, first, last)`` (seconds of a chunk's forward and backward on that group's slowest replica):
+    cut the layers by time instead (``balanced_sizes``), for when the layers' costs differ (an embedding or a
+    head far heavier than a block) and a group's chunks change which of them it holds."""
     p = plan.num_stages
     counts = [st.layer_count() for st in plan.stages]
     if schedule not in CHUNKED:
         v = 1
-    sizes = []
-    for g, n in enumerate(counts):
-        if n < v:
-            raise ValueError(f"stages[{g}]: {n} layer(s) cannot be cut into {v} chunks")
-        sizes.append(chunk_sizes(n, v))
+    if chunk_s is not None and p * v <= plan.model.num_planner_layers:
+        flat = balanced_sizes(plan, schedule, v, chunk_s)
+    else:
+        sizes = []
+        for g, n in enumerate(counts):
+            if n < v:
+                raise ValueError(f"stages[{g}]: {n} layer(s) cannot be cut into {v} chunks")
+            sizes.append(chunk_sizes(n, v))
+        taken = [0] * p
+        flat = []
+        for k in range(p * v):
+            g = chunk_group(schedule, p, k) if schedule in CHUNKED else k
+            flat.append(sizes[g][taken[g]])
+            taken[g] += 1
     chunks: list[list[list[int]]] = [[] for _ in range(p)]
     first = 0
-    for k in range(p * v):
+    for k, n in enumerate(flat):
         g = chunk_group(schedule, p, k) if schedule in CHUNKED else k
-        n = sizes[g][len(chunks[g])]
         chunks[g].append([first, first + n])
         first += n
     stages = []

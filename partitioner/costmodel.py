@@ -599,15 +599,14 @@ class CostModel:
         """Stage s of a placed plan at the end of its backward: (its bucketed gradient all-reduce, the number of
         buckets, what runs after it: the ZeRO-1 all-gather and the all-reduce of a tied weight it shares with
         another stage, over both stages' replicas). ``allreduce_end_s`` overlaps the first with the backward."""
-        st = plan.stages[s]
-        first, last = st.layers
+        st, ranges = plan.stages[s], plan.stages[s].chunk_ranges  # a chunked group syncs all its chunks at once
         one_node = len({r.host for r in st.replicas}) == 1
-        params = self.range_params(first, last, st.tensor_parallel)
+        params = sum(self.range_params(a, b, st.tensor_parallel) for a, b in ranges)
         ar = self._sync_s(params, st.types, st.width, one_node, False) if st.width > 1 else 0.0
         rest = self.sync_s(params, st.types, st.width, one_node, plan.shards_optimizer(st)) - ar
-        tied = self.tied_params(first, last)
+        tied = self.tied_params(min(a for a, _ in ranges), max(b for _, b in ranges))  # 0 if it holds both ends
         if tied:
-            ends = [plan.stages[0], plan.stages[-1]]
+            ends = [plan.stages[plan.pipeline[0].group], plan.stages[plan.pipeline[-1].group]]
             rest += self.tie_sync_s(tied, sorted({t for e in ends for t in e.types}), sum(e.width for e in ends))
         return float(ar), int(self.num_buckets(params)) if st.width > 1 else 1, float(rest)
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .costmodel import CostModel
-from .records import Plan, Predicted
+from .chunked import chunk_orders
+from .records import CHUNKED, Plan, Predicted
 from .schedule import overlaps, peak_in_flight, trailing_weight_passes
 from .simulator import simulate
 
@@ -72,6 +73,8 @@ def boundary_transfers(plan: Plan, s: int) -> list[tuple[int, int, int, int]]:
 
 
 def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
+    if plan.schedule in CHUNKED:
+        return chunked_group_costs(plan, cm)
     S, M = plan.num_stages, plan.num_micro_batches
     out = []
     for s, st in enumerate(plan.stages):
@@ -113,6 +116,79 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
     return out
 
 
+def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
+    """Seconds per micro-batch a group spends sending chunk k's output and receiving its gradient: a sender's
+    transfers in turn, inter-node ones also queued on its host's NIC (none where a rank hands over to itself)."""
+    if k + 1 >= len(plan.pipeline):
+        return 0.0
+    here, there = plan.stages[plan.pipeline[k].group], plan.stages[plan.pipeline[k + 1].group]
+    bd = plan.boundary(k)
+    row_bytes = float(cm.layers.out_bytes[plan.pipeline[k].last - 1]) * cm.wire_factor(bd.dtype if bd else None)
+    per_sender: dict[int, float] = {}
+    per_nic: dict[str, float] = {}
+    for i in range(here.width):
+        for t in overlaps(plan, k, i, "next"):
+            if t.peer == here.replicas[i].rank:
+                continue
+            j = plan.locate(t.peer)[1]
+            same = here.replicas[i].host == there.replicas[j].host
+            dt = cm.p2p_s((t.stop - t.start) * row_bytes, here.type_of(here.replicas[i]),
+                          there.type_of(there.replicas[j]), same)
+            per_sender[i] = per_sender.get(i, 0.0) + dt
+            if not same:
+                per_nic[here.replicas[i].host] = per_nic.get(here.replicas[i].host, 0.0) + dt
+    return 2.0 * max([*per_sender.values(), *per_nic.values()], default=0.0)
+
+
+def chunked_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
+    """Peak bytes on a rank of group s under a chunked schedule: every chunk's state, plus the most activations
+    its order holds at once (a chunk-micro-batch is held from its forward to its backward, or to its W where the
+    backward is split), plus a boundary's send and receive buffers per chunk."""
+    st = plan.stages[s]
+    tp, z = st.tensor_parallel, plan.shards_optimizer(st)
+    order = order if order is not None else chunk_orders(plan, plan.num_micro_batches)[s]
+    full = cm.act_bytes(tp)
+    act = cm.layers.act_bytes_recompute if st.recompute else full
+    per_chunk = {c.position: float(act[c.first:c.last].sum()) * samples for c in plan.pipeline if c.group == s}
+    split = {(mb, k) for kind, mb, k in order if kind == "W"}
+    held = peak = 0.0
+    for kind, mb, k in order:
+        if kind == "F":
+            held += per_chunk[k]
+            peak = max(peak, held)
+        elif kind == "W" or (kind == "B" and (mb, k) not in split):
+            held -= per_chunk[k]
+    state = sum(cm.state_bytes(a, b, st.width, tp, z) for a, b in st.chunk_ranges)
+    extra = max(float(full[a:b].max()) * samples for a, b in st.chunk_ranges) if st.recompute else 0.0
+    buffers = sum(2.0 * float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)
+    return state + peak + extra + buffers
+
+
+def chunked_group_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
+    """Per device group of a chunked plan, its costs summed over its chunks (compute, boundary traffic: v times a
+    one-chunk group's, optimizer), its all-reduce over all of its layers, its memory from its order's peak."""
+    orders = chunk_orders(plan, plan.num_micro_batches)
+    out = []
+    for s, st in enumerate(plan.stages):
+        tp, z = st.tensor_parallel, plan.shards_optimizer(st)
+        ks = plan.chunks_of_group[s]
+
+        def rep_cost(r):
+            parts = [cm.stage_compute_s(st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last, r.samples,
+                                        st.recompute, tp) for k in ks]
+            return sum(f for f, _ in parts), sum(b for _, b in parts)
+        fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
+        comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)
+        opt = max(sum(cm.optimizer_s(t, a, b, st.width, tp, z) for a, b in st.chunk_ranges) for t in st.types)
+        mem = chunked_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
+        split = plan.schedule == "zb-v"
+        wgrad = max(sum(cm.stage_weight_grad_s(st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last,
+                                               r.samples, tp) for k in ks if k > 0) for r in st.replicas)
+        ar = cm.stage_sync_s(plan, s, hide_s=0.0)
+        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, 0.0))
+    return out
+
+
 def iteration_s(costs: list[StageCost], num_micro_batches: int) -> float:
     """The closed form. Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its
     W), and its last W's come before its all-reduce instead."""
@@ -127,12 +203,29 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int) -> float:
             + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends))
 
 
+def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chunks: int) -> float:
+    """The closed form of a chunked schedule: the busiest group paces all M micro-batches, the fill and drain
+    cost what 1F1B's do divided by v (each chunk is 1/v of its group's work), and zb-v's weight passes fill the
+    fill instead of adding to it. Only ranks the chunked plans (and stands in past MAX_REPLAY_PAIRS): the
+    prediction is the replay's."""
+    pace = max(c.pace_s for c in costs)
+    fill = (sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) - pace) / num_chunks
+    return (num_micro_batches * pace + max(0.0, fill) + max(c.allreduce_s for c in costs)
+            + max(c.optimizer_s for c in costs))
+
+
 def closed_form_s(plan: Plan, cm: CostModel) -> float:
+    if plan.schedule in CHUNKED:
+        return chunked_iteration_s(stage_costs(plan, cm), plan.num_micro_batches, plan.num_chunks)
     return iteration_s(stage_costs(plan, cm), plan.num_micro_batches)
 
 
 def fits_memory(plan: Plan, cm: CostModel) -> bool:
     """Every replica's peak (its share, its schedule's in-flight count) within its own type's memory."""
+    if plan.schedule in CHUNKED:
+        orders = chunk_orders(plan, plan.num_micro_batches)
+        return all(chunked_memory_bytes(plan, cm, s, r.samples, orders[s]) <= cm.memory_limit_bytes(st.type_of(r))
+                   for s, st in enumerate(plan.stages) for r in st.replicas)
     S, M = plan.num_stages, plan.num_micro_batches
     return all(cm.stage_memory_bytes(*st.layers, r.samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
                                      st.width, st.tensor_parallel, plan.shards_optimizer(st))
@@ -214,7 +307,7 @@ def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) ->
 
 def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
     costs = stage_costs(plan, cm)
-    closed = iteration_s(costs, plan.num_micro_batches)
+    closed = closed_form_s(plan, cm)
     it = replay_iteration_s(plan, cm) if replay_fits(plan) else closed  # closed_form_s == iteration_s says so
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
@@ -226,3 +319,13 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
                      memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
                      allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
                      fits_memory=fits_memory(plan, cm), closed_form_s=closed)
+
+
+def chunk_time_s(plan: Plan, cm: CostModel):
+    """``chunked.rechunk``'s price of a chunk: forward + backward of layers [first, last) on the group's slowest
+    replica (its share of the micro-batch, its own type)."""
+    def chunk_s(g: int, first: int, last: int) -> float:
+        st = plan.stages[g]
+        shares = {(st.type_of(r), r.samples) for r in st.replicas}
+        return max(sum(cm.stage_compute_s(t, first, last, n, st.recompute, st.tensor_parallel)) for t, n in shares)
+    return chunk_s

@@ -20,7 +20,7 @@ from .costmodel import CostModel
 from .errors import InfeasibleError, InputError
 from .evaluate import REPLAY_WITHIN
 from .placement import StageLayout, even_split
-from .records import MAX_MICRO_BATCHES
+from .records import CHUNKED, MAX_MICRO_BATCHES
 from .schedule import SCHEDULES
 from .search.candidates import (Job, Solution, candidates, objective_of, restrict,
                                 tensor_parallel_degrees, units_for)
@@ -214,8 +214,9 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     """
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
-    if opts.schedule not in SCHEDULES:
-        raise InputError("--schedule", f"expected one of {', '.join(SCHEDULES)}, got {opts.schedule!r}"[:120])
+    if opts.schedule not in SCHEDULES or opts.schedule in CHUNKED:  # chunks are cut after the MILP (api.solve)
+        raise InputError("--schedule", f"the MILP plans one of {', '.join(s for s in SCHEDULES if s not in CHUNKED)}, "
+                                       f"got {opts.schedule!r}"[:160])
     if opts.equal_widths:  # what Megatron-core can run: one width, (here) no tensor parallelism, no per-stage ZeRO
         opts = replace(opts, max_tensor_parallel=1, zero1_stages=False)
     if _layer_granular_shapes(cm, opts):

@@ -232,6 +232,11 @@ class _Replay:
         return (t.peer, rank, a.kind[1], a.mb, b, t.start)
 
     def duration(self, rank: int, a: Action) -> float:
+        if a.kind in ("L", "OPT"):  # the loader is not modelled; the optimizer steps all of the rank's chunks
+            st, rep = self.where[rank]
+            return 0.0 if a.kind == "L" else sum(
+                self.cm.optimizer_s(st.type_of(rep), c0, c1, st.width, st.tensor_parallel,
+                                    self.plan.shards_optimizer(st)) for c0, c1 in st.chunk_ranges)
         k = (rank, a.chunk)
         if k not in self.durations:
             st, rep = self.where[rank]
@@ -243,10 +248,8 @@ class _Replay:
             # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W)
             wgrad = (self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp)
                      if any(b.kind == "W" and b.chunk == a.chunk for b in self.sched[rank]) else 0.0)
-            opt = sum(self.cm.optimizer_s(t, c0, c1, st.width, tp, self.plan.shards_optimizer(st))
-                      for c0, c1 in st.chunk_ranges)
-            self.durations[k] = {"F": fwd, "B": bwd - wgrad, "W": wgrad, "OPT": opt, "TPF": tp_f, "TPB": tp_b}
-        return self.durations[k].get(a.kind, 0.0)  # L: the loader is not modelled
+            self.durations[k] = {"F": fwd, "B": bwd - wgrad, "W": wgrad, "TPF": tp_f, "TPB": tp_b}
+        return self.durations[k][a.kind]
 
     def transfer_s(self, src: int, dst: int, boundary: int, rows: int) -> tuple[float, bool]:
         """(seconds, same host) of moving ``rows`` rows of the tensor crossing ``boundary`` from src to dst (a

@@ -99,9 +99,11 @@ def _add_plan(sub) -> None:
     sp.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                     help="training precision the plan is priced in and records (default auto: bf16 where every "
                          "device type has it, else fp16 with dynamic loss scaling, else fp32)")
-    sp.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
-                    help="pipeline schedule the plan runs: 1f1b (default), or zb-h1, which sends each input gradient "
-                         "before computing the weights' (1F1B's memory but one micro-batch more on the last stage)")
+    sp.add_argument("--schedule", choices=[*SCHEDULES, "auto"], default="1f1b",
+                    help="pipeline schedule the plan runs: 1f1b (default); zb-h1, which sends each input gradient "
+                         "before computing the weights' (1F1B's memory but one micro-batch more on the last stage); "
+                         "interleaved-1f1b (each group holds v = 2..4 chunks, the fastest kept) or zb-v (two chunks "
+                         "in a V), planned and simulated, not yet run by the runtime; auto: the fastest that fits")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

@@ -6,6 +6,7 @@ import os
 
 from rich.console import Console
 
+from ..partitioner.schedule_search import explain_schedules
 from ..partitioner.api import BASELINES, make_baseline, make_plan, solve
 from ..partitioner.costmodel import DS_CONFIG_FOR, CostModel, natural_dtype
 from ..partitioner.errors import InfeasibleError, InputError
@@ -91,6 +92,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profiles:  # recorded, so that simulate and show find them again
         plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output, cm.profiles)})
     print_plan(plan, console)
+    tried = getattr(plan.solver, "schedules", None) if plan.solver else None
+    if tried:  # --schedule auto / a chunked schedule: what each variant of the chosen groups predicted
+        console.print(f"schedule: {plan.schedule}, {count(plan.num_chunks, 'chunk')} per group, of:")
+        for line in explain_schedules([(t["schedule"], t["chunks"], t["iteration_s"], t["fits_memory"])
+                                       for t in tried], plan):
+            console.print(f"  {line}")
     split = sorted({(s.device_type, s.tensor_parallel) for s in plan.stages
                     if s.tensor_parallel > 1 and not cm.tp_measured(s.device_type, s.tensor_parallel)})
     if cm.profiles and split:  # no profile measured at that degree

@@ -1,0 +1,71 @@
+"""The schedule and chunk count a plan runs (``hethub plan --schedule``): the MILP plans one chunk per group; this
+step re-cuts the chosen groups into chunks and keeps the fastest schedule that fits memory.
+
+Why after the MILP and not inside it: a chunked schedule keeps the MILP's groups (devices, widths, sample splits,
+tensor parallel, ZeRO-1), which are what balance the pipeline; it changes the fill, the boundary traffic and the
+activations in flight, which the replay prices exactly and the MILP's linear cost cannot (the fill depends on the
+order of the passes). Each variant's chunks are cut by time (``chunked.balanced_sizes``), so a group's chunks take
+the work the MILP gave it, whatever the layers cost.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .chunked import rechunk
+from .costmodel import CostModel
+from .errors import InputError
+from .evaluate import chunk_time_s, fits_memory, predict
+from .records import CHUNKED, SCHEDULES, Plan
+
+AUTO = "auto"
+MAX_CHUNKS_SEARCHED = 4  # v of interleaved-1f1b tried: 2..4 (the fill shrinks ~v-fold for v x the traffic)
+
+
+def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
+    """The plan under ``schedule`` (``auto``: under every schedule), chunked where the schedule is, v from 2 to
+    MAX_CHUNKS_SEARCHED for interleaved-1f1b (no more chunks than layers)."""
+    names = list(SCHEDULES) if schedule == AUTO else [schedule]
+    chunk_s = chunk_time_s(plan, cm)
+    out = []
+    for name in names:
+        if name not in CHUNKED:
+            out.append(plan.model_copy(update={"schedule": name, "predicted": None}))
+            continue
+        counts = [2] if name == "zb-v" else range(2, MAX_CHUNKS_SEARCHED + 1)
+        for v in counts:
+            if v * plan.num_stages > plan.model.num_planner_layers:
+                continue
+            out.append(rechunk(plan, name, v, chunk_s))
+    return out
+
+
+def choose_schedule(plan: Plan, cm: CostModel, schedule: str) -> tuple[Plan, list[tuple[str, int, float, bool]]]:
+    """The fastest variant (``variants``) that fits memory, with its prediction, and what each variant predicted:
+    (schedule, chunks per group, iteration seconds, fits memory). None fits: the fastest, marked as not fitting,
+    as ``hethub plan`` reports an over-memory plan."""
+    tried: list[tuple[Plan, float, bool]] = []
+    for q in variants(plan, cm, schedule):
+        pred = predict(q, cm, plan.predicted.homogeneous_sum_samples_per_s if plan.predicted else None)
+        tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits_memory(q, cm)))
+    fitting = [t for t in tried if t[2]] or tried
+    best = min(fitting, key=lambda t: t[1])[0]
+    return best, [(q.schedule, q.num_chunks, it, fits) for q, it, fits in tried]
+
+
+def search_schedule(opts_schedule: str) -> str:
+    """The schedule the MILP plans with: its own for one-chunk schedules, else 1F1B (whose groups are re-cut)."""
+    if opts_schedule not in SCHEDULES and opts_schedule != AUTO:
+        raise InputError("--schedule", f"expected one of {', '.join([*SCHEDULES, AUTO])}, got {opts_schedule!r}"[:160])
+    return opts_schedule if opts_schedule in SCHEDULES and opts_schedule not in CHUNKED else "1f1b"
+
+
+def explain_schedules(tried: list[tuple[str, int, float, bool]], chosen: Plan) -> list[str]:
+    """One line per variant tried: its predicted iteration against the chosen one's."""
+    base: Optional[float] = chosen.predicted.iteration_s if chosen.predicted else None
+    lines = []
+    for name, v, it, fits in sorted(tried, key=lambda t: t[2]):
+        mark = "*" if (name, v) == (chosen.schedule, chosen.num_chunks) else " "
+        rel = f" ({it / base:.3f}x)" if base else ""
+        lines.append(f"{mark} {name:<17} v={v}  {it * 1e3:9.1f} ms/iteration{rel}"
+                     + ("" if fits else "  (does not fit memory)"))
+    return lines
