@@ -47,81 +47,91 @@ def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Or
     which has no input gradient to split off, takes two).
 
     Each group, when free, runs: a ready backward (input gradients: they unblock the group upstream), else a ready
-    forward of its second-leg chunk, else one of its first-leg chunk while it holds fewer than 2p chunk-micro-batches
-    of activations (2p chunks of 1/(2p) of the layers: 1F1B's first-stage memory, the V's promise; capping the
-    second leg too could stall a group full of first-leg activations that only a second-leg forward leads out
-    of), else its oldest pending weight pass (W fills what would be bubble),
+    forward of its second-leg chunk, else one of its first-leg chunk if it leaves room for 2p chunk-micro-batches of
+    activations counting the second legs still to come (2p chunks of 1/(2p) of the layers: 1F1B's first-stage
+    memory, the V's promise; second-leg forwards are never held back, as a group full of first-leg activations
+    only gets out through them), else its oldest pending weight pass (W fills what would be bubble),
     else it waits for the next pass anywhere to end. Forwards and backwards of a chunk go in micro-batch order.
     The resulting order is fixed data: it finished under unit costs, so its dependencies are acyclic and it finishes
     under any costs (a deadlock would be a cycle)."""
-    V = 2 * p
-    groups = [(g, V - 1 - g) for g in range(p)]
-    cap = 2 * p
-    finish: dict[tuple[str, int, int], float] = {}  # (kind, mb, chunk) -> when it ends
-    nxt_f = {k: 0 for k in range(V)}
-    nxt_b = {k: 0 for k in range(V)}
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    held = [0] * p
-    free_at = [0.0] * p
-    orders: list[Order] = [[] for _ in range(p)]
-    events: list[float] = []
-    t = 0.0
+    return _ListScheduler(layers, p, M, train).run()
 
-    def done(key, now):
-        return key in finish and finish[key] <= now
 
-    def pick(g: int, now: float):
-        if train:
-            for k in sorted(groups[g], reverse=True):
-                mb = nxt_b[k]
-                if mb < M and done(("F", mb, k), now) and (k == V - 1 or done(("B", mb, k + 1), now)):
+class _ListScheduler:
+    """``zbv_orders``' state: per chunk the next forward and backward micro-batch, per group its pending weight
+    passes, held activations and when it is free; the passes' end times."""
+
+    def __init__(self, layers: list[int], p: int, M: int, train: bool):
+        self.layers, self.p, self.M, self.train = layers, p, M, train
+        self.V, self.cap = 2 * p, 2 * p
+        self.groups = [(g, 2 * p - 1 - g) for g in range(p)]
+        self.finish: dict[tuple[str, int, int], float] = {}  # (kind, mb, chunk) -> when it ends
+        self.nxt_f = {k: 0 for k in range(self.V)}
+        self.nxt_b = {k: 0 for k in range(self.V)}
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.held = [0] * p
+        self.free_at = [0.0] * p
+        self.orders: list[Order] = [[] for _ in range(p)]
+
+    def done(self, key, now: float) -> bool:
+        return key in self.finish and self.finish[key] <= now
+
+    def pick(self, g: int, now: float):
+        M, V, down, up = self.M, self.V, *self.groups[g]
+        if self.train:
+            for k in (up, down):
+                mb = self.nxt_b[k]
+                if mb < M and self.done(("F", mb, k), now) and (k == V - 1 or self.done(("B", mb, k + 1), now)):
                     return "B", mb, k
-        for k in sorted(groups[g], reverse=True):  # the V's second leg first: it leads to the loss
-            mb = nxt_f[k]
-            if mb < M and (k == 0 or done(("F", mb, k - 1), now)) and (k >= p or held[g] < cap or not train):
+        # a first-leg forward reserves room for its second leg too: held + the second legs still to come
+        room = self.held[g] + (self.nxt_f[down] - self.nxt_f[up]) + 2 <= self.cap or not self.train
+        for k in (up, down):  # the V's second leg first: it leads to the loss
+            mb = self.nxt_f[k]
+            if mb < M and (k == 0 or self.done(("F", mb, k - 1), now)) and (k == up or room):
                 return "F", mb, k
-        if pending_w[g]:
-            mb, k = pending_w[g][0]
+        if self.pending_w[g]:
+            mb, k = self.pending_w[g][0]
             return "W", mb, k
         return None
 
-    scheduled, need = 0, (3 * M * V - M if train else M * V)  # F, B, W per chunk and micro-batch; chunk 0 no W
-    while scheduled < need:
-        progressed = False
-        for g in range(p):
-            if free_at[g] > t:
-                continue
-            choice = pick(g, t)
-            if choice is None:
-                continue
-            kind, mb, k = choice
-            n = layers[k]
-            dur = float(n * (2 if kind == "B" and k == 0 else 1))
-            finish[(kind, mb, k)] = t + dur
-            free_at[g] = t + dur
-            heapq.heappush(events, t + dur)
-            orders[g].append((kind, mb, k))
-            scheduled += 1
-            progressed = True
-            if kind == "F":
-                nxt_f[k] += 1
-                held[g] += 1
-            elif kind == "B":
-                nxt_b[k] += 1
-                if k == 0:
-                    held[g] -= 1
-                else:
-                    pending_w[g].append((mb, k))
+    def start(self, g: int, kind: str, mb: int, k: int, now: float) -> float:
+        end = now + float(self.layers[k] * (2 if kind == "B" and k == 0 else 1))
+        self.finish[(kind, mb, k)] = self.free_at[g] = end
+        self.orders[g].append((kind, mb, k))
+        if kind == "F":
+            self.nxt_f[k] += 1
+            self.held[g] += 1
+        elif kind == "B":
+            self.nxt_b[k] += 1
+            if k == 0:
+                self.held[g] -= 1
             else:
-                pending_w[g].pop(0)
-                held[g] -= 1
-        if not progressed:
-            while events and events[0] <= t:
-                heapq.heappop(events)
-            if not events:
-                raise RuntimeError(f"zb-v: the list scheduler stalled at p={p}, M={M} (a bug)")
-            t = heapq.heappop(events)
-    return orders
+                self.pending_w[g].append((mb, k))
+        else:
+            self.pending_w[g].pop(0)
+            self.held[g] -= 1
+        return end
+
+    def run(self) -> list[Order]:
+        M, V = self.M, self.V
+        need = 3 * M * V - M if self.train else M * V  # F, B, W per chunk and micro-batch; chunk 0 has no W
+        events: list[float] = []
+        t, scheduled = 0.0, 0
+        while scheduled < need:
+            progressed = False
+            for g in range(self.p):
+                choice = self.pick(g, t) if self.free_at[g] <= t else None
+                if choice is not None:
+                    heapq.heappush(events, self.start(g, *choice, t))
+                    scheduled += 1
+                    progressed = True
+            if not progressed:
+                while events and events[0] <= t:
+                    heapq.heappop(events)
+                if not events:
+                    raise RuntimeError(f"zb-v: the list scheduler stalled at p={self.p}, M={M} (a bug)")
+                t = heapq.heappop(events)
+        return self.orders
 
 
 def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
@@ -139,19 +149,21 @@ def chunk_sizes(n_layers: int, v: int) -> list[int]:
 
 
 def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
-    """Layer counts of the p*v chunks (pipeline order) that minimise the slowest chunk's time, where
-    ``chunk_s(group, first, last)`` prices a chunk on its group: a binary search on that time, each chunk taking
-    as many layers as fit it (greedy is exact for a min-max cut of a sequence in a fixed order) and leaving one
-    for every chunk after it."""
+    """Layer counts of the p*v chunks (pipeline order) that keep each group's work where the plan put it, with
+    ``chunk_s(group, first, last)`` pricing a chunk on its group: each chunk of group g is allowed lambda x (g's
+    work in the plan) / v, and a binary search finds the least lambda at which every layer is placed, each chunk
+    taking as many layers as fit it and leaving one for every chunk after it. (Minimising the slowest chunk
+    instead leaves a group with one heavy and one light chunk, and the pipeline runs at its busiest group's pace.)"""
     p, n = plan.num_stages, plan.model.num_planner_layers
     V = p * v
     owner = [chunk_group(schedule, p, k) for k in range(V)]
+    share = [sum(chunk_s(g, a, b) for a, b in st.chunk_ranges) / v for g, st in enumerate(plan.stages)]
 
-    def cut(limit: float):
+    def cut(scale: float):
         sizes, first = [], 0
         for k in range(V):
             last = first + 1
-            while last < n - (V - k - 1) and chunk_s(owner[k], first, last + 1) <= limit:
+            while last < n - (V - k - 1) and chunk_s(owner[k], first, last + 1) <= scale * share[owner[k]]:
                 last += 1
             if k == V - 1 and last < n:
                 return None
@@ -159,7 +171,9 @@ def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
             first = last
         return sizes
 
-    lo, hi = 0.0, max(chunk_s(g, 0, n) for g in range(p))
+    lo, hi = 0.0, 1.0
+    while cut(hi) is None and hi < 1e9:
+        hi *= 2
     best = cut(hi) or [1] * (V - 1) + [n - V + 1]
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -168,6 +182,33 @@ def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
             lo = mid
         else:
             best, hi = sizes, mid
+    return _polish(best, owner, p, chunk_s)
+
+
+def _polish(sizes: list[int], owner: list[int], p: int, chunk_s) -> list[int]:
+    """Move single cut points by one layer while that lowers the busiest group's work (then the sum of squares):
+    the greedy cut fills each chunk in turn, and a group whose chunks both ended a layer long paces the pipeline."""
+    def score(sz):
+        total, first = [0.0] * p, 0
+        for k, n in enumerate(sz):
+            total[owner[k]] += chunk_s(owner[k], first, first + n)
+            first += n
+        return max(total), sum(x * x for x in total)
+
+    best, current = list(sizes), score(sizes)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(len(best) - 1):  # the cut between chunk k and k + 1
+            for step in (1, -1):
+                trial = list(best)
+                trial[k] += step
+                trial[k + 1] -= step
+                if min(trial[k], trial[k + 1]) < 1:
+                    continue
+                got = score(trial)
+                if got < current:
+                    best, current, improved = trial, got, True
     return best
 
 

@@ -215,8 +215,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
     if opts.schedule not in SCHEDULES or opts.schedule in CHUNKED:  # chunks are cut after the MILP (api.solve)
-        raise InputError("--schedule", f"the MILP plans one of {', '.join(s for s in SCHEDULES if s not in CHUNKED)}, "
-                                       f"got {opts.schedule!r}"[:160])
+        raise InputError("--schedule", f"expected one of {', '.join(s for s in SCHEDULES if s not in CHUNKED)}, got "
+                                       f"{opts.schedule!r} (the MILP plans one chunk per group)"[:160])
     if opts.equal_widths:  # what Megatron-core can run: one width, (here) no tensor parallelism, no per-stage ZeRO
         opts = replace(opts, max_tensor_parallel=1, zero1_stages=False)
     if _layer_granular_shapes(cm, opts):

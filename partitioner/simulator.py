@@ -69,79 +69,46 @@ def check_matching(sched: dict[int, list[Action]]) -> None:
     recvs: dict[tuple, tuple[int, int]] = {}
     for rank, acts in sched.items():
         for step, a in enumerate(acts):
+            # the boundary crossed (after chunk b), in a chunked plan: two chunks' transfers between the same ranks
+            b = None if a.chunk is None else a.chunk - (a.kind in ("RA", "SG"))
             for t in a.transfers:
                 if a.kind in pairs:
-                    key = (pairs[a.kind], a.mb, rank, t.peer, t.start, t.stop)
+                    key = (pairs[a.kind], a.mb, b, rank, t.peer, t.start, t.stop)
                     if key in sends:
                         raise ScheduleError(f"rank {rank} step {step}", f"{a} sends rows {t.start}:{t.stop} of "
                                                                         f"micro-batch {a.mb} to rank {t.peer} twice")
                     sends[key] = (rank, step)
                 else:
-                    key = (a.kind, a.mb, t.peer, rank, t.start, t.stop)
+                    key = (a.kind, a.mb, b, t.peer, rank, t.start, t.stop)
                     if key in recvs:
                         raise ScheduleError(f"rank {rank} step {step}", f"{a} receives the same rows twice")
                     recvs[key] = (rank, step)
     for key, (rank, step) in sends.items():
         if key not in recvs:
-            raise ScheduleError(f"rank {rank} step {step}", f"send of micro-batch {key[1]} rows {key[4]}:{key[5]} "
-                                                            f"to rank {key[3]} has no matching receive")
+            raise ScheduleError(f"rank {rank} step {step}", f"send of micro-batch {key[1]} rows {key[5]}:{key[6]} "
+                                                            f"to rank {key[4]} has no matching receive")
     for key, (rank, step) in recvs.items():
         if key not in sends:
-            raise ScheduleError(f"rank {rank} step {step}", f"receive of micro-batch {key[1]} rows {key[4]}:{key[5]} "
-                                                            f"from rank {key[2]} has no matching send")
+            raise ScheduleError(f"rank {rank} step {step}", f"receive of micro-batch {key[1]} rows {key[5]}:{key[6]} "
+                                                            f"from rank {key[3]} has no matching send")
+
+
+_NEEDS = {"F": [("RA", "not first"), ("L", "ends")], "B": [("F", "always"), ("RG", "not last")],
+          "SA": [("F", "not last")], "RG": [("F", "not last")], "SG": [("B", "not first")], "RA": [], "L": [],
+          "OPT": [("AR", "train")], "AR": [], "W": [("B", "always")]}  # what must come earlier on the rank
 
 
 def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = True) -> None:
     """What the runtime needs of each rank's list: every micro-batch's forward (and backward) once per chunk the
     rank holds and in order of dependence, each fed by exactly one receive of this rank's rows, posted before it."""
-    M, V = plan.num_micro_batches, len(plan.pipeline)
+    M = plan.num_micro_batches
     chunked = plan.num_chunks > 1 or plan.schedule in CHUNKED
     for rank, acts in sched.items():
-        s, j = plan.locate(rank)
+        s, _ = plan.locate(rank)
         mine = plan.chunks_of_group[s]
-        a, b = plan.stages[s].sample_ranges()[j]
         seen: dict[tuple, int] = {}
         for step, act in enumerate(acts):
-            where = f"rank {rank} step {step}"
-            if chunked and act.kind not in ("L", "AR", "OPT") and act.chunk not in mine:
-                raise ScheduleError(where, f"{act}: rank {rank} holds chunks {', '.join(map(str, mine))}"
-                                           + ("" if act.chunk is not None else " (name one: F3@5)"))
-            if not chunked and act.chunk is not None:
-                raise ScheduleError(where, f"{act}: the plan's groups hold one chunk each; actions name none")
-            k = vstage(plan, rank, act) if act.kind not in ("L", "AR", "OPT") else None
-            first, last = k == 0, k == V - 1
-            key = (act.kind, act.mb, act.chunk)
-            if key in seen:
-                raise ScheduleError(where, f"{act} repeats step {seen[key]}")
-            seen[key] = step
-            if act.mb is not None and not 0 <= act.mb < M:
-                raise ScheduleError(where, f"{act}: micro-batch {act.mb} is outside 0..{M - 1}")
-            loads = (0 in mine or V - 1 in mine) if chunked else (s == 0 or s == plan.num_stages - 1)
-            need = {"F": [("RA", not first), ("L", first or last)], "B": [("F", True), ("RG", not last)],
-                    "SA": [("F", not last)], "RG": [("F", not last)], "SG": [("B", not first)],
-                    "RA": [("RA", False)], "L": [("L", False)], "OPT": [("AR", train)], "AR": [("AR", False)],
-                    "W": [("B", True)]}
-            for before, required in need[act.kind]:
-                chunk = None if before in ("L", "AR") else act.chunk
-                if required and (before, act.mb, chunk) not in seen:
-                    at = "" if chunk is None else f"@{chunk}"
-                    raise ScheduleError(where, f"{act} needs {before}{'' if act.mb is None else act.mb}{at} "
-                                               f"earlier on this rank")
-            if act.kind == "L" and not loads:
-                raise ScheduleError(where, f"{act}: rank {rank} holds neither the first nor the last layers")
-            if act.kind in ("SA", "RG") and last or act.kind in ("RA", "SG") and first:
-                raise ScheduleError(where, f"{act}: {'chunk' if chunked else 'stage'} {k} has no "
-                                           f"{'next' if last else 'previous'} {'chunk' if chunked else 'stage'}")
-            if act.kind in ("RA", "RG"):
-                rows = sorted((t.start, t.stop) for t in act.transfers)
-                if act.kind == "RA" and (rows[0][0] != a or rows[-1][1] != b or
-                                         any(p[1] != q[0] for p, q in zip(rows, rows[1:]))):
-                    raise ScheduleError(where, f"{act} must receive exactly this rank's rows {a}:{b}")
-            if any(not (a <= t.start < t.stop <= b) for t in act.transfers if act.kind in ("SA", "SG")):
-                raise ScheduleError(where, f"{act} sends rows outside this rank's {a}:{b}")
-            if act.kind == "W" and k == 0:
-                raise ScheduleError(f"rank {rank}", f"{'chunk' if chunked else 'stage'} 0 has no input gradients to "
-                                                    "split from its weights': its B runs the whole backward, with no W")
+            _check_action(plan, rank, step, act, seen, chunked, train)
         if not train and any(act.kind == "W" for act in acts):
             raise ScheduleError(f"rank {rank}", "an evaluation schedule has no W (weight-gradient) actions")
         ar = seen.get(("AR", None, None))
@@ -157,6 +124,47 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
                     at = "" if chunk is None else f"@{chunk}"
                     raise ScheduleError(f"rank {rank}", f"no {kind}{missing[0]}{at} (every micro-batch 0..{M - 1} "
                                                         "needs one)")
+
+
+def _check_action(plan: Plan, rank: int, step: int, act: Action, seen: dict, chunked: bool, train: bool) -> None:
+    """One action of a rank's list against what came before it (``seen``: (kind, mb, chunk) -> step)."""
+    M, V = plan.num_micro_batches, len(plan.pipeline)
+    s, j = plan.locate(rank)
+    mine = plan.chunks_of_group[s]
+    a, b = plan.stages[s].sample_ranges()[j]
+    where, unit = f"rank {rank} step {step}", "chunk" if chunked else "stage"
+    if chunked and act.kind not in ("L", "AR", "OPT") and act.chunk not in mine:
+        raise ScheduleError(where, f"{act}: rank {rank} holds chunks {', '.join(map(str, mine))}"
+                                   + ("" if act.chunk is not None else " (name one: F3@5)"))
+    if not chunked and act.chunk is not None:
+        raise ScheduleError(where, f"{act}: the plan's groups hold one chunk each; actions name none")
+    k = vstage(plan, rank, act) if act.kind not in ("L", "AR", "OPT") else None
+    first, last = k == 0, k == V - 1
+    key = (act.kind, act.mb, act.chunk)
+    if key in seen:
+        raise ScheduleError(where, f"{act} repeats step {seen[key]}")
+    seen[key] = step
+    if act.mb is not None and not 0 <= act.mb < M:
+        raise ScheduleError(where, f"{act}: micro-batch {act.mb} is outside 0..{M - 1}")
+    when = {"always": True, "not first": not first, "not last": not last, "ends": first or last, "train": train}
+    for before, rule in _NEEDS[act.kind]:
+        chunk = None if before in ("L", "AR") else act.chunk
+        if when[rule] and (before, act.mb, chunk) not in seen:
+            at = "" if chunk is None else f"@{chunk}"
+            raise ScheduleError(where, f"{act} needs {before}{'' if act.mb is None else act.mb}{at} earlier on this rank")
+    if act.kind == "L" and not (0 in mine or V - 1 in mine):
+        raise ScheduleError(where, f"{act}: rank {rank} holds neither the first nor the last layers")
+    if act.kind in ("SA", "RG") and last or act.kind in ("RA", "SG") and first:
+        raise ScheduleError(where, f"{act}: {unit} {k} has no {'next' if last else 'previous'} {unit}")
+    if act.kind == "RA":
+        rows = sorted((t.start, t.stop) for t in act.transfers)
+        if rows[0][0] != a or rows[-1][1] != b or any(p[1] != q[0] for p, q in zip(rows, rows[1:])):
+            raise ScheduleError(where, f"{act} must receive exactly this rank's rows {a}:{b}")
+    if any(not (a <= t.start < t.stop <= b) for t in act.transfers if act.kind in ("SA", "SG")):
+        raise ScheduleError(where, f"{act} sends rows outside this rank's {a}:{b}")
+    if act.kind == "W" and k == 0:
+        raise ScheduleError(f"rank {rank}", f"{unit} 0 has no input gradients to split from its weights': its B "
+                                            "runs the whole backward, with no W")
 
 
 def _short_ranks(ranks: list[int]) -> str:

@@ -14,6 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cli_util import cli_error, write
 from conftest import EXAMPLES, ROOT
 from hethub.cli.main import main
 from hethub.partitioner import InputError, load_cluster, load_model, load_plan, load_profile
@@ -23,22 +24,6 @@ CLUSTER = os.path.join(EXAMPLES, "cluster.yaml")
 PLAN = os.path.join(EXAMPLES, "plan.json")
 PLAN_ARGS = ["plan", "--cluster", CLUSTER, "--model", "gpt-1.3b", "--global-batch", "8", "--no-compare",
              "--time-limit", "5"]
-
-
-def cli_error(capsys, argv) -> str:
-    """Run the CLI in-process; it must exit 2 with exactly one bounded line on stderr."""
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out[-500:], err[-500:])
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) < 600, err[-1000:]
-    return lines[0]
-
-
-def write(tmp_path, name, text) -> str:
-    path = tmp_path / name
-    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
-    return str(path)
 
 
 def cluster_with(**over) -> str:

@@ -30,15 +30,16 @@ def plan_table(plan: Plan) -> Table:
     pred = plan.predicted
     t = Table(title=f"{plan.model.name} on {plan.cluster.name}: {count(plan.num_stages, 'stage')}, "
                     f"{count(plan.world_size, 'rank')}")
-    for col in ("stage", "layers", "device", "width", "tp", "samples/replica", "ranks", "hosts:slots", "recompute",
-                "zero1"):
+    chunked = plan.num_chunks > 1  # a group's chunks, pipeline order within it
+    for col in ("group" if chunked else "stage", "chunks" if chunked else "layers", "device", "width", "tp",
+                "samples/replica", "ranks", "hosts:slots", "recompute", "zero1"):
         t.add_column(col)
     if pred and pred.stage_s:
         t.add_column("stage ms", justify="right")
     if pred and pred.memory_gib:
         t.add_column("memory GiB", justify="right")
     for st in plan.stages:
-        row = [str(st.index), f"[{st.layers[0]}, {st.layers[1]})",
+        row = [str(st.index), " ".join(f"[{a}, {b})" for a, b in st.chunk_ranges),
                "+".join(st.types), str(st.width), str(st.tensor_parallel), "+".join(str(r.samples) for r in st.replicas),
                _ranks(st), _hosts(st), "yes" if st.recompute else "no", "yes" if plan.shards_optimizer(st) else "no"]
         if pred and pred.stage_s:

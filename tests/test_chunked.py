@@ -1,0 +1,210 @@
+"""Tier 1: chunked schedules (interleaved-1f1b, zb-v) as plan data, action lists, replays and plans.
+
+A device group of a chunked plan holds several contiguous layer ranges; the schedules are data (``F3@5`` prints and
+parses back), every one the product writes passes the structure checks, the event replay and NCCL's ordering for
+every width pattern and M = 1..8, and the planner keeps the fastest variant that fits memory.
+"""
+import json
+
+import pytest
+
+from hethub.partitioner.chunked import interleaved_order, rechunk, zbv_orders
+from hethub.partitioner.costmodel import CostModel
+from hethub.partitioner.errors import InputError
+from hethub.partitioner.evaluate import chunk_time_s, chunked_memory_bytes, predict, with_micro_batches
+from hethub.partitioner.placement import StageLayout, build_plan
+from hethub.partitioner.records import Cluster, Plan, builtin_model
+from hethub.partitioner.schedule import Action, build_schedule
+from hethub.partitioner.schedule_search import choose_schedule
+from hethub.partitioner.simulator import ScheduleError, simulate
+from cli_util import cli_error, write
+from instances import CASES, CPU_CLUSTER, STACK, stack_plan
+
+DEEP = stack_plan([2, 4], [[4], [2, 2], [1, 3]], 4, 3)  # three groups: 2, 2 and 3 of the 7 layers
+
+
+def test_chunk_actions_print_and_parse_back():
+    for text in ("F3@5", "B0@2", "W7@1", "SA3@4>r5[0:2]>r6[2:4]", "RG1@0<r2[0:4]", "L3", "F3", "AR"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("F3@5").chunk == 5 and Action.parse("F3").chunk is None
+    for bad in ("L3@1", "AR@2", "F3@"):
+        with pytest.raises(ValueError):
+            Action.parse(bad)
+
+
+def _chunked(plan: Plan, schedule: str, chunks) -> dict:
+    data = json.loads(plan.to_json())
+    data["schedule"] = schedule
+    for st, c in zip(data["stages"], chunks):
+        st.pop("layers")
+        st["chunks"] = c
+    return data
+
+
+def test_a_chunked_plan_round_trips_and_lists_its_chunks_in_pipeline_order():
+    plan = rechunk(DEEP, "interleaved-1f1b", 2)
+    assert [st.chunk_ranges for st in plan.stages] == [((0, 1), (4, 5)), ((1, 2), (5, 6)), ((2, 4), (6, 7))]
+    assert [c.group for c in plan.pipeline] == [0, 1, 2, 0, 1, 2]
+    assert Plan.from_json(plan.to_json()) == plan
+    one = json.loads(DEEP.to_json())  # one chunk written as "chunks" reads as "layers"
+    one["stages"][0]["chunks"] = [one["stages"][0].pop("layers")]
+    assert Plan.model_validate(one).stages[0].layers == (0, 2)
+    assert [c.group for c in rechunk(DEEP, "zb-v", 2).pipeline] == [0, 1, 2, 2, 1, 0]
+
+
+GOOD = [[[0, 1], [3, 4]], [[1, 2], [4, 5]], [[2, 3], [5, 7]]]  # interleaved: chunk k on group k mod 3
+
+
+@pytest.mark.parametrize("schedule, group, chunks, message", [
+    ("zb-v", 2, [[2, 3], [5, 6], [6, 7]], r"stages\[2\]\.chunks: schedule 'zb-v' gives every group two chunks, got 3"),
+    ("interleaved-1f1b", 2, [[2, 3], [5, 5]], r"stages\[2\]\.chunks\[1\]: must hold at least one layer, got \[5, 5\)"),
+    ("interleaved-1f1b", 2, [[2, 3], [5, 9]], r"stages\[2\]\.chunks\[1\]: model 'stack' has 7 planner layers"),
+    ("interleaved-1f1b", 2, [[2, 3], [5, 6], [6, 7]],
+     r"stages\[2\]\.chunks: every group holds the same number of chunks \(2, as stages\[0\]\), got 3"),
+    ("interleaved-1f1b", 0, [[0, 2], [3, 4]], r"chunk 1 must start at 2, got \[1, 2\) \(overlap\)"),
+    ("interleaved-1f1b", 2, [[2, 3], [6, 7]], r"stages\[2\]\.chunks\[1\]: .*chunk 5 must start at 5, got \[6, 7\) \(gap\)"),
+    ("interleaved-1f1b", 2, [[2, 3], [5, 6]], r"stages: chunks must cover all 7 planner layers, they end at 6"),
+    ("1f1b", 0, [[0, 1], [3, 4]], r"stages\[0\]\.chunks: schedule '1f1b' runs one chunk per group"),
+])
+def test_bad_chunk_layouts_are_one_line_naming_the_field(schedule, group, chunks, message):
+    layout = [list(c) for c in GOOD]
+    layout[group] = chunks
+    with pytest.raises(InputError, match=message):
+        Plan.from_json(json.dumps(_chunked(DEEP, schedule, layout)), "plan")
+
+
+def test_a_chunk_on_the_wrong_group_and_layers_beside_chunks_are_named(tmp_path, capsys):
+    swapped = [[[0, 1], [4, 5]], [[1, 2], [3, 4]], [[2, 3], [5, 7]]]
+    with pytest.raises(InputError, match=r"stages\[1\]\.chunks\[1\]: schedule 'interleaved-1f1b' places chunk 3 "
+                                         r"\(layers \[3, 4\)\) on group 0, not 1"):
+        Plan.from_json(json.dumps(_chunked(DEEP, "interleaved-1f1b", swapped)), "plan")
+    both = _chunked(DEEP, "interleaved-1f1b", GOOD)
+    both["stages"][0]["layers"] = [0, 1]
+    err = cli_error(capsys, ["show", write(tmp_path, "both.json", json.dumps(both))])
+    assert "a group lists its layers or its chunks, not both" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_runtime_and_the_launcher_refuse_a_chunked_plan_in_one_line(tmp_path, capsys):
+    path = write(tmp_path, "plan.json", rechunk(DEEP, "zb-v", 2).to_json())
+    err = cli_error(capsys, ["launch", "--hetero-plan", path, "--dry-run", "train.py"])
+    assert "plan.schedule: 'zb-v' with 2 chunks per group is planned and simulated, not run yet" in err
+
+
+SHAPES = {name: stack_plan(*case) for name, case in CASES.items()}
+SHAPES["3groups"] = DEEP
+
+
+@pytest.mark.parametrize("schedule, v", [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-v", 2)])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_chunked_schedule_passes_structure_replay_and_nccl_order(name, schedule, v):
+    """A given schedule goes through every check (matching, structure, event replay, NCCL's order) for
+    M = 1..8: M not a multiple of the group count included (the generalised rounds of interleaving)."""
+    base = SHAPES[name]
+    if min(st.layer_count() for st in base.stages) < v:
+        pytest.skip("a group has fewer layers than chunks")
+    cm = CostModel(CPU_CLUSTER, STACK)
+    for m in range(1, 9):
+        plan = with_micro_batches(rechunk(base, schedule, v), m)
+        for train in (True, False):
+            sched = build_schedule(plan, train=train)
+            assert simulate(plan, cm, sched, train=train).iteration_s > 0
+
+
+def test_a_chunked_schedule_with_a_forward_of_a_chunk_the_rank_does_not_hold_is_refused():
+    plan = rechunk(DEEP, "interleaved-1f1b", 2)
+    sched = build_schedule(plan)
+    r0 = plan.stages[0].replicas[0].rank
+    bad = {r: list(a) for r, a in sched.items()}
+    k = next(i for i, a in enumerate(bad[r0]) if a.kind == "F")
+    bad[r0][k] = Action("F", bad[r0][k].mb, (), 1)
+    with pytest.raises(ScheduleError, match=rf"rank {r0} step {k}: F0@1: rank {r0} holds chunks 0, 3"):
+        simulate(plan, CostModel(CPU_CLUSTER, STACK), bad)
+
+
+def test_interleaving_rounds_cover_every_micro_batch_once_per_chunk():
+    for p, v, M in ((2, 2, 3), (4, 3, 5), (3, 2, 1), (4, 2, 8)):
+        for g in range(p):
+            order = interleaved_order(p, v, g, M)
+            for kind in "FB":
+                got = sorted((mb, k) for kd, mb, k in order if kd == kind)
+                assert got == sorted((mb, c * p + g) for c in range(v) for mb in range(M))
+    assert interleaved_order(3, 1, 0, 5) == [("F", 0, 0), ("F", 1, 0), ("F", 0 + 2, 0), ("B", 0, 0), ("F", 3, 0),
+                                             ("B", 1, 0), ("F", 4, 0), ("B", 2, 0), ("B", 3, 0), ("B", 4, 0)]
+
+
+def test_zbv_holds_at_most_one_f1b_first_stage_of_activations_on_its_first_leg():
+    for p, M in ((2, 8), (4, 8), (3, 5)):
+        for g, order in enumerate(zbv_orders([1] * (2 * p), p, M)):
+            held = peak = 0
+            for kind, mb, k in order:
+                if k >= p:
+                    continue
+                held += kind == "F"
+                held -= kind == "W" or (kind == "B" and k == 0)
+                peak = max(peak, held)
+            assert peak <= 2 * p
+            assert sum(kind == "W" for kind, _, k in order) == M * (2 - (g == 0))  # chunk 0 has no W
+
+
+BALANCED = stack_plan([2, 4], [[4], [4], [4]], 4, 8)  # three groups of one width, M = 8
+
+
+A100 = Cluster.model_validate({"name": "a100", "device_types": {"A100-80GB": {
+    "vendor": "nvidia", "peak_tflops": {"bf16": 312}, "memory_gib": 80, "memory_gbps": 2000}},
+    "nodes": [{"host": "n", "device_type": "A100-80GB", "count": 8}]})
+
+
+@pytest.mark.parametrize("micro_batches", [4, 16])
+def test_more_chunks_shrink_the_fill_of_a_balanced_pipeline(micro_batches):
+    """gpt-1.3b on four groups of two A100s: the same groups cut by time into one chunk each (1F1B) and into
+    three (interleaved) or a V (zb-v): the chunked schedules must predict less (the fill shrinks)."""
+    model = builtin_model("gpt-1.3b")
+    cuts = [0, 7, 14, 21, model.num_planner_layers]
+    plan = build_plan(model, A100, [StageLayout((cuts[i], cuts[i + 1]), "A100-80GB", (2,)) for i in range(4)], 2,
+                      micro_batches)
+    cm = CostModel(A100, model)
+    price = chunk_time_s(plan, cm)
+    t1 = predict(rechunk(plan, "interleaved-1f1b", 1, price), cm).iteration_s
+    assert t1 == pytest.approx(predict(plan, cm).iteration_s, rel=0.02)  # v = 1 by time: about the plan's balance
+    assert predict(rechunk(plan, "interleaved-1f1b", 3, price), cm).iteration_s < 0.97 * t1
+    assert predict(rechunk(plan, "zb-v", 2, price), cm).iteration_s < 0.97 * t1
+
+
+def _activation_peak(plan, cm, group):
+    st = plan.stages[group]
+    state = sum(cm.state_bytes(a, b) for a, b in st.chunk_ranges)
+    buffers = sum(2.0 * float(cm.layers.out_bytes[max(a - 1, 0)]) * 4 for a, _ in st.chunk_ranges)
+    return chunked_memory_bytes(plan, cm, group, 4) - state - buffers
+
+
+def test_chunked_memory_follows_each_schedule_in_flight_activations():
+    """Interleaving's longer warm-up holds more of group 0's activations than 1F1B (p micro-batches of its
+    layers); zb-v caps its first leg at 1F1B's first-stage memory."""
+    cm = CostModel(CPU_CLUSTER, STACK)
+    plain = rechunk(BALANCED, "interleaved-1f1b", 1)
+    one = float(cm.act_bytes()[slice(*plain.stages[0].layers)].sum()) * 4
+    assert _activation_peak(plain, cm, 0) == pytest.approx(3 * one)  # 1F1B: group 0 holds p = 3
+    il = rechunk(BALANCED, "interleaved-1f1b", 2)
+    assert _activation_peak(il, cm, 0) > 3 * one
+    assert predict(il, cm).memory_gib[0] > predict(plain, cm).memory_gib[0]
+
+
+def test_auto_keeps_the_fastest_variant_that_fits_and_reports_each():
+    cm = CostModel(CPU_CLUSTER, STACK)
+    plan = BALANCED.model_copy(update={"predicted": predict(BALANCED, cm)})
+    best, tried = choose_schedule(plan, cm, "auto")
+    names = {(s, v) for s, v, _, _ in tried}
+    assert {("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2)} <= names
+    assert best.predicted.iteration_s == min(it for _, _, it, fits in tried if fits)
+    assert (best.schedule, best.num_chunks) == min(((s, v, it) for s, v, it, fits in tried if fits),
+                                                   key=lambda x: x[2])[:2]
+
+
+def test_rechunk_by_time_is_no_slower_in_its_slowest_chunk_than_by_count():
+    """zb-v puts the last chunk (with the head) on group 0: cut by layer count, group 0 gets the head on top of its
+    share; cut by time, the slowest chunk is no slower than by count."""
+    cm = CostModel(CPU_CLUSTER, STACK)
+    price = chunk_time_s(BALANCED, cm)
+    by_count, by_time = rechunk(BALANCED, "zb-v", 2), rechunk(BALANCED, "zb-v", 2, price)
+    worst = lambda q: max(price(c.group, c.first, c.last) for c in q.pipeline)  # noqa: E731
+    assert worst(by_time) <= worst(by_count) + 1e-12
