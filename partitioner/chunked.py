@@ -19,26 +19,33 @@ from .records import CHUNKED, Plan, chunk_group
 Order = list[tuple[str, int, int]]  # (F|B|W, micro-batch, chunk position)
 
 
-def interleaved_order(p: int, v: int, g: int, M: int, train: bool = True) -> Order:
-    """Interleaved 1F1B on group g of p, each group holding v chunks (chunk c*p + g is its c-th).
-
-    Micro-batches run in rounds of p (the last round holds M mod p when p does not divide M: this is the
-    generalisation, where Megatron asks M % p == 0): a round's micro-batches go through chunk 0, then chunk 1, ...,
-    and their backwards through the chunks in reverse. Group g runs ``(v-1)*r + 2*(p-g-1)`` forwards before its
-    first backward (Megatron's warm-up with r = the first round's size, min(p, M)), then alternates one forward
-    and one backward, then drains. With v = 1 this is 1F1B (warm-up p-g-1)."""
+def interleaved_sequences(p: int, v: int, g: int, M: int) -> tuple[Order, Order]:
+    """Group g's forwards and backwards in interleaved order: micro-batches in rounds of p (the last round shorter
+    when p does not divide M), a round's micro-batches through chunk 0, 1, ..., v-1 (chunk c*p + g is the group's
+    c-th), their backwards through the chunks in reverse."""
     rounds = [range(r0, min(r0 + p, M)) for r0 in range(0, M, p)]
     fwd = [("F", mb, c * p + g) for rnd in rounds for c in range(v) for mb in rnd]
-    if not train:
-        return fwd
     bwd = [("B", mb, c * p + g) for rnd in rounds for c in reversed(range(v)) for mb in rnd]
-    total = M * v
-    warm = p - g - 1 if v == 1 else (v - 1) * len(rounds[0]) + 2 * (p - g - 1)
-    warm = min(warm, total)
-    out: Order = fwd[:warm]
-    for i in range(total - warm):
-        out += [fwd[warm + i], bwd[i]]
-    return out + bwd[total - warm:]
+    return fwd, bwd
+
+
+def interleaved_orders(layers: list[int], p: int, v: int, M: int, train: bool = True) -> list[Order]:
+    """Interleaved 1F1B for p groups of v chunks (``layers``: each chunk's layer count, pipeline order), any M.
+
+    Each group runs its forwards and its backwards each in ``interleaved_sequences`` order; when free it runs its
+    next forward if ready and it holds fewer than Megatron's in-flight count ((v-1)*r + 2*(p-g-1) + 1
+    chunk-micro-batches, r = min(p, M): the warm-up, then one forward before each backward), else its next
+    backward if ready, found by a list scheduler on unit costs (a forward takes its chunk's layer count, a backward
+    twice that). Megatron writes the same order statically and asks
+    M % p == 0: with a short last round its fixed alternation of one forward and one backward deadlocks (a
+    backward waits for a forward the group would only run after it). Where every group waits, one forward past
+    the in-flight count is let through (a short round's micro-batches need it); the order is fixed data and,
+    having finished once, finishes under any costs."""
+    if not train:
+        return [interleaved_sequences(p, v, g, M)[0] for g in range(p)]
+    r = min(p, M)
+    caps = [(v - 1) * r + 2 * (p - g - 1) + 1 if v > 1 else p - g for g in range(p)]  # 1F1B's p - g at v = 1
+    return _Interleaved(layers, p, v, M, caps).run()
 
 
 def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Order]:
@@ -54,50 +61,121 @@ def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Or
     else it waits for the next pass anywhere to end. Forwards and backwards of a chunk go in micro-batch order.
     The resulting order is fixed data: it finished under unit costs, so its dependencies are acyclic and it finishes
     under any costs (a deadlock would be a cycle)."""
-    return _ListScheduler(layers, p, M, train).run()
+    return _ZeroBubbleV(layers, p, M, train).run()
 
 
 class _ListScheduler:
-    """``zbv_orders``' state: per chunk the next forward and backward micro-batch, per group its pending weight
-    passes, held activations and when it is free; the passes' end times."""
+    """A list scheduler on unit costs over p groups: per group when it is free and the passes' end times; a
+    subclass's ``pick`` chooses a group's next pass and ``record`` books it. The order each group ran is the
+    schedule."""
 
-    def __init__(self, layers: list[int], p: int, M: int, train: bool):
-        self.layers, self.p, self.M, self.train = layers, p, M, train
-        self.V, self.cap = 2 * p, 2 * p
-        self.groups = [(g, 2 * p - 1 - g) for g in range(p)]
+    def __init__(self, layers: list[int], p: int, M: int, V: int, need: int):
+        self.layers, self.p, self.M, self.V, self.need = layers, p, M, V, need
         self.finish: dict[tuple[str, int, int], float] = {}  # (kind, mb, chunk) -> when it ends
-        self.nxt_f = {k: 0 for k in range(self.V)}
-        self.nxt_b = {k: 0 for k in range(self.V)}
-        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-        self.held = [0] * p
         self.free_at = [0.0] * p
         self.orders: list[Order] = [[] for _ in range(p)]
+        self.forced = False  # one pass past a group's cap is let through (every group waited)
 
     def done(self, key, now: float) -> bool:
         return key in self.finish and self.finish[key] <= now
 
+    def fwd_ready(self, mb: int, k: int, now: float) -> bool:
+        return k == 0 or self.done(("F", mb, k - 1), now)
+
+    def bwd_ready(self, mb: int, k: int, now: float) -> bool:
+        return self.done(("F", mb, k), now) and (k == self.V - 1 or self.done(("B", mb, k + 1), now))
+
+    def duration(self, kind: str, k: int) -> float:
+        return float(self.layers[k] * (2 if kind == "B" and k == 0 else 1))
+
+    def run(self) -> list[Order]:
+        events: list[float] = []
+        t, scheduled = 0.0, 0
+        while scheduled < self.need:
+            progressed = False
+            for g in range(self.p):
+                choice = self.pick(g, t) if self.free_at[g] <= t else None
+                if choice is not None:
+                    kind, mb, k = choice
+                    end = t + self.duration(kind, k)
+                    self.finish[(kind, mb, k)] = self.free_at[g] = end
+                    self.orders[g].append(choice)
+                    self.record(g, kind, mb, k)
+                    heapq.heappush(events, end)
+                    scheduled += 1
+                    progressed = True
+                    self.forced = False
+            if not progressed:
+                while events and events[0] <= t:
+                    heapq.heappop(events)
+                if events:
+                    t = heapq.heappop(events)
+                elif not self.forced:
+                    self.forced = True
+                else:
+                    raise RuntimeError(f"{type(self).__name__}: the list scheduler stalled at p={self.p}, "
+                                       f"M={self.M} (a bug)")
+        return self.orders
+
+
+class _Interleaved(_ListScheduler):
+    def __init__(self, layers: list[int], p: int, v: int, M: int, caps: list[int]):
+        super().__init__(layers, p, M, p * v, 2 * M * p * v)
+        self.seq = [interleaved_sequences(p, v, g, M) for g in range(p)]
+        self.nf, self.nb, self.caps = [0] * p, [0] * p, caps
+
+    def duration(self, kind: str, k: int) -> float:
+        return float(self.layers[k] * (2 if kind == "B" else 1))
+
     def pick(self, g: int, now: float):
-        M, V, down, up = self.M, self.V, *self.groups[g]
+        fwd, bwd = self.seq[g]
+        held = self.nf[g] - self.nb[g]
+        f_ok = self.nf[g] < len(fwd) and self.fwd_ready(*fwd[self.nf[g]][1:], now)
+        if f_ok and held < self.caps[g]:  # Megatron's order: the warm-up, then a forward before each backward
+            return fwd[self.nf[g]]
+        if self.nb[g] < len(bwd) and self.bwd_ready(*bwd[self.nb[g]][1:], now):
+            return bwd[self.nb[g]]
+        return fwd[self.nf[g]] if f_ok and self.forced else None
+
+    def record(self, g: int, kind: str, mb: int, k: int) -> None:
+        if kind == "F":
+            self.nf[g] += 1
+        else:
+            self.nb[g] += 1
+
+
+class _ZeroBubbleV(_ListScheduler):
+    """``zbv_orders``' state: per chunk the next forward and backward micro-batch, per group its pending weight
+    passes and held activations."""
+
+    def __init__(self, layers: list[int], p: int, M: int, train: bool):
+        super().__init__(layers, p, M, 2 * p, 3 * M * 2 * p - M if train else M * 2 * p)  # chunk 0 has no W
+        self.train, self.cap = train, 2 * p
+        self.groups = [(g, 2 * p - 1 - g) for g in range(p)]
+        self.nxt_f = {k: 0 for k in range(self.V)}
+        self.nxt_b = {k: 0 for k in range(self.V)}
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.held = [0] * p
+
+    def pick(self, g: int, now: float):
+        M, (down, up) = self.M, self.groups[g]
         if self.train:
             for k in (up, down):
                 mb = self.nxt_b[k]
-                if mb < M and self.done(("F", mb, k), now) and (k == V - 1 or self.done(("B", mb, k + 1), now)):
+                if mb < M and self.bwd_ready(mb, k, now):
                     return "B", mb, k
         # a first-leg forward reserves room for its second leg too: held + the second legs still to come
-        room = self.held[g] + (self.nxt_f[down] - self.nxt_f[up]) + 2 <= self.cap or not self.train
+        room = self.held[g] + (self.nxt_f[down] - self.nxt_f[up]) + 2 <= self.cap or not self.train or self.forced
         for k in (up, down):  # the V's second leg first: it leads to the loss
             mb = self.nxt_f[k]
-            if mb < M and (k == 0 or self.done(("F", mb, k - 1), now)) and (k == up or room):
+            if mb < M and self.fwd_ready(mb, k, now) and (k == up or room):
                 return "F", mb, k
         if self.pending_w[g]:
             mb, k = self.pending_w[g][0]
             return "W", mb, k
         return None
 
-    def start(self, g: int, kind: str, mb: int, k: int, now: float) -> float:
-        end = now + float(self.layers[k] * (2 if kind == "B" and k == 0 else 1))
-        self.finish[(kind, mb, k)] = self.free_at[g] = end
-        self.orders[g].append((kind, mb, k))
+    def record(self, g: int, kind: str, mb: int, k: int) -> None:
         if kind == "F":
             self.nxt_f[k] += 1
             self.held[g] += 1
@@ -110,28 +188,6 @@ class _ListScheduler:
         else:
             self.pending_w[g].pop(0)
             self.held[g] -= 1
-        return end
-
-    def run(self) -> list[Order]:
-        M, V = self.M, self.V
-        need = 3 * M * V - M if self.train else M * V  # F, B, W per chunk and micro-batch; chunk 0 has no W
-        events: list[float] = []
-        t, scheduled = 0.0, 0
-        while scheduled < need:
-            progressed = False
-            for g in range(self.p):
-                choice = self.pick(g, t) if self.free_at[g] <= t else None
-                if choice is not None:
-                    heapq.heappush(events, self.start(g, *choice, t))
-                    scheduled += 1
-                    progressed = True
-            if not progressed:
-                while events and events[0] <= t:
-                    heapq.heappop(events)
-                if not events:
-                    raise RuntimeError(f"zb-v: the list scheduler stalled at p={self.p}, M={M} (a bug)")
-                t = heapq.heappop(events)
-        return self.orders
 
 
 def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
@@ -139,7 +195,7 @@ def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
     p, v = plan.num_stages, plan.num_chunks
     if plan.schedule == "zb-v":
         return zbv_orders([c.last - c.first for c in plan.pipeline], p, M, train)
-    return [interleaved_order(p, v, g, M, train) for g in range(p)]
+    return interleaved_orders([c.last - c.first for c in plan.pipeline], p, v, M, train)
 
 
 def chunk_sizes(n_layers: int, v: int) -> list[int]:

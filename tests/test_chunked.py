@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hethub.partitioner.chunked import interleaved_order, rechunk, zbv_orders
+from hethub.partitioner.chunked import interleaved_orders, rechunk, zbv_orders
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.errors import InputError
 from hethub.partitioner.evaluate import chunk_time_s, chunked_memory_bytes, predict, with_micro_batches
@@ -121,15 +121,40 @@ def test_a_chunked_schedule_with_a_forward_of_a_chunk_the_rank_does_not_hold_is_
         simulate(plan, CostModel(CPU_CLUSTER, STACK), bad)
 
 
-def test_interleaving_rounds_cover_every_micro_batch_once_per_chunk():
-    for p, v, M in ((2, 2, 3), (4, 3, 5), (3, 2, 1), (4, 2, 8)):
-        for g in range(p):
-            order = interleaved_order(p, v, g, M)
-            for kind in "FB":
-                got = sorted((mb, k) for kd, mb, k in order if kd == kind)
-                assert got == sorted((mb, c * p + g) for c in range(v) for mb in range(M))
-    assert interleaved_order(3, 1, 0, 5) == [("F", 0, 0), ("F", 1, 0), ("F", 0 + 2, 0), ("B", 0, 0), ("F", 3, 0),
-                                             ("B", 1, 0), ("F", 4, 0), ("B", 2, 0), ("B", 3, 0), ("B", 4, 0)]
+def _finishes(orders, V) -> bool:
+    """Each group runs its order in turn; a pass runs once what it needs has run (forward after the previous chunk's,
+    backward after its forward and the next chunk's backward, W after its B)."""
+    done, pcs, moved = set(), [0] * len(orders), True
+    while moved:
+        moved = False
+        for g, order in enumerate(orders):
+            while pcs[g] < len(order):
+                kind, mb, k = order[pcs[g]]
+                need = ([("F", mb, k - 1)] if k else []) if kind == "F" else [("B", mb, k)] if kind == "W" else (
+                    [("F", mb, k)] + ([("B", mb, k + 1)] if k < V - 1 else []))
+                if not all(n in done for n in need):
+                    break
+                done.add((kind, mb, k))
+                pcs[g] += 1
+                moved = True
+    return all(pc == len(o) for pc, o in zip(pcs, orders))
+
+
+def test_interleaving_and_zbv_finish_for_every_group_count_chunk_count_and_micro_batch_count():
+    """Megatron's static alternation deadlocks once p does not divide M (p=4, v=3, M=5 among 156 cases up to
+    p=7, v=4, M=39); the list-scheduled orders finish in all of them, each pass once."""
+    for p in range(1, 7):
+        for M in range(1, 20):
+            for v in range(1, 5):
+                orders = interleaved_orders([1 + k % 3 for k in range(p * v)], p, v, M)
+                assert _finishes(orders, p * v), (p, v, M)
+                for g, order in enumerate(orders):
+                    assert sorted(order) == sorted((kd, mb, c * p + g) for kd in "FB" for c in range(v)
+                                                   for mb in range(M))
+            assert _finishes(zbv_orders([1 + k % 3 for k in range(2 * p)], p, M), 2 * p), (p, M)
+    assert interleaved_orders([1, 1, 1], 3, 1, 5)[0] == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("B", 0, 0), ("F", 3, 0), ("B", 1, 0), ("F", 4, 0), ("B", 2, 0),
+        ("B", 3, 0), ("B", 4, 0)]  # v = 1: 1F1B
 
 
 def test_zbv_holds_at_most_one_f1b_first_stage_of_activations_on_its_first_leg():
