@@ -40,9 +40,12 @@ def interleaved_orders(layers: list[int], p: int, v: int, M: int, train: bool = 
     M % p == 0: with a short last round its fixed alternation of one forward and one backward deadlocks (a
     backward waits for a forward the group would only run after it). Where every group waits, one forward past
     the in-flight count is let through (a short round's micro-batches need it); the order is fixed data and,
-    having finished once, finishes under any costs."""
+    having finished once, finishes under any costs. Where p divides M (or v = 1) the order is Megatron's own
+    (``_megatron_order``), which needs no scheduler."""
     if not train:
         return [interleaved_sequences(p, v, g, M)[0] for g in range(p)]
+    if v == 1 or M % p == 0:
+        return [_megatron_order(p, v, g, M) for g in range(p)]
     r = min(p, M)
     caps = [(v - 1) * r + 2 * (p - g - 1) + 1 if v > 1 else p - g for g in range(p)]  # 1F1B's p - g at v = 1
     return _Interleaved(layers, p, v, M, caps).run()
@@ -62,6 +65,19 @@ def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Or
     The resulting order is fixed data: it finished under unit costs, so its dependencies are acyclic and it finishes
     under any costs (a deadlock would be a cycle)."""
     return _ZeroBubbleV(layers, p, M, train).run()
+
+
+def _megatron_order(p: int, v: int, g: int, M: int) -> Order:
+    """Megatron's static interleaved order (p divides M, or v = 1: then 1F1B): (v-1)*p + 2*(p-g-1) warm-up forwards
+    (1F1B's p-g-1 at v = 1), then one forward and one backward in turn, then the drain. The list scheduler's unit
+    costs would reorder a group whose next forward waits (a backward first), which real costs punish."""
+    fwd, bwd = interleaved_sequences(p, v, g, M)
+    total = M * v
+    warm = min(total, p - g - 1 if v == 1 else (v - 1) * p + 2 * (p - g - 1))
+    out: Order = fwd[:warm]
+    for i in range(total - warm):
+        out += [fwd[warm + i], bwd[i]]
+    return out + bwd[total - warm:]
 
 
 class _ListScheduler:
