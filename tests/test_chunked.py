@@ -142,7 +142,7 @@ def _finishes(orders, V) -> bool:
 
 def test_interleaving_and_zbv_finish_for_every_group_count_chunk_count_and_micro_batch_count():
     """Megatron's static alternation deadlocks once p does not divide M (p=4, v=3, M=5 among 156 cases up to
-    p=7, v=4, M=39); the list-scheduled orders finish in all of them, each pass once."""
+    p=7, v=4, M=39); the generalised orders finish in all of them, each pass once."""
     for p in range(1, 7):
         for M in range(1, 20):
             for v in range(1, 5):
