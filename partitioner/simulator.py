@@ -420,12 +420,15 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     palette = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (14, 15)]
     cmap = lambda mb: palette[mb % len(palette)]  # noqa: E731
     scale = 1e3  # ms
+    span = result.iteration_s * scale
     for e in result.events:
         y = n - 1 - row[e.rank]
         x, w = e.start_s * scale, max((e.end_s - e.start_s) * scale, 0.0)
         if e.kind in ("F", "B", "W"):
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(e.mb), edgecolor="black", linewidth=0.3,
                            hatch="///" if e.kind == "B" else None, alpha=1.0 if e.kind == "F" else 0.75)
+            if "@" in e.name and w >= 0.012 * span:  # a chunked plan: which chunk the pass ran
+                ax.text(x + w / 2, y, e.name.split("@")[1], ha="center", va="center", fontsize=5)
         elif e.kind == "transfer":
             ax.broken_barh([(x, w)], (y - 0.45, 0.12), facecolors="dimgray")
         elif e.kind == "tp":  # tensor-parallel all-reduces inside a forward/backward
