@@ -4,8 +4,8 @@ step re-cuts the chosen groups into chunks and keeps the fastest schedule that f
 Why after the MILP and not inside it: a chunked schedule keeps the MILP's groups (devices, widths, sample splits,
 tensor parallel, ZeRO-1), which are what balance the pipeline; it changes the fill, the boundary traffic and the
 activations in flight, which the replay prices exactly and the MILP's linear cost cannot (the fill depends on the
-order of the passes). Each variant's chunks are cut by time (``chunked.balanced_sizes``), so a group's chunks take
-the work the MILP gave it, whatever the layers cost.
+order of the passes). Each variant keeps every group's layer count, cut into chunks and then balanced by time
+(``chunked.balanced_sizes``), so a group's chunks take the work the MILP gave it.
 """
 from __future__ import annotations
 

@@ -65,6 +65,9 @@ GOOD = [[[0, 1], [3, 4]], [[1, 2], [4, 5]], [[2, 3], [5, 7]]]  # interleaved: ch
     ("interleaved-1f1b", 2, [[2, 3], [6, 7]], r"stages\[2\]\.chunks\[1\]: .*chunk 5 must start at 5, got \[6, 7\) \(gap\)"),
     ("interleaved-1f1b", 2, [[2, 3], [5, 6]], r"stages: chunks must cover all 7 planner layers, they end at 6"),
     ("1f1b", 0, [[0, 1], [3, 4]], r"stages\[0\]\.chunks: schedule '1f1b' runs one chunk per group"),
+    ("interleaved-1f1b", 1, [], r"stages\[1\]\.chunks: tuple should have at least 1 item"),  # v = 0
+    ("zb-v", 0, [[0, 1], [3, 4]],  # an interleaved layout under zb-v
+     r"stages\[0\]\.chunks\[1\]: schedule 'zb-v' places chunk 3 \(layers \[3, 4\)\) on group 2, not 0"),
 ])
 def test_bad_chunk_layouts_are_one_line_naming_the_field(schedule, group, chunks, message):
     layout = [list(c) for c in GOOD]
