@@ -23,7 +23,7 @@ MAX_CHUNKS_SEARCHED = 4  # v of interleaved-1f1b tried: 2..4 (the fill shrinks ~
 
 def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
     """The plan under ``schedule`` (``auto``: under every schedule), chunked where the schedule is, v from 2 to
-    MAX_CHUNKS_SEARCHED for interleaved-1f1b (no more chunks than layers)."""
+    MAX_CHUNKS_SEARCHED for interleaved-1f1b (no group cut into more chunks than it has layers)."""
     names = list(SCHEDULES) if schedule == AUTO else [schedule]
     chunk_s = chunk_time_s(plan, cm)
     out = []
@@ -33,7 +33,7 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
             continue
         counts = [2] if name == "zb-v" else range(2, MAX_CHUNKS_SEARCHED + 1)
         for v in counts:
-            if v * plan.num_stages > plan.model.num_planner_layers:
+            if any(st.layer_count() < v for st in plan.stages):  # a group cannot hold more chunks than layers
                 continue
             out.append(rechunk(plan, name, v, chunk_s))
     return out

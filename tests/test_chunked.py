@@ -238,3 +238,12 @@ def test_rechunk_by_time_is_no_slower_in_its_slowest_chunk_than_by_count():
     by_count, by_time = rechunk(BALANCED, "zb-v", 2), rechunk(BALANCED, "zb-v", 2, price)
     worst = lambda q: max(price(c.group, c.first, c.last) for c in q.pipeline)  # noqa: E731
     assert worst(by_time) <= worst(by_count) + 1e-12
+
+
+def test_auto_skips_chunk_counts_a_group_cannot_hold():
+    """DEEP's first group has two layers: interleaving with v = 3 or 4 cannot cut it, and auto leaves those out
+    (a ValueError from the 768-device benchmark's 3-layer group at v = 4)."""
+    cm = CostModel(CPU_CLUSTER, STACK)
+    plan = DEEP.model_copy(update={"predicted": predict(DEEP, cm)})
+    _, tried = choose_schedule(plan, cm, "auto")
+    assert {v for s, v, _, _ in tried if s == "interleaved-1f1b"} == {2}
