@@ -29,15 +29,14 @@ def interleaved_sequences(p: int, v: int, g: int, M: int) -> tuple[Order, Order]
     return fwd, bwd
 
 
-def interleaved_orders(layers: list[int], p: int, v: int, M: int, train: bool = True) -> list[Order]:
-    """Interleaved 1F1B for p groups of v chunks, any M (``layers`` is unused: the order depends on p, v, M only).
+def interleaved_orders(p: int, v: int, M: int, train: bool = True) -> list[Order]:
+    """Interleaved 1F1B for p groups of v chunks, any M (the order depends on p, v and M only).
 
     Megatron's order (``_megatron_order``) asks M % p == 0; where p does not divide M, its fixed alternation of one
     forward and one backward deadlocks with a short last round (156 of the cases up to p = 7, v = 4, M = 39). The
     generalisation: plan ceil(M/p)*p micro-batches and drop the passes of those past M. That cannot deadlock: the
     padded order's dependencies are acyclic, and dropping a pass only joins its neighbours in a group's order, an
     edge that was a path before (a micro-batch's passes depend on its own passes only)."""
-    del layers
     if not train:
         return [interleaved_sequences(p, v, g, M)[0] for g in range(p)]
     padded = M if v == 1 else -(-M // p) * p  # 1F1B (v = 1) needs no padding
@@ -177,7 +176,7 @@ def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
     p, v = plan.num_stages, plan.num_chunks
     if plan.schedule == "zb-v":
         return zbv_orders([c.last - c.first for c in plan.pipeline], p, M, train)
-    return interleaved_orders([c.last - c.first for c in plan.pipeline], p, v, M, train)
+    return interleaved_orders(p, v, M, train)
 
 
 def chunk_sizes(n_layers: int, v: int) -> list[int]:

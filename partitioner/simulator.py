@@ -104,11 +104,12 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
     M = plan.num_micro_batches
     chunked = plan.num_chunks > 1 or plan.schedule in CHUNKED
     for rank, acts in sched.items():
-        s, _ = plan.locate(rank)
+        s, j = plan.locate(rank)
         mine = plan.chunks_of_group[s]
+        rows = plan.stages[s].sample_ranges()[j]  # once per rank: a stage may be 65,536 wide
         seen: dict[tuple, int] = {}
         for step, act in enumerate(acts):
-            _check_action(plan, rank, step, act, seen, chunked, train)
+            _check_action(plan, rank, step, act, seen, chunked, train, mine, rows)
         if not train and any(act.kind == "W" for act in acts):
             raise ScheduleError(f"rank {rank}", "an evaluation schedule has no W (weight-gradient) actions")
         ar = seen.get(("AR", None, None))
@@ -126,12 +127,12 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
                                                         "needs one)")
 
 
-def _check_action(plan: Plan, rank: int, step: int, act: Action, seen: dict, chunked: bool, train: bool) -> None:
-    """One action of a rank's list against what came before it (``seen``: (kind, mb, chunk) -> step)."""
+def _check_action(plan: Plan, rank: int, step: int, act: Action, seen: dict, chunked: bool, train: bool,
+                  mine: tuple, rows: tuple[int, int]) -> None:
+    """One action of a rank's list against what came before it (``seen``: (kind, mb, chunk) -> step); ``mine``:
+    the chunks the rank holds, ``rows``: its rows of a micro-batch."""
     M, V = plan.num_micro_batches, len(plan.pipeline)
-    s, j = plan.locate(rank)
-    mine = plan.chunks_of_group[s]
-    a, b = plan.stages[s].sample_ranges()[j]
+    a, b = rows
     where, unit = f"rank {rank} step {step}", "chunk" if chunked else "stage"
     if chunked and act.kind not in ("L", "AR", "OPT") and act.chunk not in mine:
         raise ScheduleError(where, f"{act}: rank {rank} holds chunks {', '.join(map(str, mine))}"

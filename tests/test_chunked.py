@@ -149,13 +149,13 @@ def test_interleaving_and_zbv_finish_for_every_group_count_chunk_count_and_micro
     for p in range(1, 7):
         for M in range(1, 20):
             for v in range(1, 5):
-                orders = interleaved_orders([1 + k % 3 for k in range(p * v)], p, v, M)
+                orders = interleaved_orders(p, v, M)
                 assert _finishes(orders, p * v), (p, v, M)
                 for g, order in enumerate(orders):
                     assert sorted(order) == sorted((kd, mb, c * p + g) for kd in "FB" for c in range(v)
                                                    for mb in range(M))
             assert _finishes(zbv_orders([1 + k % 3 for k in range(2 * p)], p, M), 2 * p), (p, M)
-    assert interleaved_orders([1, 1, 1], 3, 1, 5)[0] == [
+    assert interleaved_orders(3, 1, 5)[0] == [
         ("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("B", 0, 0), ("F", 3, 0), ("B", 1, 0), ("F", 4, 0), ("B", 2, 0),
         ("B", 3, 0), ("B", 4, 0)]  # v = 1: 1F1B
 
