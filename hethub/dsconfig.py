@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from .partitioner.costmodel import DEFAULT_BUCKET_MB
 from .partitioner.errors import InputError
-from .partitioner.records import CHUNKED, Plan, Record, parse_record, read_data_file
+from .partitioner.records import Plan, Record, parse_record, read_data_file
 
 DEFAULT_TIMEOUT_S = 300
 MAX_SLOWDOWN = 1e4  # as `hethub profile --emulate-slowdown` allows: past it a factor is a typo
@@ -128,11 +128,3 @@ def check_config(plan: Plan, config: dict, ranks=None) -> None:
     check_batch_keys(plan, config, range(plan.world_size) if ranks is None else ranks)
     check_zero(plan, config)
 
-
-def check_runtime_schedule(plan) -> None:
-    """The runtime runs one chunk per device group (1f1b, zb-h1): a chunked plan (interleaved-1f1b, zb-v) is
-    planned and simulated, and refused here, on every rank and by the launcher, before anything starts."""
-    if plan.num_chunks > 1 or plan.schedule in CHUNKED:
-        raise InputError("plan.schedule", f"{plan.schedule!r} with {plan.num_chunks} chunks per group is planned "
-                                          "and simulated, not run yet: this runtime runs 1f1b and zb-h1 (re-plan "
-                                          "with --schedule 1f1b or zb-h1)")

@@ -9,7 +9,9 @@ The rules, one home each:
 - **Backend.** A group whose ranks span vendors is gloo (NVIDIA's NCCL and AMD's RCCL do not talk to each other);
   so is a boundary whose ``transport`` is ``"host"`` (the bridge). Every other group is the accelerator's backend
   (NCCL/RCCL on GPUs; gloo on CPU). The world group is gloo when the plan spans vendors.
-- **Point-to-point.** Each (boundary, direction) has its own group: activations (and their metadata) travel on the
+- **Point-to-point.** Each (boundary, direction) has its own group (a boundary follows a pipeline chunk: with
+  several chunks per device group, the boundary from the last group back to the first has its own too; zb-v's
+  turn, where one group holds both chunks, needs none: each replica hands its rows to itself): activations (and their metadata) travel on the
   boundary's forward group, gradients on its backward group. NCCL runs a communicator's operations in issue order on
   one stream; with both directions on one group, stage s's ``recv G0`` waits behind stage s+1's ``recv A1`` and
   vice versa (every plan with two stages and two micro-batches deadlocks). A group's operations stay in the order
@@ -34,7 +36,7 @@ class GroupSpec:
     purpose: str  # "tp", "dp", "self", "fwd", "bwd", "tie"
     ranks: tuple[int, ...]
     backend: str
-    stage: Optional[int] = None  # tp/dp/self: the stage; fwd/bwd: the boundary after this stage
+    stage: Optional[int] = None  # tp/dp/self: the stage; fwd/bwd: the boundary after this pipeline chunk
     index: Optional[int] = None  # tp: the replica; dp: the tensor-parallel shard; tie: the tie's position
 
     @property
@@ -67,9 +69,23 @@ def _backend(ranks: Sequence[int], vendors: dict[int, str], host: bool = False) 
     return GLOO if host or len({vendors[r] for r in ranks}) > 1 else ACCEL
 
 
+def boundary_groups(plan: Plan, after: int) -> tuple[int, int]:
+    """The device groups on either side of the boundary after pipeline chunk ``after`` (with one chunk per group:
+    stages ``after`` and ``after + 1``)."""
+    return plan.pipeline[after].group, plan.pipeline[after + 1].group
+
+
 def boundary_ranks(plan: Plan, after_stage: int) -> tuple[int, ...]:
-    """The ranks that talk across the boundary after ``after_stage``: the replicas' leads of both stages."""
-    return tuple(sorted(rep.rank for s in (after_stage, after_stage + 1) for rep in plan.stages[s].replicas))
+    """The ranks that talk across the boundary after chunk ``after_stage``: the replicas' leads of both groups."""
+    return tuple(sorted({rep.rank for s in boundary_groups(plan, after_stage) for rep in plan.stages[s].replicas}))
+
+
+def layer_groups(plan: Plan) -> list[int]:
+    """The device group holding each planner layer."""
+    out = [0] * plan.pipeline[-1].last
+    for c in plan.pipeline:
+        out[c.first:c.last] = [c.group] * (c.last - c.first)
+    return out
 
 
 def group_specs(plan: Plan, tie_layers: Sequence[Sequence[int]] = ()) -> list[GroupSpec]:
@@ -90,12 +106,15 @@ def group_specs(plan: Plan, tie_layers: Sequence[Sequence[int]] = ()) -> list[Gr
             out.append(GroupSpec("dp", ranks, _backend(ranks, vendors), st.index, k))
     for r in range(plan.world_size):
         out.append(GroupSpec("self", (r,), ACCEL, plan.locate(r)[0]))
-    for s in range(plan.num_stages - 1):
+    for s in range(len(plan.pipeline) - 1):
+        here, there = boundary_groups(plan, s)
+        if here == there:  # zb-v's turn: a group hands each replica's rows to itself, no group needed
+            continue
         boundary = plan.boundary(s)
         ranks = boundary_ranks(plan, s)
         backend = _backend(ranks, vendors, host=boundary is not None and boundary.transport == "host")
         out += [GroupSpec("fwd", ranks, backend, s), GroupSpec("bwd", ranks, backend, s)]
-    layer_stage = [k for k, st in enumerate(plan.stages) for _ in range(*st.layers)]
+    layer_stage = layer_groups(plan)
     for i, layers in enumerate(tie_layers):
         stages = sorted({layer_stage[layer] for layer in layers})
         if len(stages) > 1:

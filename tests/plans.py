@@ -23,9 +23,13 @@ WORKER = os.path.join("tests", "workers", "train_stack.py")
 STEPS, CLIP = 10, 0.05  # the clip threshold is low enough that clipping is active on every step
 
 
-def single_process(tmp_path, plan_path):
+REFERENCE_FLAGS = ("f64", "tie=")  # worker flags the one-process reference takes too: they change the model
+
+
+def single_process(tmp_path, plan_path, extra=()):
     out = str(tmp_path / "single.pt")
-    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single"], cwd=ROOT,
+    flags = [e for e in extra if e.startswith(REFERENCE_FLAGS)]
+    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single", *flags], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out, weights_only=True)
@@ -40,7 +44,7 @@ def run_and_compare(tmp_path, plan, rtol, atol, sched=None, extra=()):
                                       *extra], timeout=90)
     for rank, (rc, _out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
-    ref = single_process(tmp_path, plan_path)
+    ref = single_process(tmp_path, plan_path, extra)
     seen = set()
     got = {}
     for rank in range(plan.world_size):

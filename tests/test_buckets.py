@@ -54,9 +54,9 @@ def test_gradients_are_views_and_buckets_start_during_the_backward(world):
         b.prepare()
         m(x).pow(2).sum().backward()  # an earlier micro-batch: nothing starts
         assert rec.launched == [] and b.next_launch == 0
-        b.arm(True)
+        b.arm(frozenset(id(p) for p in m.parameters()))
         m(x).pow(2).sum().backward()  # the last one: every bucket starts inside this backward
-        b.arm(False)
+        b.arm(frozenset())
         assert b.next_launch == len(b.buckets) and len(rec.launched) == len(b.buckets)
         for bucket in b.buckets:  # in place: each gradient lives in its bucket's buffer
             lo = bucket.flat.data_ptr()
@@ -79,7 +79,7 @@ def test_a_bucket_ready_early_waits_for_the_ones_before_it(world):
     m = _model()
     b = Buckets(list(m.parameters()), 600, world, False, Recorder())
     b.prepare()
-    b.arm(True)
+    b.arm(frozenset(id(p) for p in m.parameters()))
     b.ready(b.buckets[1].params)
     assert b.next_launch == 0
     b.ready(b.buckets[0].params)
@@ -93,7 +93,7 @@ def test_a_parameter_without_gradient_has_none_after_the_reduce(world):
     unused = nn.Parameter(torch.ones(3, dtype=torch.float64))
     b = Buckets([*m.parameters(), unused], 600, world, False, Recorder())
     b.prepare()
-    b.arm(True)
+    b.arm(frozenset(id(p) for p in m.parameters()))
     m(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
     b.finish()
     assert unused.grad is None

@@ -87,10 +87,14 @@ def test_a_chunk_on_the_wrong_group_and_layers_beside_chunks_are_named(tmp_path,
     assert "a group lists its layers or its chunks, not both" in err and len(err.strip().splitlines()) == 1
 
 
-def test_the_runtime_and_the_launcher_refuse_a_chunked_plan_in_one_line(tmp_path, capsys):
-    path = write(tmp_path, "plan.json", rechunk(DEEP, "zb-v", 2).to_json())
-    err = cli_error(capsys, ["launch", "--hetero-plan", path, "--dry-run", "train.py"])
-    assert "plan.schedule: 'zb-v' with 2 chunks per group is planned and simulated, not run yet" in err
+def test_the_launcher_places_a_chunked_plans_ranks_like_any_other(tmp_path, capsys):
+    """A chunked plan launches (the runtime runs it: tests/test_chunked_runtime.py); its dry run lists each rank."""
+    from hethub.cli.main import main
+    plan = rechunk(DEEP, "zb-v", 2)
+    path, script = write(tmp_path, "plan.json", plan.to_json()), write(tmp_path, "train.py", "")
+    assert main(["launch", "--hetero-plan", path, "--dry-run", script]) == 0
+    out = capsys.readouterr().out
+    assert f"--include localhost:{','.join(map(str, range(plan.world_size)))} " in out and "--hetero-plan" in out
 
 
 SHAPES = {name: stack_plan(*case) for name, case in CASES.items()}

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-from ..dsconfig import check_config, check_runtime_schedule, load_config
+from ..dsconfig import check_config, load_config
 from ..partitioner.errors import InputError, missing_package
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan, load_plan
@@ -250,7 +250,6 @@ DRY_RUN_HOSTFILE = "HOSTFILE"  # the dry run's stand-in for the temporary hostfi
 
 def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
     plan = load_plan(plan_path)
-    check_runtime_schedule(plan)
     layout = host_layout(plan)
     if not rest:
         raise InputError("launch", "no training script given: hethub launch --hetero-plan plan.json train.py")

@@ -103,7 +103,7 @@ def _add_plan(sub) -> None:
                     help="pipeline schedule the plan runs: 1f1b (default); zb-h1, which sends each input gradient "
                          "before computing the weights' (1F1B's memory but one micro-batch more on the last stage); "
                          "interleaved-1f1b (each group holds v = 2..4 chunks, the fastest kept) or zb-v (two chunks "
-                         "in a V), planned and simulated, not yet run by the runtime; auto: the fastest that fits")
+                         "in a V, the backward split as zb-h1's); auto: the fastest that fits")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

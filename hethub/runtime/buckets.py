@@ -4,9 +4,9 @@ Why: one all-reduce of one flat copy after the last backward costs a second copy
 the whole reduction on the critical path (stage 0 pays it in full). As DDP does it, each parameter's gradient
 here is a view into one flat buffer per bucket (``bucket_bytes``, parameters in reverse order, as the backward
 produces them), autograd accumulates into those views in place, and a bucket's all-reduce starts
-(asynchronously: gloo's work thread on CPU, NCCL's own stream on GPU) as soon as the last gradient-producing
-action of the iteration (the last micro-batch's backward, or its weight pass under zb-h1) has finished every
-gradient in it. The ``AR`` action then only waits for what the rest of the backward could not hide
+(asynchronously: gloo's work thread on CPU, NCCL's own stream on GPU) as soon as the action that finishes its parameters' gradients (the last micro-batch's backward, or its weight
+pass under zb-h1; per chunk under interleaved and zb-v schedules, whose chunks finish at different times) has
+finished every gradient in it. The ``AR`` action then only waits for what the rest of the backward could not hide
 (``hethub.partitioner.costmodel.allreduce_end_s`` models the same thing).
 
 Order: a communicator runs collectives in issue order, so buckets start strictly in index order on every rank
@@ -72,9 +72,10 @@ class Buckets:
         self.group, self.bridged, self._run = group, bridged, run
         self.buckets = [_Bucket(ps) for ps in bucket_params(params, bucket_bytes)]
         self.where = {id(p): k for k, b in enumerate(self.buckets) for p in b.params}
-        self.armed = False
+        self.armed: frozenset = frozenset()  # parameters whose gradients the running action finishes
         self.next_launch = 0
         self.touched: set[int] = set()  # parameters given a gradient this iteration
+        self.final: set[int] = set()  # parameters whose gradient is final this iteration
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._accumulated)
@@ -88,11 +89,12 @@ class Buckets:
                 p.grad = v
             b.pending = len(b.params)
             b.works = []
-        self.next_launch, self.touched, self.armed = 0, set(), False
+        self.next_launch, self.touched, self.final, self.armed = 0, set(), set(), frozenset()
 
-    def arm(self, on: bool) -> None:
-        """On during the iteration's last gradient-producing action: a gradient accumulated then is final."""
-        self.armed = on
+    def arm(self, params: frozenset) -> None:
+        """Ids of the parameters whose last gradient of the iteration the running action accumulates (empty
+        between such actions): a gradient of one of them accumulated now is final."""
+        self.armed = params
 
     def _accumulated(self, p: torch.Tensor) -> None:
         self.ready([p])
@@ -104,9 +106,10 @@ class Buckets:
             if k is None:
                 continue
             self.touched.add(id(p))
-            if self.armed:
+            if id(p) in self.armed and id(p) not in self.final:
+                self.final.add(id(p))
                 self.buckets[k].pending -= 1
-        while (self.armed and self.next_launch < len(self.buckets)
+        while (self.next_launch < len(self.buckets)
                and self.buckets[self.next_launch].pending <= 0):
             self._launch(self.buckets[self.next_launch])
 
@@ -139,7 +142,7 @@ class Buckets:
             for p in b.params:
                 if id(p) not in self.touched:
                     p.grad = None
-        self.armed = False
+        self.armed = frozenset()
 
 
 def maybe_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int, group, bridged: bool, width: int,

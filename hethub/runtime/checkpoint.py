@@ -254,7 +254,8 @@ def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> N
             "loss_scaler": scaler_state(getattr(engine, "loss_scaler", None)),
             "skipped_steps": getattr(engine, "skipped_steps", 0),
             "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
-            "plan": {"stages": [[s.layers[0], s.layers[1], s.device_type, s.width] for s in plan.stages],
+            "plan": {"stages": [[*(s.layers or ()), s.device_type, s.width] if s.chunks is None else
+                                [[list(c) for c in s.chunks], s.device_type, s.width] for s in plan.stages],
                      "world_size": plan.world_size},
             # every layer file's sha256: a file whose bytes changed is refused at load, never trained on
             "digests": {name: sha256_file(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))

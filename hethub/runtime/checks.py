@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..dsconfig import HeteroSection, check_batch_keys, check_runtime_schedule, check_zero
+from ..dsconfig import HeteroSection, check_batch_keys, check_zero
 from ..partitioner.costmodel import cost_model_for
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, load_plan, parse_record
@@ -79,7 +79,6 @@ def _ranks_of(stage) -> str:
 def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any], config: dict,
                         optimizer: Any = None) -> None:
     """Everything about plan vs launch vs model that must hold before any collective."""
-    check_runtime_schedule(plan)
     if world != plan.world_size:
         raise InputError("plan", f"plan needs world size {plan.world_size} "
                                  f"({' + '.join(_ranks_of(s) for s in plan.stages)} ranks), launched with {world}")

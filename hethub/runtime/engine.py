@@ -131,7 +131,7 @@ class HeteroPipelineEngine(PipelineEngine):
         return self.gradients.global_loss(self.total_loss)
 
     def set_dataiterator(self, iterator):
-        if self.stage_id == 0 or self.stage_id == self.num_stages - 1:
+        if self.grid.holds_first or self.grid.holds_last:
             self.training_dataloader = None
             self.data_iterator = iterator
 

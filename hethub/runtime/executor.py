@@ -4,6 +4,10 @@ The list comes from ``partitioner.schedule.build_schedule`` (or a hand-edited, c
 list ``hethub simulate`` replays, so what is predicted is what runs. The executor owns an iteration's tensors
 (inputs, labels, outputs, losses, pending weight passes) and hands boundary traffic to the ``Transport``,
 reductions to the ``Gradients`` and the optimizer step to the callback it was given.
+
+Under a chunked schedule (interleaved-1f1b, zb-v) a rank's group holds several chunks: every tensor an iteration
+keeps is keyed by (micro-batch, chunk), a pass runs its chunk's layers only, and the gradients of a chunk's weights
+are final after that chunk's last backward or weight pass (where its all-reduce buckets may start).
 """
 from __future__ import annotations
 
@@ -42,8 +46,7 @@ class Executor:
         self.device, self.micro_batch_size = device, micro_batch_size
         self._next_batch, self._step = next_batch, step
         self.autocast_dtype, self.emulate_slowdown = autocast_dtype, emulate_slowdown
-        self.first = grid.stage_id == 0
-        self.last = grid.stage_id == grid.pipe_parallel_size - 1
+        self.last_position = grid.num_positions - 1
         self.rows = grid.sample_stop - grid.sample_start
         self.executed: list[str] = []  # the actions of the last run, as text, in order
         self.executed_s: list[tuple[float, float, float]] = []  # (start, end, seconds waiting for data) of each
@@ -58,29 +61,33 @@ class Executor:
         self._reset()
 
     def _reset(self) -> None:
-        self._inputs: dict[int, Any] = {}  # micro-batch -> this stage's input (loaded or received)
+        # keyed by (micro-batch, pipeline chunk); labels by micro-batch
+        self._inputs: dict[tuple[int, int], Any] = {}  # a chunk's input (loaded or received)
         self._labels: dict[int, Any] = {}
-        self._outputs: dict[int, Any] = {}
-        self._losses: dict[int, torch.Tensor] = {}
-        self._wgrad: dict[int, split_backward.Pending] = {}  # micro-batch -> where its weight pass resumes (zb-h1)
-        self._linear_calls: dict[int, list] = {}  # micro-batch -> its forward's plain Linear calls (zb-h1)
+        self._outputs: dict[tuple[int, int], Any] = {}
+        self._losses: dict[tuple[int, int], torch.Tensor] = {}
+        self._wgrad: dict[tuple[int, int], split_backward.Pending] = {}  # where a weight pass resumes (zb-h1, zb-v)
+        self._linear_calls: dict[tuple[int, int], list] = {}  # a forward's plain Linear calls (split backward)
         self.transport.reset()
+
+    def _at(self, a: Action) -> int:
+        """The pipeline chunk an action works at (its rank's stage with one chunk per group)."""
+        return a.chunk if a.chunk is not None else self.grid.stage_id
 
     def run(self, actions: Sequence[Action], loss_denominator: int) -> None:
         """Execute one iteration's actions in order; every send has landed when this returns."""
         self._reset()
         self.total_loss, self._loss_denominator = None, loss_denominator
         self.executed, self.executed_s = [], []
-        self._split_mbs = {a.mb for a in actions if a.kind == "W"}  # their B computes input gradients only
-        self._weights = [p for p in self.module.parameters() if p.requires_grad] if self._split_mbs else []
-        if self._split_mbs and self._linears is None:
+        self._split = {(a.mb, self._at(a)) for a in actions if a.kind == "W"}  # their B: input gradients only
+        if self._split and self._linears is None:
             self._linears = split_backward.LinearCalls(self.module)
-        last_grad = self._last_gradient_action(actions)
-        if last_grad is not None:
+        finals = self._final_gradients(actions)
+        if finals:
             self.gradients.start_iteration()
         with self._precision(None):
             for i, a in enumerate(actions):
-                self._run_action(a, armed=i == last_grad)
+                self._run_action(a, armed=finals.get(i, frozenset()))
         self.guard.watch((), "the iteration's last sends")
         self.transport.wait_sends()
 
@@ -99,24 +106,35 @@ class Executor:
             torch.clear_autocast_cache()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=kind in (None, "F"))
 
-    def _run_action(self, a: Action, armed: bool) -> None:
+    def _run_action(self, a: Action, armed: frozenset) -> None:
         self.guard.watch([t.peer for t in a.transfers], str(a))
         t0, self.transport.waited_s = time.perf_counter(), 0.0
         self.gradients.arm(armed)  # the all-reduce's buckets start as this action completes them
         with self._precision(a.kind):
             self._handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
-        self.gradients.arm(False)
+        self.gradients.arm(frozenset())
         self.transport.release_sends()
         self.executed.append(str(a))
         self.executed_s.append((t0, time.perf_counter(), self.transport.waited_s))
 
-    def _last_gradient_action(self, actions: Sequence[Action]) -> Optional[int]:
-        """Index of the iteration's last action that accumulates weight gradients (a B whose weight pass is not
-        split off, or a W), where the iteration all-reduces them; else None."""
+    def _final_gradients(self, actions: Sequence[Action]) -> dict[int, frozenset]:
+        """action index -> ids of the parameters whose gradients that action finishes: each chunk's weights are
+        final after its last gradient-accumulating action (a B whose weight pass is not split off, or a W), a
+        weight two chunks share after the later one's. Empty where the iteration all-reduces nothing."""
         if not any(a.kind == "AR" for a in actions):
-            return None
-        grads = [i for i, a in enumerate(actions) if a.kind == "W" or (a.kind == "B" and a.mb not in self._split_mbs)]
-        return grads[-1] if grads else None
+            return {}
+        last: dict[int, int] = {}  # chunk -> index of its last gradient action
+        for i, a in enumerate(actions):
+            if a.kind == "W" or (a.kind == "B" and (a.mb, self._at(a)) not in self._split):
+                last[self._at(a)] = i
+        final: dict[int, int] = {}  # parameter id -> the action finishing it
+        for k, i in last.items():
+            for p in self.module.chunk_parameters(self.grid.local_chunk(k)):
+                final[id(p)] = max(final.get(id(p), -1), i)
+        out: dict[int, set] = {}
+        for pid, i in final.items():
+            out.setdefault(i, set()).add(pid)
+        return {i: frozenset(ids) for i, ids in out.items()}
 
     # ------------------------------------------------------------------ data
     def _load(self, a: Action) -> None:
@@ -124,9 +142,9 @@ class Executor:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("hethub: data_iter must yield (inputs, labels) per micro-batch")
         inputs, labels = batch
-        if self.first:
-            self._inputs[a.mb] = self._rows(inputs, "inputs")
-        if self.last:
+        if self.grid.holds_first:
+            self._inputs[(a.mb, 0)] = self._rows(inputs, "inputs")
+        if self.grid.holds_last:
             self._labels[a.mb] = self._rows(labels, "labels")
 
     def _rows(self, x, what: str):
@@ -143,31 +161,33 @@ class Executor:
 
     # ------------------------------------------------------------------ compute
     def _forward(self, a: Action) -> None:
-        if not self.first:
-            received = self.transport.take("A", a.mb)
-            for t, (_, _, req) in zip(received, self.transport.recv_meta):
+        k = self._at(a)
+        key, last = (a.mb, k), k == self.last_position
+        if k > 0:
+            received = self.transport.take("A", a.mb, k)
+            for t, (_, _, req) in zip(received, self.transport.recv_meta[k]):
                 t.requires_grad_(req and torch.is_grad_enabled())
-            self._inputs[a.mb] = tuple(received) if len(received) > 1 else received[0]
-        inputs = self._inputs[a.mb]
+            self._inputs[key] = tuple(received) if len(received) > 1 else received[0]
+        inputs = self._inputs[key]
         if isinstance(inputs, tuple):
             inputs = tuple(t.clone() if not t.is_floating_point() else t for t in inputs)
-        capture = (self._linears.capturing() if a.mb in self._split_mbs and torch.is_grad_enabled()
+        capture = (self._linears.capturing() if key in self._split and torch.is_grad_enabled()
                    else contextlib.nullcontext())
         with capture as calls:  # under the iteration's autocast (_precision)
-            outputs = self.module(inputs)
+            outputs = self.module(inputs, chunk=self.grid.local_chunk(k))
             if calls is not None:
-                self._linear_calls[a.mb] = calls
-            if self.last:
+                self._linear_calls[key] = calls
+            if last:
                 labels = self._labels.pop(a.mb)
                 loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None else outputs
-        if self.first or not torch.is_grad_enabled():
-            self._inputs.pop(a.mb)  # nothing to send upstream: no need to keep the input
-        if self.last:
-            self._keep_loss(a.mb, loss)
+        if k == 0 or not torch.is_grad_enabled():
+            self._inputs.pop(key)  # nothing to send upstream: no need to keep the input
+        if last:
+            self._keep_loss(key, loss)
         else:
-            self._outputs[a.mb] = outputs
+            self._outputs[key] = outputs
 
-    def _keep_loss(self, mb: int, loss) -> None:
+    def _keep_loss(self, key: tuple[int, int], loss) -> None:
         if not (torch.is_tensor(loss) and loss.numel() == 1):
             raise ValueError("hethub: loss_fn must return a scalar tensor (mean over the given samples)")
         # Mean over this replica's samples -> its share of the mean over the whole batch.
@@ -175,47 +195,50 @@ class Executor:
         detached = loss.detach()
         self.total_loss = detached.clone() if self.total_loss is None else self.total_loss + detached
         if torch.is_grad_enabled():
-            self._losses[mb] = loss
+            self._losses[key] = loss
 
     def _backward(self, a: Action) -> None:
-        if self.last:  # the scaled loss: every gradient upstream, boundaries included, carries the scale
-            loss = self._losses.pop(a.mb)
+        k = self._at(a)
+        key = (a.mb, k)
+        if k == self.last_position:  # the scaled loss: every gradient upstream, boundaries included, carries it
+            loss = self._losses.pop(key)
             roots, grads = [loss * self.loss_scale if self.loss_scale != 1.0 else loss], None
         else:
-            roots = [o for o in as_tuple(self._outputs.pop(a.mb)) if _wants_grad(o)]
-            grads = self.transport.take("G", a.mb, like=roots)
-        if a.mb not in self._split_mbs:
+            roots = [o for o in as_tuple(self._outputs.pop(key)) if _wants_grad(o)]
+            grads = self.transport.take("G", a.mb, k, like=roots)
+        if key not in self._split:
             torch.autograd.backward(tensors=roots, grad_tensors=grads)
             return
-        # zb-h1: the input gradients now (SG sends them next), the weights' at this micro-batch's W
-        inputs = [t for t in as_tuple(self._inputs[a.mb]) if _wants_grad(t)]
+        # zb-h1, zb-v: the input gradients now (SG sends them next), the weights' at this micro-batch's W
+        inputs = [t for t in as_tuple(self._inputs[key]) if _wants_grad(t)]
+        weights = self.module.chunk_parameters(self.grid.local_chunk(k))
         try:
-            self._wgrad[a.mb] = split_backward.backward_input(roots, grads, inputs, self._weights, self.grid.stage_id,
-                                                              self._linear_calls.pop(a.mb, ()))
+            self._wgrad[key] = split_backward.backward_input(roots, grads, inputs, weights, self.grid.stage_id,
+                                                             self._linear_calls.pop(key, ()))
         except split_backward.SplitBackwardError as exc:  # the model, not a bug: one line (peers see it lost)
             print_error(f"rank {self.grid.global_rank}: {exc}")
             os._exit(2)  # not SystemExit: gloo's threads may still hold the process
 
     def _weight(self, a: Action) -> None:
         t0 = time.perf_counter()
-        split_backward.backward_weight(self._weights, self._wgrad.pop(a.mb), on_ready=self.gradients.ready)
+        weights = self.module.chunk_parameters(self.grid.local_chunk(self._at(a)))
+        split_backward.backward_weight(weights, self._wgrad.pop((a.mb, self._at(a))), on_ready=self.gradients.ready)
         if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
             idle_to(self.emulate_slowdown, self._emulated_w_ref, "w", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ transfers
     def _send_activations(self, a: Action) -> None:
-        self.transport.send_activations(as_tuple(self._outputs[a.mb]), a.transfers)
+        self.transport.send_activations(a.mb, as_tuple(self._outputs[(a.mb, self._at(a))]), a.transfers, self._at(a))
 
     def _recv_activations(self, a: Action) -> None:
-        self.transport.recv_activations(a.mb, a.transfers)
+        self.transport.recv_activations(a.mb, a.transfers, self._at(a))
 
     def _send_grads(self, a: Action) -> None:
-        inputs = [t for t in as_tuple(self._inputs.pop(a.mb)) if _wants_grad(t)]
-        if not self.transport.is_lead:
-            return  # the group's lead sends the (replicated) input gradients once
+        """The input gradients (replicated over a tensor-parallel group: its lead sends them once)."""
+        inputs = [t for t in as_tuple(self._inputs.pop((a.mb, self._at(a)))) if _wants_grad(t)]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-        self.transport.send_grads(grads, a.transfers)
+        self.transport.send_grads(a.mb, grads, a.transfers, self._at(a))
 
     def _recv_grads(self, a: Action) -> None:
-        outputs = [o for o in as_tuple(self._outputs[a.mb]) if _wants_grad(o)]
-        self.transport.recv_grads(a.mb, outputs, a.transfers)
+        outputs = [o for o in as_tuple(self._outputs[(a.mb, self._at(a))]) if _wants_grad(o)]
+        self.transport.recv_grads(a.mb, outputs, a.transfers, self._at(a))

@@ -48,11 +48,11 @@ class Gradients:
         if self.buckets is not None:
             self.buckets.prepare()
 
-    def arm(self, on: bool) -> None:
-        """The iteration's last gradient-producing action starts (True) or ended (False): buckets start as
-        their gradients complete."""
+    def arm(self, params: frozenset) -> None:
+        """An action that finishes the iteration's gradients of ``params`` (ids) starts (empty: it ended): buckets
+        start as their gradients complete."""
         if self.buckets is not None:
-            self.buckets.arm(on)
+            self.buckets.arm(params)
 
     def ready(self, params) -> None:
         """zb-h1's weight pass just accumulated ``params``' gradients (autograd's own accumulation hooks itself)."""
@@ -94,8 +94,8 @@ class Gradients:
     def _norm_parameters(self) -> list:
         """Parameters whose gradients this stage counts in the global norm: a tied weight only on its owner's
         stage."""
-        a, b = self.grid.stage.layers
-        skip = {id(p) for tie, _group, p in self.tied if not a <= tie.owner[0] < b}
+        skip = {id(p) for tie, _group, p in self.tied
+                if not any(a <= tie.owner[0] < b for a, b in self.grid.stage.chunk_ranges)}
         return [p for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
     def clip(self, max_norm: float) -> float:
@@ -147,7 +147,7 @@ class Gradients:
         self.guard.peers = ()
         with torch.no_grad():
             mine = torch.zeros(1, dtype=torch.float64)
-            if grid.stage_id == grid.pipe_parallel_size - 1 and grid.tp_rank == 0:
+            if grid.holds_last and grid.tp_rank == 0:
                 mine = total_loss.detach().double().reshape(1).cpu()
             loss = self.guard(lambda: self.control.sum(mine), "loss broadcast")
         return loss[0].to(self.device)

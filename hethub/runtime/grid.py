@@ -22,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..partitioner.groups import GroupSpec, group_specs
 from ..partitioner.records import Plan
-from ..partitioner.schedule import overlaps
 from ..models.ties import Tie
 
 
@@ -39,6 +38,12 @@ class HeteroGrid:
         self.world_size = plan.world_size
         self.stage_id, self.replica_id = plan.locate(rank)
         self.stage = plan.stages[self.stage_id]
+        # The pipeline chunks this rank's group holds (``Plan.pipeline`` positions; with one chunk per group, the
+        # stage's own index): actions, boundaries and transfers are keyed by them.
+        self.positions: tuple[int, ...] = plan.chunks_of_group[self.stage_id]
+        self.num_positions = len(plan.pipeline)
+        self.holds_first = 0 in self.positions  # loads the inputs
+        self.holds_last = self.num_positions - 1 in self.positions  # loads the labels, computes the loss
         self.device_type = self.stage.type_of(self.stage.replicas[self.replica_id])  # this rank's accelerator
         self.stage_ranks = [[r.rank for r in s.replicas] for s in plan.stages]  # replicas' leads
         self.pipe_parallel_size = plan.num_stages
@@ -55,13 +60,8 @@ class HeteroGrid:
         self.schedule_rank = self.tp_lead  # whose schedule this rank runs
         self._create_groups(plan, ties, device_name, datetime.timedelta(seconds=timeout_s))
         self.tp_mesh = DeviceMesh.from_group(self.tp_group, device_name) if self.tp > 1 else None
-        self.next_boundary = plan.boundary(self.stage_id)
-        self.prev_boundary = plan.boundary(self.stage_id - 1) if self.stage_id > 0 else None
-        # Rows [start, stop) of every micro-batch this replica owns.
+        # Rows [start, stop) of every micro-batch this replica owns (the same in each of its chunks).
         self.sample_start, self.sample_stop = self.stage.sample_ranges()[self.replica_id]
-        # Transfer(peer rank, first row, stop row) for each overlapping replica of the neighbouring stages
-        self.next_peers = overlaps(plan, self.stage_id, self.replica_id, "next")
-        self.prev_peers = overlaps(plan, self.stage_id, self.replica_id, "prev")
         self.last_stage_root = self.stage_ranks[-1][0]
 
     def _create_groups(self, plan: Plan, ties: Sequence[Tie], device_name: str, timeout: datetime.timedelta) -> None:
@@ -85,12 +85,16 @@ class HeteroGrid:
         self._dp_group = mine[("dp", self.stage_id, self.tp_rank)]
         self.dp_bridged = self._spec_of[self._dp_group].on_host  # the stage spans vendors: gloo on any machine
         self._self_group = mine[("self", self.stage_id, None)]
-        # per (direction, boundary after stage b): the group of the boundaries this rank talks across
-        self.p2p = {(d, b): mine[(d, b, None)] for d in ("fwd", "bwd") for b in (self.stage_id - 1, self.stage_id)
+        # per (direction, boundary after chunk b): the groups of the boundaries this rank's chunks talk across
+        self.p2p = {(d, b): mine[(d, b, None)] for d in ("fwd", "bwd") for k in self.positions for b in (k - 1, k)
                     if (d, b, None) in mine}
         self.tie_groups: list[tuple[Tie, object]] = [(ties[spec.index], mine[("tie", None, spec.index)])
                                                      for spec in specs if spec.purpose == "tie"
                                                      and ("tie", None, spec.index) in mine]
+
+    def local_chunk(self, position: int) -> int:
+        """Which of this group's chunks (0, 1, ...) pipeline chunk ``position`` is."""
+        return self.positions.index(position)
 
     def on_host(self, group) -> bool:
         """Whether a group is gloo here, so its tensors live in host memory (else on this rank's accelerator)."""

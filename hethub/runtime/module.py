@@ -1,8 +1,10 @@
 """The layers of one stage: ``HeteroPipelineModule``, what DeepSpeed's engine sees as its model.
 
-Its layers are taken from the plan's layer range, not from DeepSpeed's partition methods, and it knows which
-planner layer each of its modules is (``indexed_layers``), which gradients (ties) and checkpoints (per-layer files)
-both ask for.
+Its layers are taken from the plan's layer ranges (one per chunk the rank's group holds, under interleaved or
+zb-v schedules several), not from DeepSpeed's partition methods, and it knows which planner layer each of its
+modules is (``indexed_layers``), which gradients (ties) and checkpoints (per-layer files) both ask for. One module
+holds every chunk, so DeepSpeed's optimizer, the all-reduce buckets and ZeRO-1 see one parameter list; a forward
+runs one chunk (``forward(x, chunk=j)``).
 """
 from __future__ import annotations
 
@@ -24,33 +26,46 @@ class HeteroPipelineModule(PipelineModule):
 
     def __init__(self, layers: Sequence[Any], loss_fn: Optional[Callable], grid):
         nn.Module.__init__(self)
-        start, stop = grid.stage.layers
-        self.forward_funcs = [_built(layers[idx], idx) for idx in range(start, stop)]
+        self._layer_index = [idx for a, b in grid.stage.chunk_ranges for idx in range(a, b)]  # planner layer of each
+        self.forward_funcs = [_built(layers[idx], idx) for idx in self._layer_index]
         self.local_layers = nn.ModuleList([m for m in self.forward_funcs if isinstance(m, nn.Module)])
+        self._chunk_slices, at = [], 0  # the forward_funcs of each chunk, in the group's order
+        for a, b in grid.stage.chunk_ranges:
+            self._chunk_slices.append(slice(at, at + b - a))
+            at += b - a
         self.loss_fn = loss_fn
         self._grid = grid
-        self._local_start, self._local_stop = start, stop
         self._recompute = grid.stage.recompute
         for name, value in ds_seams.pipeline_module_attrs(grid).items():
             setattr(self, name, value)
 
-    def forward(self, x):
+    def forward(self, x, chunk: int = 0):
+        """Chunk ``chunk`` (0 with one chunk per group) of this group's layers on ``x``."""
         # A plan's recompute stage keeps only each layer's input and runs the layer's forward again in its
         # backward (what the cost model charges: memory ``act_bytes_recompute``, one more forward). Non-
         # reentrant checkpointing: it keeps autograd's graph, so zb-h1 can still split the backward.
         recompute = self._recompute and torch.is_grad_enabled()
-        for f in self.forward_funcs:
+        for f in self.forward_funcs[self._chunk_slices[chunk]]:
             x = checkpoint(f, x, use_reentrant=False) if recompute else f(x)
         return x
 
     def indexed_layers(self) -> list[tuple[int, nn.Module]]:
         """(planner layer index, the user's module) for this stage, unwrapping emulation wrappers."""
         out = []
-        for k, f in enumerate(self.forward_funcs):
+        for idx, f in zip(self._layer_index, self.forward_funcs):
             base = f.module if isinstance(f, SlowDown) else f
             if isinstance(base, nn.Module):
-                out.append((self._local_start + k, base))
+                out.append((idx, base))
         return out
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The trainable parameters chunk ``chunk``'s layers use (a weight tied across two of the group's chunks is
+        in both), each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for f in self.forward_funcs[self._chunk_slices[chunk]]:
+            if isinstance(f, nn.Module):
+                seen.update((id(p), p) for p in f.parameters() if p.requires_grad)
+        return list(seen.values())
 
     def mpu(self):
         return self._grid

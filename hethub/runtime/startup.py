@@ -176,15 +176,16 @@ def _at_exit(control: Control) -> None:
 def _stage_layers(run: _Checked, grid: HeteroGrid) -> list:
     """The layer list with this stage's layers split over its tensor-parallel group (hethub.runtime.tp) and
     wrapped in the emulated slowdown of its device type, where either applies."""
-    layers, (first, last) = list(run.layers), grid.stage.layers
-    if grid.tp > 1:
-        for layer in layers[first:last]:  # on the device before splitting (DeepSpeed then leaves them there)
-            if hasattr(layer, "to"):
-                layer.to(get_accelerator().current_device_name())
-        tp.parallelize(first, layers[first:last], run.tp_plan, grid.tp_mesh)
+    layers = list(run.layers)
     slowdown = slowdown_for(grid.device_type, run.hetero.emulate_slowdown)
-    if slowdown != 1.0:
-        layers[first:last] = [SlowDown(layer, slowdown) for layer in layers[first:last]]
+    for first, last in grid.stage.chunk_ranges:
+        if grid.tp > 1:
+            for layer in layers[first:last]:  # on the device before splitting (DeepSpeed then leaves them there)
+                if hasattr(layer, "to"):
+                    layer.to(get_accelerator().current_device_name())
+            tp.parallelize(first, layers[first:last], run.tp_plan, grid.tp_mesh)
+        if slowdown != 1.0:
+            layers[first:last] = [SlowDown(layer, slowdown) for layer in layers[first:last]]
     return layers
 
 

@@ -118,7 +118,7 @@ def check_layers(plan, layers: Sequence[Any], tp_plan: Mapping[str, str]) -> Non
         return
     matched: set[str] = set()
     for st in tp_stages:
-        for idx in range(*st.layers):
+        for idx in (i for a, b in st.chunk_ranges for i in range(a, b)):
             if type(layers[idx]).__name__ in ("LayerSpec", "TiedLayerSpec"):
                 raise InputError(f"layers[{idx}]", f"stage {st.index} runs tensor-parallel; pass the module itself "
                                                    f"rather than a LayerSpec, so its plan can be checked")

@@ -79,56 +79,79 @@ class Transport:
         self.default_wire = default_wire
         self.rows = grid.sample_stop - grid.sample_start  # this replica's rows of a micro-batch
         self.is_lead = grid.tp_rank == 0  # talks to the neighbouring stages (every rank without TP)
-        self.recv_meta: Optional[Meta] = None  # what this rank receives from the previous stage
-        self._recv_meta_lead: Optional[Meta] = None  # ... as the lead received it (shared with a TP group once)
-        self._meta_sent = False
         self.waited_s = 0.0  # seconds spent waiting for receives since the executor last read it
         self.ops = OrderedGroups(guard, strict=grid.on_host)
         self.peak_sends: dict[tuple[str, int], int] = {}  # (direction, peer) -> most send buffers held at once
+        self.reset_shapes()
         self.reset()
 
     def reset(self) -> None:
-        self._recvs: dict[tuple[str, int], _Posted] = {}  # ("A"|"G", mb) -> posted receive
+        self._recvs: dict[tuple[str, int, int], _Posted] = {}  # ("A"|"G", mb, chunk) -> posted receive
         self._sends: list[tuple[Op, str, int, torch.Tensor]] = []  # (operation, direction, peer, buffer) in flight
+        # ("A"|"G", mb, chunk) -> tensors a rank handed to its own next (or previous) chunk: zb-v's turn
+        self._handed: dict[tuple[str, int, int], list[torch.Tensor]] = {}
 
     def reset_shapes(self) -> None:
         """The next activations carry metadata again (shapes changed between iterations)."""
-        self.recv_meta, self._recv_meta_lead, self._meta_sent = None, None, False
+        self.recv_meta: dict[int, Meta] = {}  # chunk -> what this rank receives from the chunk before it
+        self._recv_meta_lead: dict[int, Meta] = {}  # ... as the lead received it (shared with a TP group once)
+        self._meta_sent: set[int] = set()  # chunks whose activations' metadata has left
 
     # ------------------------------------------------------------------ the four transfers of a schedule
-    def send_activations(self, outputs: tuple, transfers) -> None:
+    # ``k`` is the pipeline chunk (``Plan.pipeline`` position) the action belongs to: activations leave chunk k
+    # across the boundary after it and arrive at chunk k from the boundary before it; gradients the other way.
+    def send_activations(self, mb: int, outputs: tuple, transfers, k: int) -> None:
+        if self._local(transfers):
+            self._hand("A", mb, k + 1, outputs)
+            self.recv_meta.setdefault(k + 1, _meta_of(outputs))
+            return
         if not self.is_lead:
             return  # the group's lead sends the (replicated) output once
-        route = self._route("fwd", self.grid.stage_id, self.grid.next_boundary)
-        if not self._meta_sent:
+        route = self._route("fwd", k)
+        if k not in self._meta_sent:
             self._send_meta(outputs, transfers, route)
-            self._meta_sent = True
+            self._meta_sent.add(k)
         self._post_sends(outputs, transfers, route)
 
-    def recv_activations(self, mb: int, transfers) -> None:
-        if not self.is_lead:
-            return  # the lead receives and shares at the forward (take)
-        route = self._route("fwd", self.grid.stage_id - 1, self.grid.prev_boundary)
-        if self._recv_meta_lead is None:
-            self._recv_meta_from(transfers, route)
-        self._post_recvs("A", mb, [(d, s) for d, s, _ in self._recv_meta_lead], transfers, route)
+    def recv_activations(self, mb: int, transfers, k: int) -> None:
+        if not self.is_lead or self._local(transfers):
+            return  # the lead receives and shares at the forward (take); a rank's own rows are handed over
+        route = self._route("fwd", k - 1)
+        if k not in self._recv_meta_lead:
+            self._recv_meta_from(transfers, route, k)
+        self._post_recvs("A", mb, k, [(d, s) for d, s, _ in self._recv_meta_lead[k]], transfers, route)
 
-    def send_grads(self, grads: Sequence[torch.Tensor], transfers) -> None:
-        if self.is_lead:
-            self._post_sends(grads, transfers, self._route("bwd", self.grid.stage_id - 1, self.grid.prev_boundary))
+    def send_grads(self, mb: int, grads: Sequence[torch.Tensor], transfers, k: int) -> None:
+        if self._local(transfers):
+            self._hand("G", mb, k - 1, grads)
+        elif self.is_lead:
+            self._post_sends(grads, transfers, self._route("bwd", k - 1))
 
-    def recv_grads(self, mb: int, outputs: Sequence[torch.Tensor], transfers) -> None:
-        if self.is_lead:
-            self._post_recvs("G", mb, [(o.dtype, tuple(o.shape[1:])) for o in outputs], transfers,
-                             self._route("bwd", self.grid.stage_id, self.grid.next_boundary))
+    def recv_grads(self, mb: int, outputs: Sequence[torch.Tensor], transfers, k: int) -> None:
+        if self.is_lead and not self._local(transfers):
+            self._post_recvs("G", mb, k, [(o.dtype, tuple(o.shape[1:])) for o in outputs], transfers,
+                             self._route("bwd", k))
 
-    def take(self, kind: str, mb: int, like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
-        """This replica's full tensors of a posted receive. In a tensor-parallel group the lead received them
-        and broadcasts them to the others (``like``: tensors of the shapes to expect, for gradients)."""
-        out = self._take_own(kind, mb) if self.is_lead else None
+    def take(self, kind: str, mb: int, k: int, like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """This replica's full tensors of a posted receive (or of what the rank handed itself). In a
+        tensor-parallel group the lead received them and broadcasts them to the others (``like``: tensors of the
+        shapes to expect, for gradients)."""
+        if (kind, mb, k) in self._handed:
+            return self._handed.pop((kind, mb, k))
+        out = self._take_own(kind, mb, k) if self.is_lead else None
         if self.grid.tp > 1:
-            out = self._tp_share(kind, out, like)
+            out = self._tp_share(kind, k, out, like)
         return out
+
+    def _local(self, transfers) -> bool:
+        """A transfer between two chunks of this rank's own group (zb-v's turn): every row stays on this rank."""
+        return all(t.peer == self.grid.global_rank for t in transfers)
+
+    def _hand(self, kind: str, mb: int, k: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Rows a rank passes to its own chunk ``k``: the tensors themselves, cut from the graph that made them
+        (chunk k's backward stops at them, as at a received tensor), no copy, no cast, no group operation. Every
+        rank of a tensor-parallel group holds them already (replicated), so none is shared."""
+        self._handed[(kind, mb, k)] = [t.detach() for t in tensors]
 
     def release_sends(self) -> None:
         """Drop the buffers of sends that have completed (called after every action)."""
@@ -151,7 +174,7 @@ class Transport:
             op = self.ops.issue(route.group, lambda p=p: dist.isend(meta, p.peer, group=route.group))
             self._sends.append((op, route.direction, p.peer, meta))
 
-    def _recv_meta_from(self, peers, route) -> None:
+    def _recv_meta_from(self, peers, route, k: int) -> None:
         metas = [torch.zeros(META_LEN, dtype=torch.int64, device=route.device) for _ in peers]
         ops = [self.ops.issue(route.group, lambda m=m, p=p: dist.irecv(m, p.peer, group=route.group))
                for m, p in zip(metas, peers)]
@@ -160,13 +183,14 @@ class Transport:
         metas = [m.cpu() for m in metas]
         if any(not torch.equal(m, metas[0]) for m in metas):
             raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
-        self._recv_meta_lead = decode_meta(metas[0])
+        self._recv_meta_lead[k] = decode_meta(metas[0])
         if self.grid.tp == 1:
-            self.recv_meta = self._recv_meta_lead
+            self.recv_meta[k] = self._recv_meta_lead[k]
 
     # ------------------------------------------------------------------ row slices
-    def _route(self, direction: str, after_stage: int, boundary) -> "_Route":
-        group = self.grid.p2p[(direction, after_stage)]
+    def _route(self, direction: str, after: int) -> "_Route":
+        """The group, device and wire dtype of one direction of the boundary after pipeline chunk ``after``."""
+        group, boundary = self.grid.p2p[(direction, after)], self.grid.plan.boundary(after)
         host = self.grid.on_host(group)
         return _Route(direction, group, torch.device("cpu") if host else self.device,
                       boundary.dtype if boundary is not None and boundary.dtype else self.default_wire)
@@ -190,7 +214,7 @@ class Transport:
                 self._sends.append((op, route.direction, t.peer, piece))
                 off += b - a
 
-    def _post_recvs(self, kind: str, mb: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
+    def _post_recvs(self, kind: str, mb: int, k: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
                     route: "_Route") -> None:
         """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers, each peer's
         rows straight into its slice of one buffer per tensor (no concatenation afterwards)."""
@@ -210,11 +234,11 @@ class Transport:
                                                                                             group=route.group)))
                 off += b - a
             buffers.append(whole)
-        self._recvs[(kind, mb)] = _Posted(ops, buffers, specs, ranges)
+        self._recvs[(kind, mb, k)] = _Posted(ops, buffers, specs, ranges)
 
-    def _take_own(self, kind: str, mb: int) -> list[torch.Tensor]:
+    def _take_own(self, kind: str, mb: int, k: int) -> list[torch.Tensor]:
         """Wait for a posted receive; unpack and up-cast its buffers into this replica's full tensors."""
-        posted = self._recvs.pop((kind, mb))
+        posted = self._recvs.pop((kind, mb, k))
         t0 = time.perf_counter()
         for op in posted.ops:
             self.ops.wait(op)
@@ -233,25 +257,31 @@ class Transport:
             out.append(full)
         return out
 
-    def _tp_share(self, kind: str, tensors: Optional[list], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _tp_share(self, kind: str, k: int, tensors: Optional[list], like: Sequence[torch.Tensor]
+                  ) -> list[torch.Tensor]:
         """Broadcast the lead's received tensors over the tensor-parallel group (shapes of activations from
         the lead's meta, shared once; gradients are shaped like this rank's own outputs)."""
         group, lead = self.grid.tp_group, self.grid.tp_lead
         self.guard.peers = tuple(self.grid.tp_ranks)
         what = "the tensor-parallel broadcast"
-        if kind == "A" and self.recv_meta is None:  # the lead has it from the previous stage
+        if kind == "A" and k not in self.recv_meta:  # the lead has it from the previous stage
             where = "cpu" if self.grid.on_host(group) else self.device
             meta = torch.zeros(META_LEN, dtype=torch.int64, device=where)
             if self.is_lead:
-                meta = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead)]).to(where)
+                meta = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead[k])]).to(where)
             self.guard(lambda: dist.broadcast(meta, src=lead, group=group), what)
-            self.recv_meta = decode_meta(meta.cpu())
+            self.recv_meta[k] = decode_meta(meta.cpu())
         if tensors is None:
-            tensors = ([torch.empty((self.rows, *shape), dtype=d, device=self.device) for d, shape, _ in self.recv_meta]
+            tensors = ([torch.empty((self.rows, *shape), dtype=d, device=self.device) for d, shape, _ in self.recv_meta[k]]
                        if kind == "A" else [torch.empty_like(t) for t in like])
         for t in tensors:
             self.guard(lambda: dist.broadcast(t, src=lead, group=group), what)
         return tensors
+
+
+def _meta_of(tensors: Sequence[torch.Tensor]) -> Meta:
+    """What a metadata message would say of ``tensors`` (for rows a rank hands itself)."""
+    return [(t.dtype, tuple(t.shape[1:]), t.is_floating_point() and t.requires_grad) for t in tensors]
 
 
 class _Route:

@@ -49,8 +49,8 @@ def main():
             losses.append(float(engine.train_batch(iter([micro_batch(step, m, mb) for m in range(M)]))))
         if save:
             engine.save_checkpoint(save)
-        a, b = engine.grid.stage.layers
-        params = {f"{i}.{k}": v for i in range(a, b) for k, v in layers[i].state_dict().items()}
+        mine = [i for a, b in engine.grid.stage.chunk_ranges for i in range(a, b)]  # every chunk's layers
+        params = {f"{i}.{k}": v for i in mine for k, v in layers[i].state_dict().items()}
         from hethub.runtime.zero import optimizer_state_bytes
         opt_bytes = optimizer_state_bytes(engine.optimizer)
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params, "opt_bytes": opt_bytes},

@@ -88,9 +88,9 @@ def main():
         engine.save_checkpoint(argv[argv.index("--save") + 1])
     ids = batch(-1, mb * 2)
     eval_loss = float(engine.eval_batch(iter([(x, x) for x in ids.split(mb)]), num_micro_batches=2))
-    first, last = engine.grid.stage.layers
+    mine = [i for a, b in engine.grid.stage.chunk_ranges for i in range(a, b)]  # every chunk's layers
     from hethub.runtime.tp import full
-    params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last) for k, v in layers[i].state_dict().items()}
+    params = {f"{i}.{k}": full(v).detach().clone() for i in mine for k, v in layers[i].state_dict().items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "eval_loss": torch.tensor(eval_loss),
                 "params": params}, out)
 

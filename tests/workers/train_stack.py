@@ -1,7 +1,8 @@
 """Worker for the equivalence tests: train a small layer stack under a plan, save losses and weights.
 
-usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16|fp16=POWER] [zero1] [schedule=PATH]   ({rank} in PLAN, OUT:
-this rank). With "single", trains the same layers in one process (the reference) without hethub. fp16=POWER:
+usage: train_stack.py PLAN OUT STEPS CLIP [single] [bf16|fp16=POWER] [zero1] [schedule=PATH] [f64] [tie=I,J]
+({rank} in PLAN, OUT: this rank). f64: float64 weights and data. tie=I,J: layers I and J (hidden blocks) share one
+module, so its weights are tied across them. With "single", trains the same layers in one process (the reference) without hethub. fp16=POWER:
 fp16 autocast, dynamic loss scale from 2**POWER, halved on each overflow (hysteresis 1), the step then skipped.
 """
 import contextlib
@@ -16,12 +17,14 @@ torch.set_num_threads(1)
 IN, HID, OUT = 6, 12, 3
 
 
-def make_layers(n: int, seed: int = 1234) -> list:
+def make_layers(n: int, seed: int = 1234, tie: tuple = ()) -> list:
     torch.manual_seed(seed)
     layers = [nn.Linear(IN, HID)]
     for _ in range(n - 2):
         layers.append(nn.Sequential(nn.Linear(HID, HID), nn.Tanh()))
     layers.append(nn.Linear(HID, OUT))
+    for j in tie[1:]:
+        layers[j] = layers[tie[0]]  # one module at two places of the list: a tied weight (hethub.models.ties)
     return layers
 
 
@@ -96,6 +99,9 @@ def main():
     out_path = out_path.replace("{rank}", os.environ.get("RANK", "0"))
     plan_path = plan_path.replace("{rank}", os.environ.get("RANK", "0"))  # a copy per rank, as hosts have
     single = "single" in sys.argv[5:]
+    if "f64" in sys.argv[5:]:
+        torch.set_default_dtype(torch.float64)  # the layers and the data: equivalence without float32 rounding
+    tie = next((tuple(int(i) for i in a[4:].split(",")) for a in sys.argv[5:] if a.startswith("tie=")), ())
     bf16 = "bf16" in sys.argv[5:]
     fp16 = next((int(a.split("=", 1)[1]) for a in sys.argv[5:] if a.startswith("fp16=")), None)
     cast = torch.autocast("cpu", dtype=torch.float16 if fp16 is not None else torch.bfloat16,
@@ -103,7 +109,7 @@ def main():
     scaler = {"scale": 2.0 ** fp16, "skipped": 0} if fp16 is not None else None
     from hethub.partitioner import load_plan
     plan = load_plan(plan_path)
-    layers = make_layers(plan.model.num_planner_layers)
+    layers = make_layers(plan.model.num_planner_layers, tie=tie)
     mb, M, lr = plan.micro_batch_size, plan.num_micro_batches, 0.1
     losses, trace, weight_casts = [], "", []  # weight_casts: [bf16 casts, distinct weights cast] per step
     if single:
@@ -170,8 +176,8 @@ def main():
         eval_loss = float(engine.eval_batch(iter([micro_batch(-1, m, mb) for m in range(2)]), num_micro_batches=2))
         if fp16 is not None:
             scaler = {"scale": engine.loss_scaler.cur_scale, "skipped": engine.skipped_steps}
-        first, last = engine.grid.stage.layers
-        params = {f"{i}.{k}": v for i in range(first, last) for k, v in layers[i].state_dict().items()}
+        mine = [i for a, b in engine.grid.stage.chunk_ranges for i in range(a, b)]  # every chunk's layers
+        params = {f"{i}.{k}": v for i in mine for k, v in layers[i].state_dict().items()}
     if os.environ.get("END_SLEEP_RANK0") and os.environ.get("RANK") == "0":
         import time
         time.sleep(float(os.environ["END_SLEEP_RANK0"]))  # rank 0 does extra work after training

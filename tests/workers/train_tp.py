@@ -73,7 +73,7 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             losses.append(total)
-        first, last = 0, len(layers)
+        mine = range(len(layers))
     else:
         import hethub
         config = {"gradient_clipping": CLIP}
@@ -91,9 +91,9 @@ def main():
             losses.append(float(engine.train_batch(iter(batches(kind, plan, step)))))
         if "--save" in argv:
             engine.save_checkpoint(argv[argv.index("--save") + 1])
-        first, last = engine.grid.stage.layers
+        mine = [i for a, b in engine.grid.stage.chunk_ranges for i in range(a, b)]  # every chunk's layers
     from hethub.runtime.tp import full
-    params = {f"{i}.{k}": full(v).detach().clone() for i in range(first, last)
+    params = {f"{i}.{k}": full(v).detach().clone() for i in mine
               for k, v in layers[i].state_dict(keep_vars=True).items()}
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out)
 
