@@ -140,15 +140,13 @@ def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
     return 2.0 * max([*per_sender.values(), *per_nic.values()], default=0.0)
 
 
-def chunked_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
-    """Peak bytes on a rank of group s under a chunked schedule: every chunk's state, plus the most activations
-    its order holds at once (a chunk-micro-batch is held from its forward to its backward, or to its W where the
-    backward is split), plus a boundary's send and receive buffers per chunk."""
+def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
+    """The most activation bytes a rank of group s holds at once under the plan's compute order (1F1B's with one
+    chunk per group): a chunk-micro-batch is held from its forward to its backward, or to its W where the backward
+    is split. ``samples``: the rank's rows of a micro-batch. What ``benchmarks/chunked.py`` checks against a run."""
     st = plan.stages[s]
-    tp, z = st.tensor_parallel, plan.shards_optimizer(st)
     order = order if order is not None else chunk_orders(plan, plan.num_micro_batches)[s]
-    full = cm.act_bytes(tp)
-    act = cm.layers.act_bytes_recompute if st.recompute else full
+    act = cm.layers.act_bytes_recompute if st.recompute else cm.act_bytes(st.tensor_parallel)
     per_chunk = {c.position: float(act[c.first:c.last].sum()) * samples for c in plan.pipeline if c.group == s}
     split = {(mb, k) for kind, mb, k in order if kind == "W"}
     held = peak = 0.0
@@ -158,6 +156,16 @@ def chunked_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=
             peak = max(peak, held)
         elif kind == "W" or (kind == "B" and (mb, k) not in split):
             held -= per_chunk[k]
+    return peak
+
+
+def chunked_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
+    """Peak bytes on a rank of group s under a chunked schedule: every chunk's state, plus the most activations
+    its order holds at once (``activation_peak_bytes``), plus a boundary's send and receive buffers per chunk."""
+    st = plan.stages[s]
+    tp, z = st.tensor_parallel, plan.shards_optimizer(st)
+    full = cm.act_bytes(tp)
+    peak = activation_peak_bytes(plan, cm, s, samples, order)
     state = sum(cm.state_bytes(a, b, st.width, tp, z) for a, b in st.chunk_ranges)
     extra = max(float(full[a:b].max()) * samples for a, b in st.chunk_ranges) if st.recompute else 0.0
     buffers = sum(2.0 * float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)

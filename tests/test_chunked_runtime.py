@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT
 from dist_util import spawn
 from hethub.partitioner.chunked import rechunk
+from hethub.partitioner import Plan
 from hethub.partitioner.groups import group_specs
 from hethub.partitioner.schedule import build_schedule
 from plans import run_and_compare, stack_plan
@@ -29,10 +30,22 @@ TWO = stack_plan([3], [[4], [1, 3]], 4, 5)  # widths 1, 2 over 3 and 4 layers; M
 F64 = 1e-12
 
 
-@pytest.mark.parametrize("base, schedule, v", [(THREE, "interleaved-1f1b", 2), (TWO, "interleaved-1f1b", 3),
-                                               (THREE, "zb-v", 2)])
-def test_every_chunked_schedule_trains_like_one_process_in_float64(tmp_path, base, schedule, v):
+def bridged(plan: Plan) -> Plan:
+    """Every boundary between two groups through the host bridge (its own gloo groups, host buffers), as between
+    vendors: the bridge carries chunk-to-chunk traffic too, from the last group back to the first included."""
+    cross = [k for k in range(len(plan.pipeline) - 1) if plan.pipeline[k].group != plan.pipeline[k + 1].group]
+    return Plan.model_validate({**plan.model_dump(), "boundaries": [{"after_stage": k, "transport": "host"}
+                                                                    for k in cross]})
+
+
+@pytest.mark.parametrize("base, schedule, v, bridge", [(THREE, "interleaved-1f1b", 2, False),
+                                                       (TWO, "interleaved-1f1b", 3, True),
+                                                       (THREE, "zb-v", 2, False)])
+def test_every_chunked_schedule_trains_like_one_process_in_float64(tmp_path, base, schedule, v, bridge):
     plan = rechunk(base, schedule, v)
+    if bridge:
+        plan = bridged(plan)
+        assert {s.stage for s in group_specs(plan) if s.purpose == "fwd" and s.on_host} == set(range(5))
     sizes = {c.last - c.first for c in plan.pipeline}
     assert len(sizes) > 1 and plan.num_micro_batches % plan.num_stages  # uneven chunks, M not a multiple of p
     run_and_compare(tmp_path, plan, rtol=F64, atol=F64, extra=["f64"])

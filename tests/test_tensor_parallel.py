@@ -211,6 +211,22 @@ def test_zb_h1_splits_tensor_parallel_and_gpt_stages_and_trains_like_one_process
     _compare(_run(tmp_path, gpt, "g", 4, "gpt"), ref, ref["losses"])
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+def test_chunked_schedules_on_tensor_parallel_groups_with_a_tied_head_train_like_one_process(tmp_path, schedule):
+    """hethub's GPT blocks (a head tied to the embedding) in float64, groups of two chunks, the last group a
+    tensor-parallel replica, ZeRO-1 over the first group's replicas. zb-v: group 0 holds the embedding and the
+    head (a tie inside one group, across its two chunks) and the tensor-parallel group holds the turn (its ranks
+    hand their rows to themselves); interleaved: the tie spans groups 0 and 2, every boundary crosses groups."""
+    from hethub.partitioner.chunked import rechunk
+    base = _cpu_plan(TINY, [((0, 2), (3, 3), 1), ((2, 4), (3, 2, 1), 1), ((4, 6), (6,), 2)], M=4)
+    plan = rechunk(base, schedule, 2)
+    holders = {c.group for c in plan.pipeline if c.first == 0 or c.last == TINY.num_planner_layers}
+    assert (holders == {0}) == (schedule == "zb-v")
+    ref = _reference(tmp_path, plan, 4, "gpt")
+    _compare(_run(tmp_path, plan, "c", 4, "gpt", "zero1"), ref, ref["losses"])
+
+
 BAD_TP_PLANS = [
     ({"*.0": "colwise", "*.2": "diagonal"}, "tp_plan['*.2']: expected 'colwise' or 'rowwise', got 'diagonal'"),
     ({"*.0": "colwise", "*.9": "rowwise"}, "tp_plan['*.9']: matches no submodule of a stage with tensor_parallel > 1"),

@@ -11,6 +11,7 @@ writes every step's seconds and loss to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,6 +27,38 @@ from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import ModelConfig
 from hethub.runtime.startup import init_distributed
 from hethub.runtime.zero import optimizer_state_bytes
+
+
+class _Held:
+    """A tensor autograd saved for the backward; its bytes count as held until autograd lets go of it."""
+    __slots__ = ("t", "meter", "nbytes")
+
+    def __init__(self, t: torch.Tensor, meter: "ActivationMeter"):
+        self.t, self.meter, self.nbytes = t, meter, t.numel() * t.element_size()
+        meter.add(self.nbytes)
+
+    def __del__(self):
+        self.meter.add(-self.nbytes)
+
+
+class ActivationMeter:
+    """The most bytes autograd holds for backward at once while active: saved tensors, counted the way ``hethub
+    profile`` counts a layer's activation bytes (so a run's peak compares with the cost model's)."""
+
+    def __init__(self):
+        self.held = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(t, self), lambda h: h.t)
+
+    def add(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def __enter__(self) -> "ActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optimizer):
@@ -62,12 +95,14 @@ def _args() -> argparse.Namespace:
     p.add_argument("--zero1", action="store_true", help="hethub mode: ZeRO-1 within each stage")
     p.add_argument("--bucket-mb", type=float, default=None, help="hethub mode: the gradient bucket (hetero.bucket_mb)")
     p.add_argument("--state-out", default=None, help="hethub mode: write each rank's optimizer-state bytes to FILE.RANK")
+    p.add_argument("--memory-out", default=None, help="hethub mode: write each rank's peak activation bytes (what "
+                                                       "autograd holds for backward) to FILE.RANK")
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args()
 
 
-def _write_rank_files(a: argparse.Namespace, engine, rank: int) -> None:
-    """hethub mode: each rank's action timeline and optimizer-state bytes, where asked for."""
+def _write_rank_files(a: argparse.Namespace, engine, rank: int, meter: ActivationMeter) -> None:
+    """hethub mode: each rank's action timeline, optimizer-state bytes and peak activation bytes, where asked for."""
     if a.timeline:
         t0 = engine.executed_s[0][0]
         with open(f"{a.timeline}.{rank}", "w", encoding="utf-8") as f:
@@ -75,6 +110,9 @@ def _write_rank_files(a: argparse.Namespace, engine, rank: int) -> None:
     if a.state_out:
         with open(f"{a.state_out}.{rank}", "w", encoding="utf-8") as f:
             json.dump({"opt_bytes": optimizer_state_bytes(engine.optimizer)}, f)
+    if a.memory_out:
+        with open(f"{a.memory_out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"activation_peak_bytes": meter.peak}, f)
 
 
 def main() -> None:
@@ -100,21 +138,22 @@ def main() -> None:
     else:
         engine, dp = _vanilla_deepspeed(a, layers, factors, optimizer)
         mb, M = a.micro_batch, a.micro_batches
-    log = []
+    log, meter = [], ActivationMeter()
     for step in range(a.steps):
         data = counting_batches(step, M, mb, model.seq_length, model.vocab_size)
         if a.mode == "deepspeed":  # vanilla DeepSpeed: each data-parallel replica reads its own rows
             rep = engine.grid.data_parallel_id
             data = [(x[rep::dp], y[rep::dp]) for x, y in data]
         t0 = time.perf_counter()
-        loss = float(engine.train_batch(iter(data)))
+        with meter if a.memory_out else contextlib.nullcontext():
+            loss = float(engine.train_batch(iter(data)))
         log.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
         if a.mode == "hethub":  # seconds the step's AR action waited: the all-reduce the backward did not hide
             log[-1]["ar_s"] = sum(e - s for n, (s, e, _) in zip(engine.executed, engine.executed_s) if n.startswith("AR"))
         if rank == 0:
             print(f"step {step + 1}/{a.steps} loss {loss:.4f} {log[-1]['seconds']:.3f} s", flush=True)
     if a.mode == "hethub":
-        _write_rank_files(a, engine, rank)
+        _write_rank_files(a, engine, rank, meter)
     if rank == 0:
         times = [e["seconds"] for e in log]
         timed = times[min(a.warmup, len(times) - 1):]  # after the warm-up steps

@@ -144,8 +144,9 @@ class Transport:
         return out
 
     def _local(self, transfers) -> bool:
-        """A transfer between two chunks of this rank's own group (zb-v's turn): every row stays on this rank."""
-        return all(t.peer == self.grid.global_rank for t in transfers)
+        """A transfer between two chunks of this rank's own group (zb-v's turn): every row stays on this rank (the
+        peer is its replica's lead, whose action list a tensor-parallel group's ranks all run)."""
+        return all(t.peer == self.grid.schedule_rank for t in transfers)
 
     def _hand(self, kind: str, mb: int, k: int, tensors: Sequence[torch.Tensor]) -> None:
         """Rows a rank passes to its own chunk ``k``: the tensors themselves, cut from the graph that made them
