@@ -20,7 +20,8 @@ All times in seconds, sizes in bytes, unless the name says otherwise.
 from __future__ import annotations
 
 
-from dataclasses import dataclass, field
+
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -296,7 +297,8 @@ class CostModel:
     def __post_init__(self):
         self.element_bytes = ELEMENT_BYTES.get(self.dtype, 2.0)
         self.grad_bytes = GRAD_BYTES.get(self.dtype, 4.0)
-        self.layers = layer_costs(self.model, self.flash_attention, self.element_bytes)
+        self.layers = with_measured_activations(layer_costs(self.model, self.flash_attention, self.element_bytes),
+                                                self.profiles)
         self._params_cum = np.concatenate([[0.0], np.cumsum(self.layers.params)])
         self._split_cum = np.concatenate([[0.0], np.cumsum(self.layers.params_split)])
         self._tp_times: dict[tuple[str, int], tuple] = {}
@@ -679,6 +681,30 @@ class CostModel:
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
         return (self.state_bytes_of(params, width, zero1) * OPTIMIZER_PASSES
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
+
+
+def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile]) -> LayerCosts:
+    """``layers`` with the activation bytes per sample that profiles measured (``hethub profile``: what autograd
+    keeps for a layer's backward) in place of the analytic formula's, which counts a fused 16-bit block (a plain
+    PyTorch block keeps about twice that). Per sample from an affine fit over the profiles' micro-batch sizes (a
+    fixed part is not per sample), the largest over device types; a layer's tensor-parallel share scales with it.
+    Profiles measured under tensor parallelism, or without activation bytes, change nothing."""
+    points: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for p in profiles:
+        for lp in p.layers if p.tensor_parallel == 1 else ():
+            if lp.activation_bytes:
+                points.setdefault((p.device_type, lp.index), []).append((p.micro_batch_size, lp.activation_bytes))
+    if not points:
+        return layers
+    per_sample: dict[int, float] = {}
+    for (_t, idx), pts in points.items():
+        per_sample[idx] = max(per_sample.get(idx, 0.0), _affine(pts)[1])
+    act, split = layers.act_bytes.copy(), layers.act_split.copy()
+    for idx, b in per_sample.items():
+        if idx < len(act):
+            split[idx] *= b / act[idx] if act[idx] > 0 else 0.0
+            act[idx] = b
+    return replace(layers, act_bytes=act, act_split=split)
 
 
 def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:

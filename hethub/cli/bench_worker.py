@@ -25,40 +25,9 @@ import hethub
 from hethub.emulated.slowdown import SlowDown, parse_factors
 from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import ModelConfig
+from hethub.runtime.activations import ActivationMeter
 from hethub.runtime.startup import init_distributed
 from hethub.runtime.zero import optimizer_state_bytes
-
-
-class _Held:
-    """A tensor autograd saved for the backward; its bytes count as held until autograd lets go of it."""
-    __slots__ = ("t", "meter", "nbytes")
-
-    def __init__(self, t: torch.Tensor, meter: "ActivationMeter"):
-        self.t, self.meter, self.nbytes = t, meter, t.numel() * t.element_size()
-        meter.add(self.nbytes)
-
-    def __del__(self):
-        self.meter.add(-self.nbytes)
-
-
-class ActivationMeter:
-    """The most bytes autograd holds for backward at once while active: saved tensors, counted the way ``hethub
-    profile`` counts a layer's activation bytes (so a run's peak compares with the cost model's)."""
-
-    def __init__(self):
-        self.held = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(t, self), lambda h: h.t)
-
-    def add(self, nbytes: int) -> None:
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
-
-    def __enter__(self) -> "ActivationMeter":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optimizer):
@@ -138,7 +107,8 @@ def main() -> None:
     else:
         engine, dp = _vanilla_deepspeed(a, layers, factors, optimizer)
         mb, M = a.micro_batch, a.micro_batches
-    log, meter = [], ActivationMeter()
+    meter = ActivationMeter(engine.module.parameters() if a.mode == "hethub" else ())
+    log = []
     for step in range(a.steps):
         data = counting_batches(step, M, mb, model.seq_length, model.vocab_size)
         if a.mode == "deepspeed":  # vanilla DeepSpeed: each data-parallel replica reads its own rows

@@ -3,7 +3,8 @@
 Every block of a model is the same module shape, so one embedding, one block and one head are
 built and measured (warm-up, then the median of several repetitions); the profile lists every
 planner layer so the cost model can merge it layer by layer. ``activation_bytes`` are measured
-on every device through autograd's saved-tensor hooks (what backward keeps); ``peak_memory_bytes``
+on every device through autograd's saved-tensor hooks (what backward keeps, each storage once, parameters not
+at all: ``hethub.runtime.activations``); ``peak_memory_bytes``
 only where the device reports it (CUDA/ROCm).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..models.builtin import Block, Embedding, Head
 from ..partitioner.errors import InputError
 from ..partitioner.loaders import load_model
 from ..partitioner.outputs import check_output_path, write_atomic
+from ..runtime.activations import ActivationMeter
 from ..runtime.tp import parallelize
 from ..partitioner.records import LayerProfile, LinkProfile, ModelConfig, Profile, check_tensor_parallel
 
@@ -100,24 +102,20 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
             p.grad = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        kept = []
-
-        def pack(t):
-            kept.append(t.numel() * t.element_size())
-            return t
-
+        meter = ActivationMeter(module.parameters())
         _sync(device)
         t0 = clock.mark()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with meter:
             y = module(x)
         t1 = clock.mark()
+        kept = meter.held  # what the forward left for the backward
         with torch.autocast(device.type, enabled=False):  # backward outside autocast, as the runtime runs it
             y.backward(torch.ones_like(y))
         t2 = clock.mark()
         if it >= warmup:
             fwd.append(clock.ms(t0, t1))
             bwd.append(clock.ms(t1, t2))
-            saved = sum(kept)
+            saved = kept
             if device.type == "cuda":
                 peak = int(torch.cuda.max_memory_allocated(device))
         elif it == warmup - 1:

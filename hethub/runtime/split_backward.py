@@ -290,14 +290,15 @@ def backward_weight(weights: Sequence[torch.Tensor], pending: Pending,
     """Add the weight gradients of the micro-batch ``pending`` came from to each weight's ``.grad``; ``on_ready``
     is told of each weight whose gradient this pass has finished."""
     uses = _Uses(weights, pending, on_ready)
-    for c in pending.calls:  # dW = dY^T X, db = sum(dY), in the dtype the forward ran in (autocast's)
-        dy = c.dy.reshape(-1, c.dy.shape[-1])
-        x = c.x.reshape(-1, c.x.shape[-1]).to(dy.dtype)
-        w, b = c.module.weight, c.module.bias
-        if w.requires_grad:
-            uses.add([w], [dy.t().mm(x).to(w.dtype)])
-        if b is not None and b.requires_grad:
-            uses.add([b], [dy.sum(0).to(b.dtype)])
+    with torch.no_grad():  # X is part of the forward's graph: a product recorded on it would keep that graph alive
+        for c in pending.calls:  # dW = dY^T X, db = sum(dY), in the dtype the forward ran in (autocast's)
+            dy = c.dy.reshape(-1, c.dy.shape[-1])
+            x = c.x.reshape(-1, c.x.shape[-1]).to(dy.dtype)
+            w, b = c.module.weight, c.module.bias
+            if w.requires_grad:
+                uses.add([w], [dy.t().mm(x).to(w.dtype)])
+            if b is not None and b.requires_grad:
+                uses.add([b], [dy.sum(0).to(b.dtype)])
     for g in pending.groups:
         edges, grads = [], []
         for n in g.frontier:
