@@ -1,7 +1,8 @@
 """Chunked schedules run on the emulated cluster, side by side with 1F1B, one run, numbers side by side:
 
-for two of runtime.py's (d) plans (4 stages of width 1; widths 1/2/1/2), each run under 1F1B, interleaved-1f1b
-(v = 2) and zb-v, the groups and sample splits unchanged (``chunked.rechunk`` re-cuts each group's layers by
+for two of runtime.py's (d) plans (4 stages of width 1; widths 1/2/1/2) and a balanced 4-stage pipeline whose fill
+is most of its iteration (M = 4), each run under 1F1B, interleaved-1f1b (v = 2; 3 on the balanced one) and zb-v,
+the groups and sample splits unchanged (``chunked.rechunk`` re-cuts each group's layers by
 time, as ``hethub plan --schedule`` does):
 - measured vs predicted iteration time (``hethub simulate``'s number), target within 10%;
 - measured vs predicted speed-up over the same plan's 1F1B, target within 10% of the predicted speed-up;
@@ -28,8 +29,12 @@ from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
 
-PLANS = [p for p in FID_PLANS if p[0] in ("4 stages, width 1 each", "4 stages, widths 1/2/1/2")]
-VARIANTS = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)]
+# (name, micro-batch size, micro-batches, [(layers, type, samples per replica)], chunked variants)
+PLANS = [(*p, [("interleaved-1f1b", 2), ("zb-v", 2)]) for p in FID_PLANS
+         if p[0] in ("4 stages, width 1 each", "4 stages, widths 1/2/1/2")]
+# few micro-batches for the depth: the fill is most of 1F1B's iteration, what chunking exists to cut
+PLANS.append(("4 FAST stages of 3 layers, M = 4", 2, 4, [((3 * s, 3 * s + 3), "FAST", (2,)) for s in range(4)],
+              [("interleaved-1f1b", 3), ("zb-v", 2)]))
 
 
 def main():
@@ -44,10 +49,10 @@ def main():
                 for t, k in (("FAST", FID_FAST), ("SLOW", FID_SLOW)) for mb in (1, 2, 4)]
     cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
     rows, mem_rows, port = [], [], 29760
-    for name, b, M, stages in PLANS:
+    for name, b, M, stages, variants in PLANS:
         base = build_plan(model, cluster, [StageLayout(l, t, s) for l, t, s in stages], b, M)
         first = {}
-        for schedule, v in VARIANTS:
+        for schedule, v in [("1f1b", 1), *variants]:
             plan = rechunk(base, schedule, v, chunk_time_s(base, cm))
             tag = f"{len(rows)}"
             path, mem = os.path.join(tmp, f"plan-{tag}.json"), os.path.join(tmp, f"mem-{tag}")

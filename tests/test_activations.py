@@ -44,10 +44,25 @@ def test_autocast_copies_of_weights_are_not_activations():
     assert 0 < kept < plain.peak
 
 
+class _Mixed(nn.Module):
+    """A plain Linear (its weight pass computed directly) and a weight used by a matmul (through the graph, which
+    the input pass retains for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16).double()
+        self.w = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) @ self.w) * x
+
+
 def test_the_split_weight_pass_keeps_nothing_alive():
     """zb-h1 / zb-v: after B (input gradients) and W (weight gradients) no activation of the micro-batch is held
-    (the weight pass's products once recorded a graph on the forward's input and kept it in .grad)."""
-    m = _mlp()
+    (the weight pass's products once recorded a graph on the forward's input and kept it in .grad; the meter
+    once kept saved outputs with their grad_fn, a cycle a retained graph never frees)."""
+    torch.manual_seed(0)
+    m = _Mixed()
     weights = list(m.parameters())
     calls = split_backward.LinearCalls(m)
     meter = ActivationMeter(weights)

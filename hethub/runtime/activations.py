@@ -50,7 +50,9 @@ class ActivationMeter:
             self.held += self._bytes[key]
             self.peak = max(self.peak, self.held)
         self._saves[key] += 1
-        return _Held(t, self, key)
+        # detached: a saved graph output kept with its grad_fn would own the node that owns this save, a cycle
+        # autograd never frees once the graph is retained (the split backward's input pass retains it)
+        return _Held(t.detach(), self, key)
 
     def _copies_a_parameter(self, t: torch.Tensor, depth: int = 3) -> bool:
         """Whether ``t`` is a parameter cast or viewed (autocast's copy, its transpose): a chain of one-input
