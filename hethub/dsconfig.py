@@ -7,9 +7,10 @@ after ~25 s of start-up, inside DeepSpeed's logs, once per rank.
 from __future__ import annotations
 
 import json
+import os
 from typing import Optional, Union
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .partitioner.costmodel import DEFAULT_BUCKET_MB
 from .partitioner.errors import InputError
@@ -47,6 +48,18 @@ class HeteroSection(Record):
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
     # the data-parallel gradient all-reduce's bucket size (hethub.runtime.buckets; the cost model's default)
     bucket_mb: float = Field(DEFAULT_BUCKET_MB, ge=MIN_BUCKET_MB, le=MAX_BUCKET_MB)
+    # The engine saves ``checkpoint_dir/global_step<k>`` every ``checkpoint_every`` steps by itself (0: never).
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = Field(0, ge=0, le=10 ** 9)
+    # Elastic start (hethub.runtime.elastic): the ranks present re-plan for themselves and resume from the newest
+    # complete checkpoint in checkpoint_dir (``hethub launch --elastic`` sets it, and the two keys above).
+    elastic: bool = False
+
+    @model_validator(mode="after")
+    def _elastic_needs_a_directory(self) -> "HeteroSection":
+        if (self.elastic or self.checkpoint_every) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_dir: elastic runs and checkpoint_every need the checkpoint directory")
+        return self
 
     @field_validator("emulate_slowdown")
     @classmethod
@@ -64,7 +77,17 @@ def hetero_section(config: dict) -> HeteroSection:
         section = {}
     if not isinstance(section, dict):
         raise InputError("config.hetero", f"expected an object of hethub's settings, got {type(section).__name__}")
-    return parse_record(HeteroSection, section, "config.hetero")
+    return parse_record(HeteroSection, {**launcher_settings(), **section}, "config.hetero")
+
+
+# What ``hethub launch --elastic`` hands its workers (the ds_config's own keys win).
+LAUNCH_ENV = {"HETHUB_ELASTIC": "elastic", "HETHUB_CHECKPOINT_DIR": "checkpoint_dir",
+              "HETHUB_CHECKPOINT_EVERY": "checkpoint_every"}
+
+
+def launcher_settings() -> dict:
+    """The ``"hetero"`` keys the launcher set in the environment (checked with the section's own)."""
+    return {key: os.environ[name] for name, key in LAUNCH_ENV.items() if os.environ.get(name)}
 
 
 class FP16Section(Record):

@@ -47,3 +47,14 @@ class Control:
     def barrier(self, timeout_s: float) -> None:
         """Every rank reached here within ``timeout_s`` (raises RuntimeError naming who did not)."""
         dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def broadcast_text(self, text: str, src: int = 0) -> str:
+        """``text`` of rank ``src`` on every rank (the others' argument is ignored): its length, then its bytes."""
+        data = text.encode() if self.rank == src else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(n, src=src, group=self.group)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src and data
+               else torch.zeros(int(n), dtype=torch.uint8))
+        if int(n):
+            dist.broadcast(buf, src=src, group=self.group)
+        return buf.numpy().tobytes().decode()

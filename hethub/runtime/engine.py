@@ -48,7 +48,8 @@ class HeteroPipelineEngine(PipelineEngine):
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
                  control: Control, precision: Optional[Precision] = None, emulate_slowdown: float = 1.0,
-                 ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES):
+                 ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES,
+                 autosave: tuple[Optional[str], int] = (None, 0)):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class,
@@ -60,6 +61,7 @@ class HeteroPipelineEngine(PipelineEngine):
         for name, value in ds_seams.pipeline_engine_attrs(grid, plan).items():
             setattr(self, name, value)
         self._global_batch = plan.global_batch_size
+        self.autosave_dir, self.autosave_every = autosave  # save there every N steps by itself (0: never)
         # This rank's training actions: the plan's schedule or a hand-edited one (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
@@ -108,6 +110,8 @@ class HeteroPipelineEngine(PipelineEngine):
         self.executor.loss_scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
         self.executor.run(self.schedule, loss_denominator=self._global_batch)
         self.agg_train_loss = self._aggregate_total_loss()
+        if self.autosave_every and self.global_steps % self.autosave_every == 0:
+            self.save_checkpoint(self.autosave_dir)  # the newest complete one is what an elastic restart resumes
         return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,

@@ -30,7 +30,7 @@ from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_backend
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan
-from . import ds_seams, tp
+from . import ds_seams, elastic, tp
 from .checks import (check_against_world, launched_world, load_checked_schedule, local_device_index, on_gpu,
                      resolve_plan)
 from .control import Control
@@ -212,6 +212,24 @@ def _zero1_factory(run: _Checked, grid: HeteroGrid, params: list, zero1: bool) -
     return make
 
 
+def _elastic_start(config, plan, args):
+    """Under ``"hetero": {"elastic": true}`` (``hethub launch --elastic``): start the world the agent launched and
+    return the plan for the ranks present (``hethub.runtime.elastic``); else ``plan`` unchanged. Collective."""
+    try:
+        hetero = hetero_section(load_config(config if config is not None else getattr(args, "deepspeed_config", None)))
+        if not hetero.elastic:
+            return plan
+        base = resolve_plan(plan, hetero, args)
+        elastic.this_host(base)  # before any collective: a worker that cannot say where it runs ends here
+    except InputError as exc:
+        fail(str(exc))
+    init_distributed(hetero.timeout_s, gloo_world=world_backend(base) == GLOO)
+    try:
+        return elastic.elastic_plan(base, Control(hetero.timeout_s), hetero.checkpoint_dir)
+    except InputError as exc:
+        fail(str(exc))
+
+
 def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config: Union[dict, str, None] = None,
                plan: Union[Plan, str, None] = None, optimizer: Any = None, model_parameters: Any = None,
                lr_scheduler: Any = None, args: Any = None, tp_plan: Optional[dict] = None):
@@ -225,6 +243,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     ``tp_plan`` ({fnmatch pattern over "{layer index}.{submodule}": "colwise" | "rowwise"}) splits a user's
     layers in stages with tensor_parallel > 1; hethub's own blocks need none (hethub.runtime.tp).
     """
+    plan = _elastic_start(config, plan, args)
     run = _check_inputs(layers, config, plan, optimizer, args, tp_plan)
     cfg = run.cfg
     cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
@@ -259,8 +278,11 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
         control=control, precision=run.precision, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
-        zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20))
+        zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20),
+        autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every))
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume
+    if run.hetero.elastic and elastic.newest_checkpoint(run.hetero.checkpoint_dir):
+        resume = run.hetero.checkpoint_dir  # the newest complete checkpoint, whichever plan wrote it
     if resume:
         engine.load_checkpoint(resume)
     return engine, engine.optimizer, None, engine.lr_scheduler

@@ -1,0 +1,153 @@
+"""Elastic start: the ranks that are present agree on who they are, rank 0 plans for them, every rank runs that plan.
+
+Why at ``initialize``, from the ranks themselves: a restart after a host is lost (or joins) brings up whichever
+workers the elastic agent started, numbered by its rendezvous, not by the plan. Every worker knows its host (the
+launcher sets ``HETHUB_HOST``) and its slot on it (``LOCAL_RANK``). They gather those over the control channel,
+rank 0 keeps the plan's cluster to the hosts present (each with as many devices as it has workers), plans for that
+with the same model, global batch and dtype (only speed changes, never the optimisation), numbers the plan's
+replicas by the agent's ranks, records it as ``DIR/plans/step-<k>.json`` (k: the step the job resumes from) and
+sends it to every rank. A sub-cluster that cannot hold the model ends every rank with one line (exit 2).
+
+The checkpoint every restart resumes from is the newest complete one in DIR (written every N steps by the engine
+itself: ``checkpoint_every``), so the steps lost to a failure are at most N.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from ..partitioner.api import make_plan
+from ..partitioner.costmodel import CostModel
+from ..partitioner.errors import InputError
+from ..partitioner.outputs import write_atomic
+from ..partitioner.planner import PlannerOptions
+from ..partitioner.records import CHUNKED, Cluster, Plan, parse_record
+from .checkpoint import complete_checkpoints, read_meta
+from .control import Control
+
+HOST_ENV = "HETHUB_HOST"  # this worker's host, as the plan's cluster names it (set by ``hethub launch --elastic``)
+REPLAN_TIME_LIMIT_S = 2.0  # the planner's budget at a restart: a 16-device cluster is proven optimal well within it
+HOST_BYTES = 255  # a host name, as the cluster file allows it
+
+
+def this_host(plan: Plan) -> str:
+    """The plan's host this worker runs on (``HETHUB_HOST``), checked against the plan's cluster."""
+    host = os.environ.get(HOST_ENV, "")
+    hosts = [n.host for n in plan.cluster.nodes]
+    if host not in hosts:
+        raise InputError(HOST_ENV, f"{host[:80]!r} is not a host of the plan's cluster ({', '.join(hosts)[:200]}): "
+                                   "hethub launch --elastic sets it on each host")
+    return host
+
+
+def resume_step(checkpoint_dir: str) -> int:
+    """The step of the newest complete checkpoint in ``checkpoint_dir`` (0 if none)."""
+    tags = complete_checkpoints(checkpoint_dir)
+    return read_meta(os.path.join(checkpoint_dir, tags[-1]))["global_steps"] if tags else 0
+
+
+def present(control: Control, host: str, local_rank: int) -> list[tuple[str, int]]:
+    """(host, local rank) of every rank of the world, in rank order."""
+    data = host.encode()[:HOST_BYTES]
+    rows = control.all_gather([local_rank, len(data), *data, *([0] * (HOST_BYTES - len(data)))])
+    return [(bytes(r[2:2 + r[1]]).decode(), r[0]) for r in rows]
+
+
+def sub_cluster(cluster: Cluster, ranks: Sequence[tuple[str, int]]) -> Cluster:
+    """The cluster kept to the hosts present, each with as many devices as it has workers (in file order)."""
+    counts: dict[str, int] = {}
+    for host, _ in ranks:
+        counts[host] = counts.get(host, 0) + 1
+    data = cluster.model_dump(exclude_none=True)  # validated anew: a copy would keep the whole cluster's caches
+    data["nodes"] = [{**n, "count": counts[n["host"]]} for n in data["nodes"] if n["host"] in counts]
+    return parse_record(Cluster, data, "elastic cluster")
+
+
+def renumber(plan: Plan, ranks: Sequence[tuple[str, int]]) -> Plan:
+    """``plan`` with each device's rank the agent's rank of the worker on that (host, slot)."""
+    rank_of = {where: r for r, where in enumerate(ranks)}
+    data = plan.model_dump(exclude_none=True)
+    for st in data["stages"]:
+        for rep in st["replicas"]:
+            if "slots" in rep:
+                rep["ranks"] = [rank_of[(rep["host"], s)] for s in rep["slots"]]
+            else:
+                rep["rank"] = rank_of[(rep["host"], rep["slot"])]
+    return parse_record(Plan, data, "elastic plan")
+
+
+def replan(base: Plan, cluster: Cluster) -> Plan:
+    """The best plan for ``cluster`` with ``base``'s model, global batch, dtype and schedule (a chunked schedule's
+    groups are planned as 1F1B's; ``hethub plan --schedule`` re-cuts them), tensor parallel no wider than the
+    base plan's (the user's layers may split no further)."""
+    cm = CostModel(cluster, base.model, dtype=base.dtype or "bf16", zero1=base.zero1)
+    schedule = base.schedule if base.schedule not in CHUNKED else "1f1b"
+    opts = PlannerOptions(time_limit_s=REPLAN_TIME_LIMIT_S, schedule=schedule,
+                          max_tensor_parallel=max(st.tensor_parallel for st in base.stages))
+    return make_plan(cluster, base.model, base.global_batch_size, opts=opts, with_homogeneous_sum=False, cost_model=cm)
+
+
+def same_devices(plan: Plan, cluster: Cluster) -> bool:
+    """Whether ``plan`` was made for exactly these hosts and counts."""
+    return [(n.host, n.count) for n in plan.cluster.nodes] == [(n.host, n.count) for n in cluster.nodes]
+
+
+def elastic_plan(base: Plan, control: Control, checkpoint_dir: str) -> Plan:
+    """Collective over the world: the plan this start runs (``base`` itself while every host of its cluster is
+    present with all its devices, else a re-plan), numbered by the world's ranks, recorded and on every rank."""
+    host = this_host(base)
+    ranks = present(control, host, int(os.environ.get("LOCAL_RANK", "0")))
+    text, error = "", ""
+    if control.rank == 0:
+        try:
+            text, error = _plan_text(base, ranks, checkpoint_dir), ""
+        except InputError as exc:
+            error = str(exc)
+    error = control.broadcast_text(error)
+    if error:
+        raise InputError("elastic", error)
+    return parse_record(Plan, json.loads(control.broadcast_text(text)), "elastic plan")
+
+
+def _plan_text(base: Plan, ranks: Sequence[tuple[str, int]], checkpoint_dir: str) -> str:
+    """Rank 0: plan for the workers present, record it, say what changed; the plan as JSON."""
+    cluster = sub_cluster(base.cluster, ranks)
+    step = resume_step(checkpoint_dir)
+    t0 = time.perf_counter()
+    plan = base if same_devices(base, cluster) else replan(base, cluster)
+    planned_s = time.perf_counter() - t0
+    if plan.world_size != len(ranks):
+        raise InputError("elastic", f"the plan for the hosts present uses {plan.world_size} of their {len(ranks)} "
+                                    "devices; an elastic run needs every present device in its plan (a host with "
+                                    "devices to spare: list fewer in the cluster)")
+    plan = renumber(plan, ranks)
+    plans = os.path.join(checkpoint_dir, "plans")
+    os.makedirs(plans, exist_ok=True)
+    write_atomic(os.path.join(plans, f"step-{step}.json"), plan.to_json(), "plan")
+    _say(base, plan, cluster, step, planned_s)
+    return plan.to_json()
+
+
+def _say(base: Plan, plan: Plan, cluster: Cluster, step: int, planned_s: float) -> None:
+    """One line on stderr: which hosts are missing or back against the job's cluster, the step, the plan's shape
+    and predicted samples/s, the planning time."""
+    have = {n.host: n.count for n in cluster.nodes}
+    missing = [n.host for n in base.cluster.nodes if n.host not in have]
+    fewer = [f"{n.host} ({have[n.host]}/{n.count})" for n in base.cluster.nodes if 0 < have.get(n.host, 0) < n.count]
+    shape = " | ".join(f"{st.device_type} x{st.width} [{st.chunk_ranges[0][0]},{st.chunk_ranges[-1][1]})"
+                       for st in plan.stages)
+    rate = plan.predicted.samples_per_s if plan.predicted else float("nan")
+    who = (f"hosts missing: {', '.join(missing)}" if missing else "every host present") + (
+        f"; with fewer devices: {', '.join(fewer)}" if fewer else "")
+    sys.stderr.write(f"hethub elastic: step {step}: {who}; plan {shape}, {rate:.3g} samples/s predicted "
+                     f"(planned in {planned_s:.2f} s)\n")
+    sys.stderr.flush()
+
+
+def newest_checkpoint(checkpoint_dir: str) -> Optional[str]:
+    """The newest complete checkpoint's tag in ``checkpoint_dir``, if any."""
+    tags = complete_checkpoints(checkpoint_dir)
+    return tags[-1] if tags else None

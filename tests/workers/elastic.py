@@ -1,0 +1,66 @@
+"""Worker for the elastic tests: train the layer stack (float64) until step LAST under an elastic start.
+
+usage: elastic.py PLAN OUT DIR EVERY LAST HOSTS   ({rank} in OUT: this rank; HOSTS: each rank's host, comma-separated)
+       elastic.py single OUT LAST                 (one process: the reference)
+Each step's data is the global batch of that step (seeded by the step), cut into the micro-batches of the plan in
+force, so any plan sees the same samples at the same step. The worker sets what ``hethub launch --elastic`` sets
+on each host (HETHUB_HOST, LOCAL_RANK) from HOSTS.
+"""
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_stack import IN, OUT, loss_fn, make_layers  # noqa: E402
+
+torch.set_num_threads(1)
+torch.set_default_dtype(torch.float64)
+GLOBAL, LAYERS, LR = 8, 7, 0.1
+
+
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL, IN, generator=g), torch.randn(GLOBAL, OUT, generator=g)
+
+
+def main():
+    if sys.argv[1] == "single":
+        out, last = sys.argv[2], int(sys.argv[3])
+        model = nn.Sequential(*make_layers(LAYERS))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = {}
+        for step in range(last):
+            x, y = global_batch(step)
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            losses[step] = loss.item()
+        with open(out, "w") as f:
+            json.dump({"losses": losses}, f)
+        return
+    plan, out, ckpt, every, last, hosts = sys.argv[1:7]
+    rank = int(os.environ["RANK"])
+    hosts = hosts.split(",")
+    os.environ["HETHUB_HOST"] = hosts[rank]
+    os.environ["LOCAL_RANK"] = str(hosts[:rank].count(hosts[rank]))
+    import hethub
+    config = {"hetero": {"elastic": True, "checkpoint_dir": ckpt, "checkpoint_every": int(every), "timeout_s": 30}}
+    engine, *_ = hethub.initialize(layers=make_layers(LAYERS), loss_fn=loss_fn, config=config, plan=plan,
+                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+    first, losses = engine.global_steps, {}
+    mb = engine.plan.micro_batch_size
+    for step in range(first, int(last)):
+        x, y = global_batch(step)
+        losses[step] = float(engine.train_batch(iter([(x[i:i + mb], y[i:i + mb]) for i in range(0, GLOBAL, mb)])))
+    with open(out.replace("{rank}", str(rank)), "w") as f:
+        json.dump({"first": first, "losses": losses, "world": int(os.environ["WORLD_SIZE"]),
+                   "plan_world": engine.plan.world_size, "hosts": sorted({r.host for st in engine.plan.stages
+                                                                          for r in st.replicas})}, f)
+
+
+if __name__ == "__main__":
+    main()
