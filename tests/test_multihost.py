@@ -177,3 +177,107 @@ def test_hosts_that_see_checkpoints_of_different_steps_refuse_to_resume(tmp_path
     lines = [l for o in outs for l in o.splitlines() if l.startswith("error:")]
     assert len(lines) == plan.world_size and len(set(lines)) == 1, lines
     assert lines[0].startswith("error: checkpoint: ranks found checkpoints of different steps (2 to 3) in "), lines
+
+
+def _elastic_plan(tmp_path) -> str:
+    """Two hosts at ADDRS: FAST x2 and SLOW x2, planned (as a model big enough to use all four) for the stack."""
+    from hethub.partitioner import Cluster, ModelConfig
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.costmodel import CostModel
+    from hethub.partitioner.planner import PlannerOptions
+    priced = ModelConfig(name="stack-priced", architecture="gpt", num_layers=5, hidden_size=2048,
+                         num_attention_heads=16, ffn_hidden_size=8192, vocab_size=512, seq_length=512)
+    cluster = Cluster.model_validate({
+        "name": "fast-slow",
+        "device_types": {"FAST": {"vendor": "cpu", "peak_tflops": {"fp32": 2}, "memory_gib": 64, "memory_gbps": 20},
+                         "SLOW": {"vendor": "cpu", "peak_tflops": {"fp32": 1}, "memory_gib": 64, "memory_gbps": 20}},
+        "nodes": [{"host": ADDRS[0], "device_type": "FAST", "count": 2},
+                  {"host": ADDRS[1], "device_type": "SLOW", "count": 2}],
+        "network": {"intra_node_gbps": 800, "inter_node_gbps": 100}})
+    plan = make_plan(cluster, priced, 8, opts=PlannerOptions(time_limit_s=2, max_tensor_parallel=1),
+                     with_homogeneous_sum=False, cost_model=CostModel(cluster, priced, dtype="fp32"))
+    assert plan.world_size == 4
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    return str(path)
+
+
+def _elastic_start(host, plan: str, port: int, ckpt: str, log: str, last: int) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", host.namespace, *_launch_cmd(plan), "--elastic", "--master_addr", ADDRS[0],
+           "--master_port", str(port), "--checkpoint-dir", ckpt, "--checkpoint-every", "2", "--min-nodes", "1",
+           "--max-restarts", "5", os.path.join("tests", "workers", "elastic.py"), log, str(last), "0.4"]
+    return subprocess.Popen(cmd, env=dict(_env(), GLOO_SOCKET_IFNAME=host.interface), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _power_off(host) -> None:
+    """Every process in the host's namespace, killed at once (the agent runs in a session of its own)."""
+    for pid in ip("netns", "pids", host.namespace).stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except ProcessLookupError:
+            continue  # it ended on its own meanwhile
+
+
+def _steps(log: str) -> list[dict]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_for(log: str, ok, timeout_s: float, procs) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hit = next((s for s in _steps(log) if ok(s)), None)
+        if hit is not None:
+            return hit
+        time.sleep(0.2)
+    outs = []
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+        outs.append(p.communicate()[0][-3000:])
+    raise AssertionError(f"no such step within {timeout_s} s: {_steps(log)[-3:]}\n" + "\n---\n".join(outs))
+
+
+@pytest.mark.slow
+def test_elastic_launch_loses_a_host_replans_and_grows_back(tmp_path):
+    """`hethub launch --elastic` on two hosts (torch's elastic agent, c10d rendezvous on the FAST host). The SLOW
+    host's agent is killed mid-run: the FAST host's workers restart, re-plan for FAST alone and resume from the
+    newest checkpoint; the SLOW host starts again and the job grows back to both. Every step's loss, repeated
+    ones included, equals one process's on the same batches (float64); the re-plan and the regrowth each reach
+    their first step within 30 s."""
+    from dist_util import free_port
+    plan, ckpt, log, last = _elastic_plan(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "steps.jsonl"), 40
+    ref = tmp_path / "ref.json"
+    r = subprocess.run([sys.executable, os.path.join("tests", "workers", "elastic.py"), "single", str(ref), str(last)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    expect = {int(k): v for k, v in json.loads(ref.read_text())["losses"].items()}
+    port = free_port()
+    with two_hosts() as hosts:
+        procs = [_elastic_start(h, plan, port, ckpt, log, last) for h in hosts]
+        _wait_for(log, lambda s: s["world"] == 4 and s["step"] >= 4, 180, procs)
+        _power_off(hosts[1])  # the SLOW host: its launcher, agent and workers
+        procs[1].wait()
+        t_lost = time.time()
+        alone = _wait_for(log, lambda s: s["world"] == 2, 60, procs)
+        procs[1] = _elastic_start(hosts[1], plan, port, ckpt, log, last)
+        t_back = time.time()
+        grown = _wait_for(log, lambda s: s["world"] == 4 and s["t"] > t_back, 90, procs)
+        outs = _finish(procs, 180)
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-3000:] for o in outs)
+    steps = _steps(log)
+    for s in steps:
+        assert s["loss"] == pytest.approx(expect[s["step"]], rel=1e-10), s
+    assert {s["step"] for s in steps} == set(range(last))  # none skipped
+    lost_step = max(s["step"] for s in steps if s["t"] < t_lost)
+    assert alone["step"] >= lost_step - 2  # at most the checkpoint interval is done again
+    print(f"loss -> first step on FAST alone: {alone['t'] - t_lost:.1f} s; return -> first step on both: "
+          f"{grown['t'] - t_back:.1f} s")
+    assert alone["t"] - t_lost <= 30 and grown["t"] - t_back <= 30, (alone["t"] - t_lost, grown["t"] - t_back)
+    plans = sorted(os.listdir(os.path.join(ckpt, "plans")))
+    assert "step-0.json" in plans and len(plans) >= 3, plans
+    said = "\n".join(outs)
+    assert f"hosts missing: {ADDRS[1]}" in said

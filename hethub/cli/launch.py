@@ -22,6 +22,7 @@ import sys
 import tempfile
 from typing import Sequence
 
+from . import elastic_launch
 from ..dsconfig import check_config, load_config
 from ..partitioner.errors import InputError, missing_package
 from ..partitioner.outputs import count
@@ -179,12 +180,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-OWN_FLAGS = ("--hetero-plan", "--local", "--dry-run", "--resume", "--verbose")  # hethub launch's; the rest is DeepSpeed's
+OWN_FLAGS = ("--hetero-plan", "--local", "--dry-run", "--resume", "--verbose", "--elastic")  # hethub launch's; the rest is DeepSpeed's
 
 
-def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
-    """hethub's own flags come first: --hetero-plan P [--local] [--dry-run]; the rest goes to DeepSpeed."""
-    plan, local, dry, resume, verbose, i = None, False, False, None, False, 0
+def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str], bool]:
+    """hethub's own flags come first: --hetero-plan P [--local] [--dry-run] [--elastic]; the rest goes to
+    DeepSpeed's launcher (to torch's elastic agent with --elastic: ``elastic_launch``)."""
+    plan, local, dry, resume, verbose, elastic, i = None, False, False, None, False, False, 0
     argv = list(argv)
     while i < len(argv):
         tok = argv[i]
@@ -204,6 +206,8 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
             dry, i = True, i + 1
         elif tok == "--verbose":
             verbose, i = True, i + 1
+        elif tok == "--elastic":
+            elastic, i = True, i + 1
         elif tok in ("-h", "--help"):
             raise SystemExit(_usage())
         else:
@@ -212,11 +216,16 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str]]:
         raise InputError("--hetero-plan", "is required: hethub launch --hetero-plan plan.json [--local] "
                                           "[deepspeed flags] train.py [args]")
     rest = argv[i:]
+    if elastic:
+        if local or resume is not None:
+            raise InputError("--elastic", "resumes from --checkpoint-dir by itself, on every host: without --local "
+                                          "or --resume")
+        return plan, False, dry, rest, True
     if not verbose:
         rest = _quiet(rest)
     if resume is not None:
         rest = _insert_after_script(rest, ["--hetero-resume", resume])
-    return plan, local, dry, rest
+    return plan, local, dry, rest, False
 
 
 _LOG_FLAGS = ("--log_level", "-q", "--quiet")  # DeepSpeed's runner's: the user's choice wins
@@ -241,6 +250,9 @@ def _insert_after_script(rest: list[str], extra: list[str]) -> list[str]:
 def _usage() -> str:
     print("usage: hethub launch --hetero-plan plan.json [--local] [--resume DIR] [--dry-run] [--verbose] "
           "[deepspeed launcher flags] "
+          "train.py [script args]\n"
+          "       hethub launch --elastic --hetero-plan plan.json --master_addr ADDR --master_port PORT "
+          "--checkpoint-dir DIR --checkpoint-every N [--min-nodes K] [--max-restarts R] [--host NAME] "
           "train.py [script args]\n\n" + __doc__)
     return 0
 
@@ -248,7 +260,11 @@ def _usage() -> str:
 DRY_RUN_HOSTFILE = "HOSTFILE"  # the dry run's stand-in for the temporary hostfile's path
 
 
-def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False) -> int:
+def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool = False, elastic: bool = False) -> int:
+    if elastic:
+        el = elastic_launch.parse(plan_path, rest, is_this_host)
+        _check_script(el.script)
+        return elastic_launch.run(el, _run_launcher, dry_run)
     plan = load_plan(plan_path)
     layout = host_layout(plan)
     if not rest:

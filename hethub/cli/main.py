@@ -21,8 +21,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if argv[:1] == ["launch"]:  # DeepSpeed's flags pass through unparsed: see hethub.cli.launch
             launch = importlib.import_module(".launch", __package__)  # lazy: DeepSpeed's runner, only here
-            plan, local, dry, rest = launch.parse_launch_args(argv[1:])
-            return launch.run(plan, rest, local=local, dry_run=dry)
+            plan, local, dry, rest, elastic = launch.parse_launch_args(argv[1:])
+            return launch.run(plan, rest, local=local, dry_run=dry, elastic=elastic)
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
             parser.print_help()

@@ -2,6 +2,8 @@
 
 usage: elastic.py PLAN OUT DIR EVERY LAST HOSTS   ({rank} in OUT: this rank; HOSTS: each rank's host, comma-separated)
        elastic.py single OUT LAST                 (one process: the reference)
+       elastic.py --hetero-plan PLAN LOG LAST STEP_S  (under hethub launch --elastic: rank 0 appends a JSON line per
+                                                      step to LOG; each step lasts at least STEP_S seconds)
 Each step's data is the global batch of that step (seeded by the step), cut into the micro-batches of the plan in
 force, so any plan sees the same samples at the same step. The worker sets what ``hethub launch --elastic`` sets
 on each host (HETHUB_HOST, LOCAL_RANK) from HOSTS.
@@ -26,7 +28,35 @@ def global_batch(step: int):
     return torch.randn(GLOBAL, IN, generator=g), torch.randn(GLOBAL, OUT, generator=g)
 
 
+def launched():
+    """Under ``hethub launch --elastic``: the launcher set the host, the checkpoint directory and interval."""
+    import argparse
+    import time
+    import hethub
+    p = argparse.ArgumentParser()
+    hethub.add_config_arguments(p)
+    p.add_argument("log")
+    p.add_argument("last", type=int)
+    p.add_argument("step_s", type=float)
+    a = p.parse_args()
+    engine, *_ = hethub.initialize(layers=make_layers(LAYERS), loss_fn=loss_fn, config={"hetero": {"timeout_s": 20}, "gradient_clipping": 0.0},
+                                   args=a, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+    mb = engine.plan.micro_batch_size
+    for step in range(engine.global_steps, a.last):
+        t0 = time.time()
+        x, y = global_batch(step)
+        loss = float(engine.train_batch(iter([(x[i:i + mb], y[i:i + mb]) for i in range(0, GLOBAL, mb)])))
+        time.sleep(max(0.0, a.step_s - (time.time() - t0)))
+        if engine.global_rank == 0:
+            with open(a.log, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "t": time.time(),
+                                    "world": int(os.environ["WORLD_SIZE"])}) + "\n")
+
+
 def main():
+    if sys.argv[1] == "--hetero-plan":
+        launched()
+        return
     if sys.argv[1] == "single":
         out, last = sys.argv[2], int(sys.argv[3])
         model = nn.Sequential(*make_layers(LAYERS))
@@ -48,7 +78,8 @@ def main():
     os.environ["HETHUB_HOST"] = hosts[rank]
     os.environ["LOCAL_RANK"] = str(hosts[:rank].count(hosts[rank]))
     import hethub
-    config = {"hetero": {"elastic": True, "checkpoint_dir": ckpt, "checkpoint_every": int(every), "timeout_s": 30}}
+    config = {"hetero": {"elastic": True, "checkpoint_dir": ckpt, "checkpoint_every": int(every), "timeout_s": 30},
+              "gradient_clipping": 0.0}  # DeepSpeed's default clips at 1.0; the reference does not clip
     engine, *_ = hethub.initialize(layers=make_layers(LAYERS), loss_fn=loss_fn, config=config, plan=plan,
                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
     first, losses = engine.global_steps, {}
