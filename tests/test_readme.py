@@ -63,6 +63,8 @@ def test_every_flag_and_default_is_in_the_readmes_command_reference():
             elif action.default not in (None, False, argparse.SUPPRESS) and _shown(action.default) not in row:
                 missing.append(f"hethub {name} {flags[0]}: default {_shown(action.default)}")
     missing += [f"hethub launch {f}" for f in OWN_FLAGS if f not in rows.get("launch", "")]
+    from hethub.cli.elastic_launch import FLAGS as ELASTIC_FLAGS
+    missing += [f"hethub launch --elastic {f}" for f in ELASTIC_FLAGS if f not in rows.get("launch", "")]
     assert not missing, missing
 
 
