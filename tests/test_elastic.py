@@ -59,7 +59,7 @@ def _phase(tmp_path, plan, name, hosts, last):
     return got, said
 
 
-def test_an_elastic_job_replans_for_the_host_left_and_grows_back_losing_nothing(tmp_path):
+def test_an_elastic_job_replans_for_the_host_left_and_grows_back_losing_nothing(tmp_path, capsys):
     plan = _base_plan(tmp_path)
     ref = str(tmp_path / "ref.json")
     r = subprocess.run([sys.executable, WORKER, "single", ref, "9"], cwd=ROOT, capture_output=True, text=True,
@@ -82,6 +82,11 @@ def test_an_elastic_job_replans_for_the_host_left_and_grows_back_losing_nothing(
     assert sorted(os.listdir(plans)) == ["step-0.json", "step-4.json", "step-6.json"]
     assert {r.host for st in load_plan(str(plans / "step-4.json")).stages for r in st.replicas} == {"fast"}
     assert load_plan(str(plans / "step-6.json")).world_size == 4
+    from hethub.cli.main import main
+    assert main(["show", str(tmp_path / "ckpt")]) == 0  # the plans the run ran under, one row each
+    shown = capsys.readouterr().out
+    rows = [line for line in shown.splitlines() if line.strip().startswith(("│ 0 ", "│ 4 ", "│ 6 "))]
+    assert len(rows) == 3 and "slow" not in rows[1] and "slow" in rows[2], shown
 
 
 def test_workers_on_a_host_the_plan_does_not_name_end_with_one_line_before_any_collective(tmp_path):
@@ -91,3 +96,8 @@ def test_workers_on_a_host_the_plan_does_not_name_end_with_one_line_before_any_c
     for rc, _o, err in results:
         assert rc == 2 and "HETHUB_HOST: 'elsewhere' is not a host of the plan's cluster (fast, slow)" in err, err
         assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_show_on_a_directory_without_plans_is_one_line(tmp_path, capsys):
+    from cli_util import cli_error
+    assert "has no plans/ folder" in cli_error(capsys, ["show", str(tmp_path)])

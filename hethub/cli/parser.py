@@ -138,8 +138,8 @@ def _add_export(sub) -> None:
 
 
 def _add_show(sub) -> None:
-    sp = sub.add_parser("show", help="human summary of a plan")
-    sp.add_argument("plan", help="plan JSON")
+    sp = sub.add_parser("show", help="human summary of a plan, or of the plans an elastic run ran under")
+    sp.add_argument("plan", help="plan JSON, or an elastic run's checkpoint directory (its plans/step-<k>.json)")
     sp.set_defaults(run="show:cmd_show")
 
 

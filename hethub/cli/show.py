@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 
 from rich.console import Console
 from rich.table import Table
 
+from ..partitioner.errors import InputError
 from ..partitioner.outputs import count
 from ..partitioner.provenance import as_notes
 from ..partitioner.records import Plan, load_plan
@@ -88,5 +91,36 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    print_plan(load_plan(args.plan))
+    if os.path.isdir(args.plan):
+        print_run(args.plan)
+    else:
+        print_plan(load_plan(args.plan))
     return 0
+
+
+_STEP_PLAN = re.compile(r"step-(\d{1,12})\.json")
+
+
+def run_plans(checkpoint_dir: str) -> list[tuple[int, Plan]]:
+    """(step it took over at, plan) of every plan an elastic run ran under (``DIR/plans/step-<k>.json``), by step."""
+    folder = os.path.join(checkpoint_dir, "plans")
+    if not os.path.isdir(folder):
+        raise InputError("show", f"{checkpoint_dir[:160]!r} is neither a plan file nor an elastic run's checkpoint "
+                                 "directory (it has no plans/ folder)")
+    found = sorted((int(m.group(1)), name) for name in os.listdir(folder) if (m := _STEP_PLAN.fullmatch(name)))
+    return [(step, load_plan(os.path.join(folder, name))) for step, name in found]
+
+
+def print_run(checkpoint_dir: str, console: Console | None = None) -> None:
+    """The plans an elastic run ran under, one row each: from which step, on which hosts, in which shape."""
+    console = console or Console(width=None if Console().is_terminal else 160)
+    t = Table(title=f"elastic run in {checkpoint_dir}")
+    for col in ("from step", "hosts", "ranks", "stages (device x width [layers])", "samples/s predicted"):
+        t.add_column(col)
+    for step, plan in run_plans(checkpoint_dir):
+        hosts = sorted({r.host for st in plan.stages for r in st.replicas})
+        shape = " | ".join(f"{'+'.join(st.types)} x{st.width} [{st.chunk_ranges[0][0]},{st.chunk_ranges[-1][1]})"
+                           for st in plan.stages)
+        rate = f"{plan.predicted.samples_per_s:.4g}" if plan.predicted else ""
+        t.add_row(str(step), " ".join(hosts), str(plan.world_size), shape, rate)
+    console.print(t)
