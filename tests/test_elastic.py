@@ -78,8 +78,10 @@ def test_an_elastic_job_replans_for_the_host_left_and_grows_back_losing_nothing(
             for step, loss in g["losses"].items():
                 assert loss == pytest.approx(expect[int(step)], rel=1e-10), (step, g)
     assert "every host present" in said1[0] and "hosts missing: slow" in said2[0] and "every host present" in said3[0]
+    assert len(said1) == 1 and "first step under this plan (step 5)" in said2[1] and "after the last step before the " \
+        "restart (step 5)" in said2[1]  # the job stood still from its step 5 (unsaved) to its step 5 redone
     plans = tmp_path / "ckpt" / "plans"
-    assert sorted(os.listdir(plans)) == ["step-0.json", "step-4.json", "step-6.json"]
+    assert sorted(os.listdir(plans)) == [".heartbeat", "step-0.json", "step-4.json", "step-6.json"]
     assert {r.host for st in load_plan(str(plans / "step-4.json")).stages for r in st.replicas} == {"fast"}
     assert load_plan(str(plans / "step-6.json")).world_size == 4
     from hethub.cli.main import main

@@ -281,3 +281,4 @@ def test_elastic_launch_loses_a_host_replans_and_grows_back(tmp_path):
     assert "step-0.json" in plans and len(plans) >= 3, plans
     said = "\n".join(outs)
     assert f"hosts missing: {ADDRS[1]}" in said
+    assert len(re.findall(r"hethub elastic: first step under this plan \(step \d+\) [\d.]+ s after", said)) >= 2

@@ -151,3 +151,31 @@ def newest_checkpoint(checkpoint_dir: str) -> Optional[str]:
     """The newest complete checkpoint's tag in ``checkpoint_dir``, if any."""
     tags = complete_checkpoints(checkpoint_dir)
     return tags[-1] if tags else None
+
+
+class Heartbeat:
+    """Rank 0's last finished step and its time (``DIR/plans/.heartbeat``), rewritten after every step: a restart
+    reads it to say how long the job stood still, from the last step before the change to its first step after."""
+
+    def __init__(self, checkpoint_dir: str):
+        self.path = os.path.join(checkpoint_dir, "plans", ".heartbeat")
+        self.before = self._read()  # the previous run's last step, if there was one
+        self.said = False
+
+    def _read(self) -> Optional[tuple[int, float]]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                beat = json.load(f)
+            return int(beat["step"]), float(beat["t"])
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one this hethub wrote: nothing to say
+            return None
+
+    def beat(self, step: int) -> None:
+        now = time.time()
+        write_atomic(self.path, json.dumps({"step": step, "t": now}), "heartbeat")
+        if self.before is not None and not self.said:
+            last, t = self.before
+            sys.stderr.write(f"hethub elastic: first step under this plan (step {step}) {now - t:.1f} s after the last "
+                             f"step before the restart (step {last})\n")
+            sys.stderr.flush()
+            self.said = True

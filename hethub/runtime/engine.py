@@ -49,7 +49,7 @@ class HeteroPipelineEngine(PipelineEngine):
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
                  control: Control, precision: Optional[Precision] = None, emulate_slowdown: float = 1.0,
                  ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES,
-                 autosave: tuple[Optional[str], int] = (None, 0)):
+                 autosave: tuple[Optional[str], int] = (None, 0), heartbeat=None):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class,
@@ -62,6 +62,7 @@ class HeteroPipelineEngine(PipelineEngine):
             setattr(self, name, value)
         self._global_batch = plan.global_batch_size
         self.autosave_dir, self.autosave_every = autosave  # save there every N steps by itself (0: never)
+        self.heartbeat = heartbeat  # an elastic run's rank 0: its last step and time, for the next restart to read
         # This rank's training actions: the plan's schedule or a hand-edited one (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
@@ -112,6 +113,8 @@ class HeteroPipelineEngine(PipelineEngine):
         self.agg_train_loss = self._aggregate_total_loss()
         if self.autosave_every and self.global_steps % self.autosave_every == 0:
             self.save_checkpoint(self.autosave_dir)  # the newest complete one is what an elastic restart resumes
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.global_steps)
         return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,

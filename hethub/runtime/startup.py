@@ -279,7 +279,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         control=control, precision=run.precision, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
         zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20),
-        autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every))
+        autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every),
+        heartbeat=elastic.Heartbeat(run.hetero.checkpoint_dir) if run.hetero.elastic and run.rank == 0 else None)
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume
     if run.hetero.elastic and elastic.newest_checkpoint(run.hetero.checkpoint_dir):
         resume = run.hetero.checkpoint_dir  # the newest complete checkpoint, whichever plan wrote it
