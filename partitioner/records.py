@@ -74,6 +74,8 @@ def parse_record(cls: type[R], data: Any, prefix: str) -> R:
         return cls.model_validate(data)
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc, prefix) from None
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"), which no text field can hold
+        raise InputError(prefix, "holds text that is not valid Unicode (a lone surrogate)") from None
 
 
 MAX_FILE_BYTES = 64 * 2 ** 20  # a cluster, model, profile or plan file

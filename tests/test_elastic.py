@@ -102,4 +102,4 @@ def test_workers_on_a_host_the_plan_does_not_name_end_with_one_line_before_any_c
 
 def test_show_on_a_directory_without_plans_is_one_line(tmp_path, capsys):
     from cli_util import cli_error
-    assert "has no plans/ folder" in cli_error(capsys, ["show", str(tmp_path)])
+    assert "is a directory, not a file" in cli_error(capsys, ["show", str(tmp_path)])

@@ -91,7 +91,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.plan):
+    if os.path.isdir(os.path.join(args.plan, "plans")):  # an elastic run's checkpoint directory
         print_run(args.plan)
     else:
         print_plan(load_plan(args.plan))
