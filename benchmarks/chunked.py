@@ -21,11 +21,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runtime import FID_CLUSTER, FID_FAST, FID_MODEL, FID_PLANS, FID_SLOW, run, write_result  # noqa: E402
-from hethub.cli.profiler import profile_model  # noqa: E402
-from hethub.partitioner import Cluster, ModelConfig  # noqa: E402
+from runtime import FID_FAST, FID_PLANS, FID_SLOW, fidelity_setup, run, write_result  # noqa: E402
 from hethub.partitioner.chunked import rechunk  # noqa: E402
-from hethub.partitioner.costmodel import CostModel  # noqa: E402
 from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, predict  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
 
@@ -41,13 +38,7 @@ def main():
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 8
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="hethub-bench-chunked-")
-    cluster, model = Cluster.model_validate(FID_CLUSTER), ModelConfig.model_validate(FID_MODEL)
-    model_json = os.path.join(tmp, "model.json")
-    with open(model_json, "w") as f:
-        f.write(model.to_json())
-    profiles = [profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False)
-                for t, k in (("FAST", FID_FAST), ("SLOW", FID_SLOW)) for mb in (1, 2, 4)]
-    cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
+    cluster, model, model_json, cm = fidelity_setup(tmp)
     rows, mem_rows, port = [], [], 29760
     for name, b, M, stages, variants in PLANS:
         base = build_plan(model, cluster, [StageLayout(l, t, s) for l, t, s in stages], b, M)

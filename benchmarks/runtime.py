@@ -81,14 +81,20 @@ def decoupled_1f1b_s(plan, cm) -> float:
     return (plan.num_micro_batches - 1) * max(c) + sum(c)
 
 
-def fidelity(steps: int, tmp: str) -> list[str]:
+def fidelity_setup(tmp: str):
+    """(cluster, model, model file, cost model from profiles measured now) of the (d) plans' emulated cluster."""
     cluster, model = Cluster.model_validate(FID_CLUSTER), ModelConfig.model_validate(FID_MODEL)
     model_json = os.path.join(tmp, "fid-model.json")
     with open(model_json, "w") as f:
         f.write(model.to_json())
     profiles = [profile_model(model, t, mb, "fp32", reps=5, slowdown=k, progress=False)
                 for t, k in (("FAST", FID_FAST), ("SLOW", FID_SLOW)) for mb in (1, 2, 4)]
-    cm = CostModel(cluster, model, dtype="fp32", profiles=profiles, memory_reserve_gib=0.5)
+    return cluster, model, model_json, CostModel(cluster, model, dtype="fp32", profiles=profiles,
+                                                 memory_reserve_gib=0.5)
+
+
+def fidelity(steps: int, tmp: str) -> list[str]:
+    cluster, model, model_json, cm = fidelity_setup(tmp)
     rows, zb_rows = [], []
 
     def measure(plan, tag: str, port: int) -> float:
