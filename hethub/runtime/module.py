@@ -36,6 +36,7 @@ class HeteroPipelineModule(PipelineModule):
         self.loss_fn = loss_fn
         self._grid = grid
         self._recompute = grid.stage.recompute
+        self._chunk_params: Optional[list[list[nn.Parameter]]] = None  # per chunk (chunk_parameters)
         for name, value in ds_seams.pipeline_module_attrs(grid).items():
             setattr(self, name, value)
 
@@ -60,12 +61,17 @@ class HeteroPipelineModule(PipelineModule):
 
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
         """The trainable parameters chunk ``chunk``'s layers use (a weight tied across two of the group's chunks is
-        in both), each once."""
-        seen: dict[int, nn.Parameter] = {}
-        for f in self.forward_funcs[self._chunk_slices[chunk]]:
-            if isinstance(f, nn.Module):
-                seen.update((id(p), p) for p in f.parameters() if p.requires_grad)
-        return list(seen.values())
+        in both), each once. Found once, at the first call (the executor asks at every split B and W): the
+        parameters are final by then, placed and split before the module was built."""
+        if self._chunk_params is None:
+            self._chunk_params = []
+            for s in self._chunk_slices:
+                seen: dict[int, nn.Parameter] = {}
+                for f in self.forward_funcs[s]:
+                    if isinstance(f, nn.Module):
+                        seen.update((id(p), p) for p in f.parameters() if p.requires_grad)
+                self._chunk_params.append(list(seen.values()))
+        return self._chunk_params[chunk]
 
     def mpu(self):
         return self._grid

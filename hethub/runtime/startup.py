@@ -212,20 +212,22 @@ def _zero1_factory(run: _Checked, grid: HeteroGrid, params: list, zero1: bool) -
     return make
 
 
-def _elastic_start(config, plan, args):
+def _elastic_start(config, plan, args) -> tuple[Any, Optional[Control]]:
     """Under ``"hetero": {"elastic": true}`` (``hethub launch --elastic``): start the world the agent launched and
-    return the plan for the ranks present (``hethub.runtime.elastic``); else ``plan`` unchanged. Collective."""
+    return the plan for the ranks present (``hethub.runtime.elastic``) and the control channel it was agreed on;
+    else ``plan`` unchanged and None. Collective."""
     try:
         hetero = hetero_section(load_config(config if config is not None else getattr(args, "deepspeed_config", None)))
         if not hetero.elastic:
-            return plan
+            return plan, None
         base = resolve_plan(plan, hetero, args)
         elastic.this_host(base)  # before any collective: a worker that cannot say where it runs ends here
     except InputError as exc:
         fail(str(exc))
     init_distributed(hetero.timeout_s, gloo_world=world_backend(base) == GLOO)
+    control = Control(hetero.timeout_s)
     try:
-        return elastic.elastic_plan(base, Control(hetero.timeout_s), hetero.checkpoint_dir)
+        return elastic.elastic_plan(base, control, hetero.checkpoint_dir), control
     except InputError as exc:
         fail(str(exc))
 
@@ -243,7 +245,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     ``tp_plan`` ({fnmatch pattern over "{layer index}.{submodule}": "colwise" | "rowwise"}) splits a user's
     layers in stages with tensor_parallel > 1; hethub's own blocks need none (hethub.runtime.tp).
     """
-    plan = _elastic_start(config, plan, args)
+    plan, control = _elastic_start(config, plan, args)
     run = _check_inputs(layers, config, plan, optimizer, args, tp_plan)
     cfg = run.cfg
     cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
@@ -255,7 +257,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     except InputError as exc:
         fail(str(exc))
     init_distributed(run.hetero.timeout_s, gloo_world=world_backend(run.plan) == GLOO)
-    control = Control(run.hetero.timeout_s)
+    control = control or Control(run.hetero.timeout_s)  # the elastic start has one already
     _register_clean_shutdown(control)
     _check_every_rank_agrees(run.plan, control)
     if run.rank == 0:  # the first line a launch prints after its ranks' silent imports
