@@ -46,11 +46,11 @@ def launched():
         t0 = time.time()
         x, y = global_batch(step)
         loss = float(engine.train_batch(iter([(x[i:i + mb], y[i:i + mb]) for i in range(0, GLOBAL, mb)])))
-        time.sleep(max(0.0, a.step_s - (time.time() - t0)))
-        if engine.global_rank == 0:
+        if engine.global_rank == 0:  # at once: a restart may stop this worker during the sleep, its step saved
             with open(a.log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss, "t": time.time(),
                                     "world": int(os.environ["WORLD_SIZE"])}) + "\n")
+        time.sleep(max(0.0, a.step_s - (time.time() - t0)))
 
 
 def main():
