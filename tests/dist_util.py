@@ -40,7 +40,7 @@ def run_plan(tmp_path, plan, name: str, worker: str, *args: str, timeout: float 
 # Ranks start from a fork server that has already imported torch, torch._dynamo (which the first optimizer
 # imports) and DeepSpeed: each rank then costs its own work, not ~4 s of imports, which on 2 cores was most of
 # the multi-process tests' time. HETHUB_TEST_EXEC=1 starts every rank as a fresh interpreter instead.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "deepspeed", "hethub.runtime"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "deepspeed", "hethub.runtime"]
 _CTX = None
 
 

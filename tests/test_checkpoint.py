@@ -159,12 +159,13 @@ def _launch(args, timeout=240):
 
 
 @pytest.mark.slow
-def test_elastic_story_kill_replan_resume(tmp_path):
-    """Plan for 5 devices, train and checkpoint; kill a rank (everything ends non-zero); re-plan for 4;
-    resume: training continues at the saved step with the same data and the losses of an uninterrupted run."""
+def test_a_checkpoint_resumes_through_the_launcher_under_a_plan_for_fewer_devices(tmp_path):
+    """The by-hand story (what ``hethub launch --elastic`` automates): train the example on 5 devices saving every
+    2 steps; re-plan for 4; ``hethub launch --resume``: training continues at the saved step with the same data and
+    the losses of the run that went on (a lost rank ending every rank: test_sigkilled_rank_ends_every_other_rank;
+    a real loss and re-plan: tests/test_multihost.py)."""
     import json
-    import signal
-    import time
+    import shutil
     from conftest import run_cli
     script = os.path.join(ROOT, "examples", "train_gpt.py")
     plans = {}
@@ -174,38 +175,21 @@ def test_elastic_story_kill_replan_resume(tmp_path):
                     "--max-micro-batch", "4", "--no-compare", "-o", str(out))
         assert r.returncode == 0, r.stderr
         plans[n] = str(out)
-    ckpt = str(tmp_path / "ckpt")
-    tag = f"elastic-{os.getpid()}"
-    proc = _launch(["--hetero-plan", plans[5], "--local", script, "--steps", "1000", "--save-dir", ckpt,
-                    "--save-every", "2", "--log-json", tag])
-    from dist_util import wait_for_line
-    wait_for_line(proc.stdout, r"^saved global_step", timeout=150)
-    assert os.path.exists(os.path.join(ckpt, "latest")), "no checkpoint written"
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    victims = [int(l.split()[0]) for l in ps.splitlines() if tag in l and "--local_rank=1" in l]
-    assert victims, ps
-    os.kill(victims[0], signal.SIGKILL)
-    t0 = time.time()
-    rc = proc.wait(timeout=60)
-    assert rc != 0 and time.time() - t0 < 60
-    time.sleep(0.5)
-    assert tag not in subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
-    saved = int(open(os.path.join(ckpt, "latest")).read().replace("global_step", ""))
-    assert saved >= 2
-    # resume under the 4-device plan for two more steps, and an uninterrupted run for comparison
-    steps = saved + 2
-    resumed = _launch(["--hetero-plan", plans[4], "--local", "--resume", ckpt, script, "--steps", str(steps),
-                       "--log-json", str(tmp_path / "resumed.json")])
+    ckpt = tmp_path / "ckpt"
+    first = _launch(["--hetero-plan", plans[5], "--local", script, "--steps", "4", "--save-dir", str(ckpt),
+                     "--save-every", "2", "--log-json", str(tmp_path / "first.json")])
+    out, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err[-3000:]
+    assert "saved global_step2" in out
+    shutil.copytree(ckpt / "global_step2", tmp_path / "at2" / "global_step2")  # as if the run had died after step 3
+    resumed = _launch(["--hetero-plan", plans[4], "--local", "--resume", str(tmp_path / "at2"), script, "--steps",
+                       "4", "--log-json", str(tmp_path / "resumed.json")])
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err[-3000:]
-    full = _launch(["--hetero-plan", plans[4], "--local", script, "--steps", str(steps), "--log-json",
-                    str(tmp_path / "full.json")])
-    out, err = full.communicate(timeout=240)
-    assert full.returncode == 0, err[-3000:]
     res = json.load(open(tmp_path / "resumed.json"))
-    ref = json.load(open(tmp_path / "full.json"))
-    assert [e["step"] for e in res] == list(range(saved, steps))  # continues at the saved step
-    for e in res:
+    ref = json.load(open(tmp_path / "first.json"))
+    assert [e["step"] for e in res] == [2, 3]  # continues at the saved step
+    for e in res:  # another plan: the same sums in another order (float32)
         assert abs(e["loss"] - ref[e["step"]]["loss"]) <= 1e-4 * abs(ref[e["step"]]["loss"])
 
 

@@ -21,9 +21,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from .tp import local
+from .tp import is_dtensor, local
 
 
 class _Bucket:
@@ -46,7 +45,7 @@ class _Bucket:
 
 
 def _viewable(p: torch.nn.Parameter) -> bool:
-    return not isinstance(p, DTensor) and p.is_contiguous()
+    return not is_dtensor(p) and p.is_contiguous()
 
 
 def bucket_params(params: Sequence[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:

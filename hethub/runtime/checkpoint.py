@@ -26,14 +26,13 @@ import sys
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..partitioner.errors import InputError, short
 from ..partitioner.outputs import write_atomic
 from ..partitioner.provenance import sha256_file
 from .errors import fail
 from .precision import load_scaler_state, scaler_state
-from .tp import full, gather_like, local, shard_of
+from .tp import from_local, full, gather_like, is_dtensor, local, shard_of
 
 LATEST = "latest"
 
@@ -152,10 +151,10 @@ def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     shard (a DTensor, a marked plain tensor, or under ZeRO-1 a plain tensor shaped like the shard), gathered
     over the group
     (collective: every rank of the group calls it, in the same order)."""
-    if isinstance(v, DTensor):
+    if is_dtensor(v):
         return full(v)
-    if isinstance(p, DTensor) and v.dim() > 0 and tuple(v.shape) == tuple(local(p).shape):
-        return full(DTensor.from_local(v, p.device_mesh, p.placements, run_check=False))
+    if is_dtensor(p) and v.dim() > 0 and tuple(v.shape) == tuple(local(p).shape):
+        return full(from_local(v, p))
     return gather_like(v, p)
 
 
@@ -165,8 +164,8 @@ def _state_for(p: torch.Tensor, v: Any, flat: bool) -> Any:
     if not (torch.is_tensor(v) and v.dim() > 0):
         return v
     part = shard_of(v, p).to(local(p).device)
-    if isinstance(p, DTensor) and not flat:
-        return DTensor.from_local(part.contiguous(), p.device_mesh, p.placements, run_check=False)
+    if is_dtensor(p) and not flat:
+        return from_local(part.contiguous(), p)
     return part
 
 

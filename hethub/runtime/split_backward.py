@@ -34,8 +34,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointFunction
+
+from .tp import is_dtensor
 
 
 class SplitBackwardError(RuntimeError):
@@ -77,7 +78,7 @@ class _Call:
 def _plain_linear(m: nn.Module) -> bool:
     """A Linear whose forward is ``F.linear(x, weight, bias)`` on plain tensors (not a tensor-parallel DTensor)."""
     return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
-            and not any(isinstance(p, DTensor) for p in (m.weight, m.bias) if p is not None))
+            and not any(is_dtensor(p) for p in (m.weight, m.bias) if p is not None))
 
 
 class LinearCalls:

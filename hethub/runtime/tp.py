@@ -26,6 +26,7 @@ every rank of the group) or whole (counted once).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Any, Mapping, Optional, Sequence
@@ -33,13 +34,24 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..models.builtin import Block, Embedding, Head
 from ..partitioner.errors import InputError
 
 STYLES = ("colwise", "rowwise")
+DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (0.4 s of every worker's start-up,
+    most of which never split a layer): no DTensor can exist before that module is imported."""
+    module = sys.modules.get(DTENSOR_MODULE)
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def from_local(part: torch.Tensor, like: Any) -> Any:
+    """A DTensor laid out as the DTensor ``like``, holding ``part`` as this rank's shard."""
+    return type(like).from_local(part, like.device_mesh, like.placements, run_check=False)
 SELF = "self"  # a layer with split_tensor_parallel(group): it splits itself
 
 
@@ -137,6 +149,7 @@ def check_layers(plan, layers: Sequence[Any], tp_plan: Mapping[str, str]) -> Non
 
 def parallelize(first_idx: int, layers: Sequence[Any], tp_plan: Mapping[str, str], mesh) -> None:
     """Split this stage's layers in place over ``mesh`` (this replica's tensor-parallel group)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # lazy: 0.4 s at start-up
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for k, layer in enumerate(layers):
         found, _ = layer_plan(first_idx + k, layer, tp_plan)
@@ -152,12 +165,12 @@ def parallelize(first_idx: int, layers: Sequence[Any], tp_plan: Mapping[str, str
 
 def is_sharded(t: torch.Tensor) -> bool:
     """A DTensor split over its mesh, or a tensor marked by ``mark_split`` (its rank holds a part)."""
-    return split_of(t) is not None or (isinstance(t, DTensor) and any(p.is_shard() for p in t.placements))
+    return split_of(t) is not None or (is_dtensor(t) and any(p.is_shard() for p in t.placements))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's own shard (the same storage), anything else as is."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         with torch.no_grad():
             return t.to_local()
     return t
@@ -165,7 +178,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (collective over the group for a split one: every rank of it must call)."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         with torch.no_grad():
             return t.full_tensor()
     return gather_like(t, t)
@@ -192,7 +205,7 @@ def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         n, r = dist.get_world_size(split.group), dist.get_rank(split.group)
         return torch.cat([b.chunk(n, dim=split.dim)[r] for b in whole.chunk(split.parts, dim=split.dim)],
                          dim=split.dim)
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return whole
     part = whole
     for mesh_dim, placement in enumerate(like.placements):
