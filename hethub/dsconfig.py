@@ -51,6 +51,8 @@ class HeteroSection(Record):
     # The engine saves ``checkpoint_dir/global_step<k>`` every ``checkpoint_every`` steps by itself (0: never).
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = Field(0, ge=0, le=10 ** 9)
+    # Those checkpoints are written by a thread while training goes on (hethub.runtime.saving); false: at the step.
+    checkpoint_background: bool = True
     # Elastic start (hethub.runtime.elastic): the ranks present re-plan for themselves and resume from the newest
     # complete checkpoint in checkpoint_dir (``hethub launch --elastic`` sets it, and the two keys above).
     elastic: bool = False

@@ -144,55 +144,6 @@ def test_a_checkpoint_is_resumed_only_from_inside_its_directory_and_only_as_save
     assert all(e.startswith("error: checkpoint") for e in errs)
 
 
-def _cluster_file(tmp_path, n: int) -> str:
-    path = tmp_path / f"cluster{n}.yaml"
-    path.write_text("name: cpu-box\n"
-                    "device_types:\n  CPU: {vendor: cpu, peak_tflops: {fp32: 0.1}, memory_gib: 4, memory_gbps: 10}\n"
-                    f"nodes:\n  - {{host: localhost, device_type: CPU, count: {n}}}\n")
-    return str(path)
-
-
-def _launch(args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "hethub.cli", "launch", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-@pytest.mark.slow
-def test_a_checkpoint_resumes_through_the_launcher_under_a_plan_for_fewer_devices(tmp_path):
-    """The by-hand story (what ``hethub launch --elastic`` automates): train the example on 5 devices saving every
-    2 steps; re-plan for 4; ``hethub launch --resume``: training continues at the saved step with the same data and
-    the losses of the run that went on (a lost rank ending every rank: test_sigkilled_rank_ends_every_other_rank;
-    a real loss and re-plan: tests/test_multihost.py)."""
-    import json
-    import shutil
-    from conftest import run_cli
-    script = os.path.join(ROOT, "examples", "train_gpt.py")
-    plans = {}
-    for n in (5, 4):
-        out = tmp_path / f"plan{n}.json"
-        r = run_cli("plan", "--cluster", _cluster_file(tmp_path, n), "--model", "gpt-tiny", "--global-batch", "8",
-                    "--max-micro-batch", "4", "--no-compare", "-o", str(out))
-        assert r.returncode == 0, r.stderr
-        plans[n] = str(out)
-    ckpt = tmp_path / "ckpt"
-    first = _launch(["--hetero-plan", plans[5], "--local", script, "--steps", "4", "--save-dir", str(ckpt),
-                     "--save-every", "2", "--log-json", str(tmp_path / "first.json")])
-    out, err = first.communicate(timeout=240)
-    assert first.returncode == 0, err[-3000:]
-    assert "saved global_step2" in out
-    shutil.copytree(ckpt / "global_step2", tmp_path / "at2" / "global_step2")  # as if the run had died after step 3
-    resumed = _launch(["--hetero-plan", plans[4], "--local", "--resume", str(tmp_path / "at2"), script, "--steps",
-                       "4", "--log-json", str(tmp_path / "resumed.json")])
-    out, err = resumed.communicate(timeout=240)
-    assert resumed.returncode == 0, err[-3000:]
-    res = json.load(open(tmp_path / "resumed.json"))
-    ref = json.load(open(tmp_path / "first.json"))
-    assert [e["step"] for e in res] == [2, 3]  # continues at the saved step
-    for e in res:  # another plan: the same sums in another order (float32)
-        assert abs(e["loss"] - ref[e["step"]]["loss"]) <= 1e-4 * abs(ref[e["step"]]["loss"])
-
-
 def test_sigkilled_rank_ends_every_other_rank_with_its_name(tmp_path):
     import signal
     import time

@@ -66,6 +66,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--state-out", default=None, help="hethub mode: write each rank's optimizer-state bytes to FILE.RANK")
     p.add_argument("--memory-out", default=None, help="hethub mode: write each rank's peak activation bytes (what "
                                                        "autograd holds for backward) to FILE.RANK")
+    p.add_argument("--checkpoint-dir", default=None, help="hethub mode: the engine saves here by itself")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="hethub mode: every N steps (hetero.checkpoint_every)")
+    p.add_argument("--checkpoint-at-step", action="store_true", help="hethub mode: written at the step, not by a "
+                                                                      "thread (hetero.checkpoint_background false)")
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args()
 
@@ -101,6 +105,9 @@ def main() -> None:
             config["zero_optimization"] = {"stage": 1}
         if a.bucket_mb is not None:
             config["hetero"]["bucket_mb"] = a.bucket_mb
+        if a.checkpoint_every:
+            config["hetero"].update(checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
+                                    checkpoint_background=not a.checkpoint_at_step)
         engine, *_ = hethub.initialize(layers=layers, loss_fn=lm_loss, plan=a.hetero_plan, optimizer=optimizer,
                                        config=config)
         mb, M = engine.plan.micro_batch_size, engine.plan.num_micro_batches

@@ -1,7 +1,8 @@
 """``hethub launch --elastic``: one per host, on torch's elastic agent (torchrun's c10d rendezvous).
 
     hethub launch --elastic --hetero-plan plan.json --master_addr ADDR --master_port PORT --checkpoint-dir DIR
-        --checkpoint-every N [--min-nodes K] [--max-restarts R] [--host NAME] train.py [script args]
+        --checkpoint-every N [--min-nodes K] [--max-restarts R] [--join-timeout S] [--log-json FILE] [--host NAME]
+        train.py [script args]
 
 Why torch's agent and not a protocol of our own: it already restarts every worker of the job when a host is lost
 (its workers' collectives fail) or joins (a node waits in the rendezvous), keeps a restart budget, and gives up
@@ -12,23 +13,36 @@ launcher hands it: its host (``HETHUB_HOST``), the checkpoint directory and inte
 The plan's cluster names every host that may take part; this machine is the one whose name or address matches
 (``--host`` says which otherwise). Its agent starts one worker per device the cluster gives it. ADDR:PORT is the
 rendezvous, held by the agent on ADDR.
+
+The job ends with one line, on every host: when a worker ends on bad input (exit 2: the hosts left cannot hold the
+model, a checkpoint cannot be written...), which no restart fixes (the worker leaves the line in
+``DIR/plans/.stop`` and each launcher stops its agent); when fewer than K hosts are in the rendezvous for S seconds;
+when the workers failed more than R times.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, check_host, load_plan
+from ..events import EVENTS_ENV, log_event, stop_path
 
 # flag -> (kind, default); None: required
 FLAGS = {"--master_addr": (str, None), "--master_port": (int, None), "--checkpoint-dir": (str, None),
-         "--checkpoint-every": (int, None), "--min-nodes": (int, 1), "--max-restarts": (int, 3), "--host": (str, "")}
+         "--checkpoint-every": (int, None), "--min-nodes": (int, 1), "--max-restarts": (int, 3),
+         "--join-timeout": (int, 120), "--log-json": (str, ""), "--host": (str, "")}
 MAX_RESTARTS = 1000
+MAX_JOIN_TIMEOUT_S = 7 * 86400
+WATCH_S = 0.5  # how often the launcher looks for a worker's request to end the job
 # torch's rendezvous: wait this long for more hosts once the minimum is there (its default, 30 s, is most of the
 # time a loss may cost); give up on a host that stopped answering after about 3 x its keep-alive interval
 LAST_CALL_S, KEEP_ALIVE_S = 2, 2
@@ -46,6 +60,8 @@ class ElasticLaunch:
     checkpoint_every: int
     min_nodes: int
     max_restarts: int
+    join_timeout_s: int  # the rendezvous gives up when fewer than min_nodes hosts are in it this long
+    log_json: str  # events as JSON lines, appended ("" none)
     script: list[str]  # the script and its arguments
     holds_rendezvous: bool  # this host is ADDR: its agent holds the rendezvous' store
 
@@ -93,13 +109,17 @@ def _checked(plan_path: str, plan: Plan, v: dict, script: list[str], is_this_hos
                                         f"hosts), got {v['--min-nodes']}")
     if not 0 <= v["--max-restarts"] <= MAX_RESTARTS:
         raise InputError("--max-restarts", f"must be in 0..{MAX_RESTARTS}, got {v['--max-restarts']}")
+    if not 1 <= v["--join-timeout"] <= MAX_JOIN_TIMEOUT_S:
+        raise InputError("--join-timeout", f"must be in 1..{MAX_JOIN_TIMEOUT_S} (seconds), got {v['--join-timeout']}")
     host = v["--host"] or _this_host(hosts, is_this_host)
     if host not in hosts:
         raise InputError("--host", f"{host[:80]!r} is not a host of the plan's cluster ({', '.join(hosts)[:200]})")
     nproc = sum(n.count for n in plan.cluster.nodes if n.host == host)
     return ElasticLaunch(os.path.abspath(plan_path), plan, host, nproc, v["--master_addr"], v["--master_port"],
                          os.path.abspath(v["--checkpoint-dir"]), v["--checkpoint-every"], v["--min-nodes"],
-                         v["--max-restarts"], script, host == v["--master_addr"] or is_this_host(v["--master_addr"]))
+                         v["--max-restarts"], v["--join-timeout"],
+                         os.path.abspath(v["--log-json"]) if v["--log-json"] else "", script,
+                         host == v["--master_addr"] or is_this_host(v["--master_addr"]))
 
 
 def _this_host(hosts: list[str], is_this_host) -> str:
@@ -117,6 +137,7 @@ def command(el: ElasticLaunch) -> tuple[list[str], dict]:
            "--nproc-per-node", str(el.nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"{el.master_addr}:{el.master_port}", "--rdzv-id", f"hethub-{job}",
            "--rdzv-conf", f"last_call_timeout={LAST_CALL_S},keep_alive_interval={KEEP_ALIVE_S},"
+                          f"join_timeout={el.join_timeout_s},"
                           f"is_host={int(el.holds_rendezvous)}",  # torch guesses it from DNS names, not addresses
            "--max-restarts", str(el.max_restarts), "--monitor-interval", "1"]
     if _is_address(el.host):  # the address other hosts reach this one at (a name would need DNS)
@@ -128,6 +149,8 @@ def command(el: ElasticLaunch) -> tuple[list[str], dict]:
                # default) a rank 0 that stays rank 0 publishes it only in its first round, and a host that joins
                # later waits for it forever (seen with torch 2.13 when the lost host comes back)
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if el.log_json:
+        env[EVENTS_ENV] = el.log_json
     return cmd, env
 
 
@@ -141,20 +164,75 @@ def _is_address(host: str) -> bool:
     return False
 
 
-def run(el: ElasticLaunch, run_launcher: Callable[[list, dict], int], dry_run: bool = False) -> int:
-    """torchrun on this host (``run_launcher(cmd, env)``: ``hethub.cli.launch``'s, in a session of its own)."""
+def run(el: ElasticLaunch, dry_run: bool = False) -> int:
+    """torchrun on this host, in a session of its own, watched until the job ends; the reason in one line."""
     cmd, env = command(el)
     if dry_run:
         print(" ".join(cmd))
         print(f"# environment: HETHUB_ELASTIC=1 HETHUB_HOST={el.host} HETHUB_CHECKPOINT_DIR={el.checkpoint_dir} "
-              f"HETHUB_CHECKPOINT_EVERY={el.checkpoint_every}")
+              f"HETHUB_CHECKPOINT_EVERY={el.checkpoint_every}" + (f" {EVENTS_ENV}={el.log_json}" if el.log_json else ""))
         return 0
     os.makedirs(el.checkpoint_dir, exist_ok=True)
+    stop = stop_path(el.checkpoint_dir)
+    if os.path.exists(stop):  # an earlier job's end: this start is a new job
+        os.remove(stop)
     print(f"hethub: elastic launch on {el.host} ({el.nproc} workers), rendezvous {el.master_addr}:{el.master_port}, "
           f"at least {el.min_nodes} of {len(el.plan.cluster.nodes)} hosts; checkpoints every "
           f"{el.checkpoint_every} steps in {el.checkpoint_dir}", flush=True)
-    rc = run_launcher(cmd, env)
-    if rc:
-        sys.stderr.write(f"error: launch --elastic: the job ended (exit {rc}) after at most {el.max_restarts} "
-                         f"restarts; the newest complete checkpoint in {el.checkpoint_dir} is kept\n")
+    rc, stopped, timed_out = _supervise(cmd, env, stop)
+    if rc == 0:
+        return 0
+    kept = f"the newest complete checkpoint in {el.checkpoint_dir} is kept"
+    if stopped is not None:
+        why, rc = f"a worker ended on input no restart can fix: {stopped}", 2
+    elif timed_out:
+        why, rc = (f"fewer than --min-nodes {el.min_nodes} of the plan's {len(el.plan.cluster.nodes)} hosts were in "
+                   f"the rendezvous for --join-timeout {el.join_timeout_s} s"), 2
+    else:
+        why = f"its workers failed after --max-restarts {el.max_restarts} restarts (exit {rc}; see above)"
+    sys.stderr.write(f"error: launch --elastic: the job ended on {el.host}: {why}; {kept}\n")
+    sys.stderr.flush()
+    log_event(el.log_json, "ended", host=el.host, exit=rc, reason=why)
     return rc
+
+
+def _supervise(cmd: list[str], env: dict, stop: str) -> tuple[int, Optional[str], bool]:
+    """Run torchrun until it ends or a worker asks (``stop``) for the job to end; its stderr passes through, watched
+    for the rendezvous giving up. (exit code, the worker's line if it asked, whether the rendezvous timed out)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    seen = {"timeout": False}
+    reader = threading.Thread(target=_pass_through, args=(proc.stderr, seen), daemon=True)
+    reader.start()
+    stopped = None
+    try:
+        while proc.poll() is None:
+            time.sleep(WATCH_S)
+            if stopped is None and os.path.exists(stop):
+                stopped = _read_stop(stop)
+                os.killpg(proc.pid, signal.SIGTERM)  # the agent ends its workers
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        rc = 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=5)
+    return rc, stopped, seen["timeout"]
+
+
+def _pass_through(stream, seen: dict) -> None:
+    for line in iter(stream.readline, b""):
+        sys.stderr.buffer.write(line)
+        sys.stderr.flush()
+        if b"RendezvousTimeoutError" in line:
+            seen["timeout"] = True
+
+
+def _read_stop(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(2000).strip().splitlines()[0] if os.path.getsize(path) else "(no reason given)"
+    except (OSError, IndexError):
+        return "(its reason could not be read)"

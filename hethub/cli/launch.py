@@ -264,7 +264,7 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
     if elastic:
         el = elastic_launch.parse(plan_path, rest, is_this_host)
         _check_script(el.script)
-        return elastic_launch.run(el, _run_launcher, dry_run)
+        return elastic_launch.run(el, dry_run)
     plan = load_plan(plan_path)
     layout = host_layout(plan)
     if not rest:

@@ -7,10 +7,10 @@ Layout of ``<dir>/<tag>/`` (DeepSpeed's layer-file naming where it helps interop
     meta.json                  model shape, step, samples consumed, optimizer hyper-parameters, plan summary,
                                tied weights (each stored once, with its first layer; ``hethub.models.ties``)
 
-Saving is atomic: every writer (replica 0 of each stage: replicas hold identical weights and optimizer
-state under ZeRO-0) writes into ``<dir>/.tmp-<tag>``; after a barrier rank 0 flushes, renames it to
-``<dir>/<tag>`` and then replaces ``<dir>/latest`` (written to a temporary file and renamed). A crash at
-any point leaves the previous checkpoint and ``latest`` intact. ``meta.json`` holds every layer file's sha256.
+Saving (``hethub.runtime.saving``) is atomic: every writer (replica 0 of each stage: replicas hold identical
+weights and optimizer state under ZeRO-0) writes into ``<dir>/.tmp-<tag>``; once all are done rank 0 flushes,
+renames it to ``<dir>/<tag>`` and then replaces ``<dir>/latest`` (written to a temporary file and renamed). A crash
+at any point leaves the previous checkpoint and ``latest`` intact. ``meta.json`` holds every layer file's sha256.
 
 Loading treats the directory as untrusted data: tags (and what ``latest`` names) resolve only to folders directly
 inside it, each file is checked against its digest before ``torch.load(..., weights_only=True)``, and meta.json is
@@ -21,27 +21,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from typing import Any, Optional
 
 import torch
 
 from ..partitioner.errors import InputError, short
-from ..partitioner.outputs import write_atomic
 from ..partitioner.provenance import sha256_file
 from .errors import fail
-from .precision import load_scaler_state, scaler_state
-from .tp import from_local, full, gather_like, is_dtensor, local, shard_of
+from .precision import load_scaler_state
+from .tp import from_local, is_dtensor, local, shard_of
 
 LATEST = "latest"
 
 
-def _layer_file(d: str, idx: int, kind: str) -> str:
+def layer_file(d: str, idx: int, kind: str) -> str:
     return os.path.join(d, f"layer_{idx:02d}-{kind}_states.pt")
 
 
-def _param_names(engine) -> dict[int, tuple[int, str]]:
+def param_names(engine) -> dict[int, tuple[int, str]]:
     """id(parameter) -> (layer index, parameter name inside the layer); a tied weight held by several local
     layers maps to the first of them."""
     out: dict[int, tuple[int, str]] = {}
@@ -51,16 +49,9 @@ def _param_names(engine) -> dict[int, tuple[int, str]]:
     return out
 
 
-def _tie_owners(engine) -> dict[tuple[int, str], tuple[int, str]]:
+def tie_owners(engine) -> dict[tuple[int, str], tuple[int, str]]:
     """(layer, name) of every tied place but the first -> the first (where the weight is stored)."""
     return {place: tie.owner for tie in getattr(engine, "ties", ()) for place in tie.places[1:]}
-
-
-def _fsync_dir(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                os.fsync(fh.fileno())
 
 
 def complete_checkpoints(save_dir: str) -> list[str]:
@@ -118,46 +109,6 @@ def read_meta(d: str) -> dict:
     return meta
 
 
-def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
-    """layer index -> parameter name -> the optimizer's full state (CPU) of each of this stage's parameters.
-    Collective over the stage's replicas under ZeRO-1 (every replica's elements are gathered)."""
-    names = _param_names(engine)
-    opt = engine.optimizer
-    out: dict[int, dict[str, Any]] = {}
-
-    owners = _tie_owners(engine)
-
-    def put(p, st):
-        idx, name = names[id(p)]
-        if (idx, name) in owners:
-            return  # a tied weight's state is stored with its first layer, by the stage holding that
-        out.setdefault(idx, {})[name] = {k: (_whole_state(p, v).detach().cpu() if torch.is_tensor(v) else v)
-                                         for k, v in st.items()}
-
-    if engine.zero1 is not None:
-        for shard in engine.zero1.shards:
-            for p, st in zip(shard.params, _gathered_state(engine, shard)):
-                put(p, st)
-        return out
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if id(p) in names and p in opt.state:
-                put(p, opt.state[p])
-    return out
-
-
-def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor of parameter ``p`` made whole: a tensor-parallel parameter's state is its
-    shard (a DTensor, a marked plain tensor, or under ZeRO-1 a plain tensor shaped like the shard), gathered
-    over the group
-    (collective: every rank of the group calls it, in the same order)."""
-    if is_dtensor(v):
-        return full(v)
-    if is_dtensor(p) and v.dim() > 0 and tuple(v.shape) == tuple(local(p).shape):
-        return full(from_local(v, p))
-    return gather_like(v, p)
-
-
 def _state_for(p: torch.Tensor, v: Any, flat: bool) -> Any:
     """A whole optimizer state tensor from a file laid out for parameter ``p``: this rank's shard of it, as a
     DTensor like ``p`` (or a plain shard for ZeRO-1's flat state, ``flat``)."""
@@ -176,100 +127,6 @@ def _load_layer(layer: torch.nn.Module, state: dict) -> None:
         for k, target in layer.state_dict(keep_vars=True).items():
             mine = local(target)
             mine.copy_(shard_of(state[k], target).to(mine.device, mine.dtype))
-
-
-def _gathered_state(engine, shard) -> list[dict]:
-    """ZeRO-1: the full per-parameter state of one flat shard, every replica's elements all-gathered (tensors
-    only, in hethub's own collectives: nothing is pickled). Per-element state (shaped like the shard) is
-    gathered; 0-d state such as Adam's step is the same on every replica and copied to each parameter."""
-    st = engine.optimizer.state.get(shard.shard, {})
-    # Every replica steps its shard at the same steps, so all hold the same keys (an empty shard too).
-    keys = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0)
-    gathered = {}
-    for k in keys:
-        padded = torch.zeros(shard.chunk, dtype=st[k].dtype, device=st[k].device)
-        padded[:st[k].numel()].copy_(st[k].reshape(-1))
-        gathered[k] = engine.gradients.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total].cpu()
-    scalars = {k: v for k, v in st.items() if k not in gathered}
-    return shard.split_state(gathered, scalars) if st else []
-
-
-def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
-    """Collective: every rank calls it. Returns the tag."""
-    tag = checked_tag(save_dir, tag or f"global_step{engine.global_steps}")
-    tmp = os.path.join(save_dir, f".tmp-{tag}")
-    final = os.path.join(save_dir, tag)
-    rank = engine.global_rank
-    error = None
-    if rank == 0:
-        try:
-            os.makedirs(save_dir, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-        except OSError as exc:
-            error = f"checkpoint: cannot make {tmp[:100]!r}: {exc.strerror or type(exc).__name__}"
-    _agree(engine, error, "cannot make the checkpoint directory")  # also the barrier: tmp exists from here on
-    _agree(engine, None if os.path.isdir(tmp) else
-           f"checkpoint: {save_dir[:100]!r} is not shared by every host: rank {rank} (host {_host(engine)}) "
-           "cannot see the directory rank 0 made there; save to a filesystem every host mounts",
-           "cannot see the checkpoint directory")
-    per_layer_state = _optimizer_state_by_layer(engine)
-    try:
-        if engine.grid.replica_id == 0:
-            owners = _tie_owners(engine)
-            for idx, layer in engine.module.indexed_layers():
-                whole = {k: full(v).detach().cpu() for k, v in layer.state_dict(keep_vars=True).items()
-                         if (idx, k) not in owners}
-                if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
-                    torch.save(whole, _layer_file(tmp, idx, "model"))
-                    torch.save(per_layer_state.get(idx, {}), _layer_file(tmp, idx, "optim"))
-    except OSError as exc:  # disk full, quota: every rank ends, the previous checkpoint stays intact
-        error = f"checkpoint: cannot write in {tmp[:100]!r}: {exc.strerror or type(exc).__name__}"
-    _agree(engine, error, "could not write its layers")
-    error = None
-    if rank == 0:
-        try:
-            _publish(engine, save_dir, tag, client_state)
-        except OSError as exc:
-            error = f"checkpoint: cannot finish {final[:100]!r}: {exc.strerror or type(exc).__name__}"
-        except InputError as exc:  # the atomic write of `latest`
-            error = str(exc)
-    _agree(engine, error, "could not finish the checkpoint")
-    return tag
-
-
-def _publish(engine, save_dir: str, tag: str, client_state: Optional[dict]) -> None:
-    """Rank 0, once every layer file is written: meta.json, then the rename that makes the checkpoint complete,
-    then ``latest`` (a crash anywhere in between leaves the previous checkpoint and ``latest`` intact)."""
-    tmp, final = os.path.join(save_dir, f".tmp-{tag}"), os.path.join(save_dir, tag)
-    plan = engine.plan
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    meta = {"format": "hethub-layer-checkpoint", "version": FORMAT_VERSION, "model": plan.model.model_dump(),
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
-            "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
-            "client_state": _jsonable(client_state or {}),
-            "loss_scaler": scaler_state(getattr(engine, "loss_scaler", None)),
-            "skipped_steps": getattr(engine, "skipped_steps", 0),
-            "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
-            "plan": {"stages": [[*(s.layers or ()), s.device_type, s.width] if s.chunks is None else
-                                [[list(c) for c in s.chunks], s.device_type, s.width] for s in plan.stages],
-                     "world_size": plan.world_size},
-            # every layer file's sha256: a file whose bytes changed is refused at load, never trained on
-            "digests": {name: sha256_file(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
-                        if name.endswith(".pt")}}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    _fsync_dir(tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    write_atomic(os.path.join(save_dir, LATEST), tag, "checkpoint")
-
-
-def _jsonable(x):
-    return json.loads(json.dumps(x, default=lambda o: o.tolist() if torch.is_tensor(o) else str(o)))
 
 
 def resolve_tag(load_dir: str, tag: Optional[str], say=print) -> str:
@@ -327,7 +184,7 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
         result = _load_local(engine, load_dir, tag, load_optimizer_states)
     except InputError as exc:
         error, result = str(exc), None
-    _agree(engine, error, "could not load its layers")
+    agree(engine, error, "could not load its layers")
     # Hosts that do not share the directory can each hold a complete checkpoint of another step
     # one MIN over (step, -step): the lowest and the highest step (set from each rank's meta.json) at once
     low, neg_high = engine.control.min([engine.global_steps, -engine.global_steps])
@@ -343,7 +200,7 @@ def _host(engine) -> str:
     return engine.plan.stages[stage].replicas[replica].host
 
 
-def _agree(engine, error: Optional[str], what: str) -> None:
+def agree(engine, error: Optional[str], what: str) -> None:
     """Collective: every rank gives its own verdict (None: fine); when any rank failed, every rank ends with
     exit 2, the failed rank with its message, the others naming it, so none is left waiting in a collective."""
     failed = engine.control.min([engine.global_rank if error else engine.plan.world_size])[0]
@@ -380,20 +237,20 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
     d = os.path.join(load_dir, tag)
     meta = read_meta(d)
     digests = meta["digests"]
-    names = _param_names(engine)
-    owners = _tie_owners(engine)
+    names = param_names(engine)
+    owners = tie_owners(engine)
     states: dict[int, dict] = {}
     for idx, layer in engine.module.indexed_layers():
-        state = _load(_layer_file(d, idx, "model"), digests)
+        state = _load(layer_file(d, idx, "model"), digests)
         for k, v in layer.state_dict().items():
             if k not in state and (idx, k) in owners:  # a tied weight: stored once, with its first layer
                 o_idx, o_name = owners[(idx, k)]
-                owner_state = _load(_layer_file(d, o_idx, "model"), digests)
+                owner_state = _load(layer_file(d, o_idx, "model"), digests)
                 if o_name in owner_state:
                     state[k] = owner_state[o_name]
             if k not in state:
                 raise InputError("checkpoint", f"layer {idx} ({type(layer).__name__}): {k} missing in "
-                                               f"{_layer_file(d, idx, 'model')}")
+                                               f"{layer_file(d, idx, 'model')}")
             if tuple(state[k].shape) != tuple(v.shape):
                 raise InputError("checkpoint", f"layer {idx} ({type(layer).__name__}).{k}: checkpoint shape "
                                                f"{tuple(state[k].shape)}, model shape {tuple(v.shape)} "
@@ -405,7 +262,7 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
             raise InputError("checkpoint", f"{d} holds model {saved.get('name')!r} with {key}={saved.get(key)}, "
                                            f"the plan's model {mine.get('name')!r} has {key}={mine.get(key)}")
     wanted = set(states) | {owners[(i, n)][0] for i, n in names.values() if (i, n) in owners}
-    by_layer = {idx: _load(_layer_file(d, idx, "optim"), digests) for idx in wanted} if load_optimizer_states else {}
+    by_layer = {idx: _load(layer_file(d, idx, "optim"), digests) for idx in wanted} if load_optimizer_states else {}
     for place, (o_idx, o_name) in owners.items():  # a tied weight's state, from its first layer
         st = by_layer.get(o_idx, {}).get(o_name)
         if st is not None and place[0] in by_layer:

@@ -20,6 +20,7 @@ class Control:
     (every rank, before any other group: creating it is collective)."""
 
     def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s  # the run's bound on waiting for a peer (hetero.timeout_s)
         # a gloo world is its own control channel; on NCCL a gloo group over every rank
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Optional, Sequence
 
+from ..events import EVENTS_ENV, say
 from ..partitioner.api import make_plan
 from ..partitioner.costmodel import CostModel
 from ..partitioner.errors import InputError
@@ -126,25 +126,52 @@ def _plan_text(base: Plan, ranks: Sequence[tuple[str, int]], checkpoint_dir: str
     plan = renumber(plan, ranks)
     plans = os.path.join(checkpoint_dir, "plans")
     os.makedirs(plans, exist_ok=True)
+    before = _previous_plan(plans, step)
     write_atomic(os.path.join(plans, f"step-{step}.json"), plan.to_json(), "plan")
-    _say(base, plan, cluster, step, planned_s)
+    _say(base, before, plan, cluster, step, planned_s if not same_devices(base, cluster) else None)
     return plan.to_json()
 
 
-def _say(base: Plan, plan: Plan, cluster: Cluster, step: int, planned_s: float) -> None:
-    """One line on stderr: which hosts are missing or back against the job's cluster, the step, the plan's shape
-    and predicted samples/s, the planning time."""
-    have = {n.host: n.count for n in cluster.nodes}
+def _previous_plan(plans: str, step: int) -> Optional[Plan]:
+    """The plan the job ran under before this start (the newest ``step-<k>.json`` with k <= step), if any."""
+    found = []
+    for name in os.listdir(plans):
+        k = name[5:-5]
+        if name.startswith("step-") and name.endswith(".json") and k.isdigit() and int(k) <= step:
+            found.append((int(k), name))
+    for _k, name in sorted(found, reverse=True):
+        try:
+            with open(os.path.join(plans, name), encoding="utf-8") as f:
+                return parse_record(Plan, json.loads(f.read()), name)
+        except (OSError, ValueError, InputError):
+            continue  # not one this hethub wrote: an older one says what ran before
+    return None
+
+
+def _hosts(plan: Plan) -> dict[str, int]:
+    return {n.host: n.count for n in plan.cluster.nodes}
+
+
+def _say(base: Plan, before: Optional[Plan], plan: Plan, cluster: Cluster, step: int,
+         planned_s: Optional[float]) -> None:
+    """One line on stderr (and ``--log-json``): which hosts were lost or joined since the plan before, which are
+    missing from the job's cluster, the step, the plan's shape and predicted samples/s, the planning time."""
+    have = _hosts(plan)
+    had = _hosts(before) if before is not None else have
+    lost, joined = [h for h in had if h not in have], [h for h in have if h not in had]
     missing = [n.host for n in base.cluster.nodes if n.host not in have]
     fewer = [f"{n.host} ({have[n.host]}/{n.count})" for n in base.cluster.nodes if 0 < have.get(n.host, 0) < n.count]
     shape = " | ".join(f"{st.device_type} x{st.width} [{st.chunk_ranges[0][0]},{st.chunk_ranges[-1][1]})"
                        for st in plan.stages)
     rate = plan.predicted.samples_per_s if plan.predicted else float("nan")
+    change = "".join([f"lost {', '.join(lost)}; " if lost else "", f"joined {', '.join(joined)}; " if joined else ""])
     who = (f"hosts missing: {', '.join(missing)}" if missing else "every host present") + (
         f"; with fewer devices: {', '.join(fewer)}" if fewer else "")
-    sys.stderr.write(f"hethub elastic: step {step}: {who}; plan {shape}, {rate:.3g} samples/s predicted "
-                     f"(planned in {planned_s:.2f} s)\n")
-    sys.stderr.flush()
+    planned = f"planned in {planned_s:.2f} s" if planned_s is not None else "the job's own plan"
+    say(f"step {step}: {change}{who}; plan {shape}, {rate:.3g} samples/s predicted ({planned})",
+        os.environ.get(EVENTS_ENV, ""), "plan", step=step, lost=lost, joined=joined, missing=missing,
+        stages=[[st.device_type, st.width, st.chunk_ranges[0][0], st.chunk_ranges[-1][1]] for st in plan.stages],
+        samples_per_s=rate, replan_s=None if planned_s is None else round(planned_s, 3))
 
 
 def newest_checkpoint(checkpoint_dir: str) -> Optional[str]:
@@ -175,7 +202,7 @@ class Heartbeat:
         write_atomic(self.path, json.dumps({"step": step, "t": now}), "heartbeat")
         if self.before is not None and not self.said:
             last, t = self.before
-            sys.stderr.write(f"hethub elastic: first step under this plan (step {step}) {now - t:.1f} s after the last "
-                             f"step before the restart (step {last})\n")
-            sys.stderr.flush()
+            say(f"first step under this plan (step {step}) {now - t:.1f} s after the last step before the restart "
+                f"(step {last})", os.environ.get(EVENTS_ENV, ""), "first_step", step=step, last_step=last,
+                stood_still_s=round(now - t, 3))
             self.said = True

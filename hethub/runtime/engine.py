@@ -27,7 +27,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..dsconfig import FP16Section
 from ..partitioner.schedule import build_schedule
-from . import checkpoint, ds_seams
+from . import checkpoint, ds_seams, saving
 from .control import Control
 from .errors import Guard
 from .executor import Executor
@@ -49,7 +49,7 @@ class HeteroPipelineEngine(PipelineEngine):
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
                  control: Control, precision: Optional[Precision] = None, emulate_slowdown: float = 1.0,
                  ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES,
-                 autosave: tuple[Optional[str], int] = (None, 0), heartbeat=None):
+                 autosave: tuple[Optional[str], int, bool] = (None, 0, True), heartbeat=None):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class,
@@ -61,7 +61,9 @@ class HeteroPipelineEngine(PipelineEngine):
         for name, value in ds_seams.pipeline_engine_attrs(grid, plan).items():
             setattr(self, name, value)
         self._global_batch = plan.global_batch_size
-        self.autosave_dir, self.autosave_every = autosave  # save there every N steps by itself (0: never)
+        # save there every N steps by itself (0: never), in the background or not (hethub.runtime.saving)
+        self.autosave_dir, self.autosave_every, self.autosave_background = autosave
+        self.pending_checkpoint: Optional[saving.Pending] = None  # a checkpoint being written in the background
         self.heartbeat = heartbeat  # an elastic run's rank 0: its last step and time, for the next restart to read
         # This rank's training actions: the plan's schedule or a hand-edited one (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
@@ -111,8 +113,12 @@ class HeteroPipelineEngine(PipelineEngine):
         self.executor.loss_scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
         self.executor.run(self.schedule, loss_denominator=self._global_batch)
         self.agg_train_loss = self._aggregate_total_loss()
-        if self.autosave_every and self.global_steps % self.autosave_every == 0:
-            self.save_checkpoint(self.autosave_dir)  # the newest complete one is what an elastic restart resumes
+        # A checkpoint written in the background (from the end of the previous step) is completed here: it had this
+        # step to be written, what is left of the write this step waits for, so one taken at step k is complete
+        # once step k + 1 is, always (a restart loses at most the interval plus one step)
+        saving.poll(self, wait=True)
+        if self.autosave_every and self.global_steps % self.autosave_every == 0:  # what an elastic restart resumes
+            saving.save(self, self.autosave_dir, background=self.autosave_background)
         if self.heartbeat is not None:
             self.heartbeat.beat(self.global_steps)
         return self.agg_train_loss
@@ -174,11 +180,13 @@ class HeteroPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ checkpoints (per layer: any plan loads them)
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **_kw):
-        """Collective. Per-layer files that any other plan of the same model can load (hethub.runtime.checkpoint)."""
-        return checkpoint.save(self, save_dir, tag, client_state)
+        """Collective. Per-layer files that any other plan of the same model can load (hethub.runtime.checkpoint);
+        complete when it returns."""
+        return saving.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, **_kw):
         """Returns (checkpoint path, client_state) like DeepSpeed's engine."""
+        saving.poll(self, wait=True)  # a checkpoint still being written is completed first
         tag, client = checkpoint.load(self, load_dir, tag, load_optimizer_states)
         return os.path.join(load_dir, tag), client
 

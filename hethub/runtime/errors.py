@@ -13,9 +13,30 @@ from ..partitioner.errors import print_error
 T = TypeVar("T")
 
 
+_ENDING = [False]  # this rank is ending on an error: exit hooks skip what needs its peers or its data intact
+_ON_FAIL: list[Callable[[str], None]] = []  # told the line of a bad-input end (an elastic job ends itself)
+
+
+def mark_ending() -> None:
+    _ENDING[0] = True
+
+
+def on_fail(hook: Callable[[str], None]) -> None:
+    """``hook(message)`` runs when this rank ends on bad input (``fail``), before it exits."""
+    _ON_FAIL.append(hook)
+
+
+def ending() -> bool:
+    """Whether this rank is ending on an error (``fail``, or an uncaught exception seen by start-up's hook)."""
+    return _ENDING[0]
+
+
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit 2 (on every rank: each rank reaches the same verdict from the same input)."""
+    mark_ending()
     print_error(message)
+    for hook in _ON_FAIL:
+        hook(message)
     raise SystemExit(2)
 
 

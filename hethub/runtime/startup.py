@@ -25,6 +25,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from .._version import __version__
 from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
 from ..emulated.slowdown import SlowDown, parse_factors, slowdown_for
+from ..events import request_stop
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_backend
@@ -36,7 +37,7 @@ from .checks import (check_against_world, launched_world, load_checked_schedule,
 from .control import Control
 from .precision import Precision, check_device_dtype, plan_dtype_note, precision_from_config
 from .engine import HeteroPipelineEngine
-from .errors import fail, first_line
+from .errors import fail, first_line, mark_ending, on_fail
 from .grid import HeteroGrid
 from .module import HeteroPipelineModule
 from .zero import Zero1
@@ -151,6 +152,7 @@ def _register_clean_shutdown(control: Control) -> None:
     def excepthook(kind, value, tb):
         global _failed
         _failed = True
+        mark_ending()
         previous_hook(kind, value, tb)
 
     sys.excepthook = excepthook
@@ -220,6 +222,8 @@ def _elastic_start(config, plan, args) -> tuple[Any, Optional[Control]]:
         hetero = hetero_section(load_config(config if config is not None else getattr(args, "deepspeed_config", None)))
         if not hetero.elastic:
             return plan, None
+        # Bad input from here on is the same at every restart: the job ends (every host's launcher sees the line)
+        on_fail(lambda message: request_stop(hetero.checkpoint_dir, message))
         base = resolve_plan(plan, hetero, args)
         elastic.this_host(base)  # before any collective: a worker that cannot say where it runs ends here
     except InputError as exc:
@@ -281,7 +285,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         control=control, precision=run.precision, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
         zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20),
-        autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every),
+        autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every, run.hetero.checkpoint_background),
         heartbeat=elastic.Heartbeat(run.hetero.checkpoint_dir) if run.hetero.elastic and run.rank == 0 else None)
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume
     if run.hetero.elastic and elastic.newest_checkpoint(run.hetero.checkpoint_dir):

@@ -1,6 +1,7 @@
 """Worker for the elastic tests: train the layer stack (float64) until step LAST under an elastic start.
 
-usage: elastic.py PLAN OUT DIR EVERY LAST HOSTS   ({rank} in OUT: this rank; HOSTS: each rank's host, comma-separated)
+usage: elastic.py PLAN OUT DIR EVERY LAST HOSTS [BACKGROUND]   ({rank} in OUT: this rank; HOSTS: each rank's host,
+                                                 comma-separated; BACKGROUND 0: checkpoints written at the step)
        elastic.py single OUT LAST                 (one process: the reference)
        elastic.py --hetero-plan PLAN LOG LAST STEP_S  (under hethub launch --elastic: rank 0 appends a JSON line per
                                                       step to LOG; each step lasts at least STEP_S seconds)
@@ -73,12 +74,14 @@ def main():
             json.dump({"losses": losses}, f)
         return
     plan, out, ckpt, every, last, hosts = sys.argv[1:7]
+    background = sys.argv[7:8] != ["0"]
     rank = int(os.environ["RANK"])
     hosts = hosts.split(",")
     os.environ["HETHUB_HOST"] = hosts[rank]
     os.environ["LOCAL_RANK"] = str(hosts[:rank].count(hosts[rank]))
     import hethub
-    config = {"hetero": {"elastic": True, "checkpoint_dir": ckpt, "checkpoint_every": int(every), "timeout_s": 30},
+    config = {"hetero": {"elastic": True, "checkpoint_dir": ckpt, "checkpoint_every": int(every), "timeout_s": 30,
+                         "checkpoint_background": background},
               "gradient_clipping": 0.0}  # DeepSpeed's default clips at 1.0; the reference does not clip
     engine, *_ = hethub.initialize(layers=make_layers(LAYERS), loss_fn=loss_fn, config=config, plan=plan,
                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
