@@ -157,10 +157,8 @@ def test_a_checkpoint_whose_writers_did_not_all_finish_is_never_complete(tmp_pat
     assert sorted(full["digests"]) == ["layer_00-model_states.pt", "layer_01-model_states.pt"]
 
 
-def test_hosts_left_that_cannot_hold_the_model_end_the_job_with_one_line(tmp_path):
-    """With 4 GiB a device, the model needs all four: the FAST host alone cannot hold it. Every worker ends with
-    the planner's line (exit 2) and leaves it in DIR/plans/.stop, where every host's launcher reads it and ends the
-    job instead of restarting it (no restart brings the memory back)."""
+def _plan_needing_both_hosts(tmp_path) -> str:
+    """The two-host plan where a device holds 4 GiB: the model needs all four devices."""
     small = TWO_HOSTS.model_dump(exclude_none=True)
     for kind in small["device_types"].values():
         kind["memory_gib"] = 4
@@ -170,7 +168,14 @@ def test_hosts_left_that_cannot_hold_the_model_end_the_job_with_one_line(tmp_pat
     assert plan.world_size == 4
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
-    ckpt = tmp_path / "ckpt"
+    return str(path)
+
+
+def test_hosts_left_that_cannot_hold_the_model_end_the_job_with_one_line(tmp_path):
+    """With 4 GiB a device, the model needs all four: the FAST host alone cannot hold it. Every worker ends with
+    the planner's line (exit 2) and leaves it in DIR/plans/.stop, where every host's launcher reads it and ends the
+    job instead of restarting it (no restart brings the memory back)."""
+    path, ckpt = _plan_needing_both_hosts(tmp_path), tmp_path / "ckpt"
     results = spawn(2, [WORKER, str(path), str(tmp_path / "x{rank}.json"), str(ckpt), "2", "3", FAST_ONLY],
                     timeout=60)
     for rc, _o, err in results:
@@ -230,3 +235,22 @@ def test_launch_elastic_flags_are_checked_one_line_each(tmp_path):
     el = _launch_for(tmp_path, "--log-json", "ev.jsonl")
     cmd, env = __import__("hethub.cli.elastic_launch", fromlist=["command"]).command(el)
     assert "join_timeout=120" in " ".join(cmd) and env["HETHUB_EVENTS"] == os.path.abspath("ev.jsonl")
+
+
+@pytest.mark.slow
+def test_under_torch_elastic_a_job_the_hosts_present_cannot_hold_ends_at_once(tmp_path):
+    """`hethub launch --elastic` on the FAST host alone (torch's agent, c10d rendezvous, 3 restarts allowed): its
+    workers cannot hold the model, end with the planner's line, and the launcher ends the job at once with one line
+    (exit 2) instead of letting the agent restart it three times."""
+    from dist_util import free_port
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", _plan_needing_both_hosts(tmp_path),
+           "--elastic", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--checkpoint-dir",
+           str(ckpt), "--checkpoint-every", "2", "--max-restarts", "3", "--host", "fast",
+           os.path.join(ROOT, WORKER), str(tmp_path / "log.jsonl"), "3", "0"]
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT),
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    ended = [line for line in r.stderr.splitlines() if line.startswith("error: launch --elastic")]
+    assert r.returncode == 2 and len(ended) == 1, r.stderr[-3000:]
+    assert "a worker ended on input no restart can fix: elastic: memory:" in ended[0], ended[0]
+    assert (ckpt / "plans" / ".stop").exists() and not os.path.exists(tmp_path / "log.jsonl")  # no step ran

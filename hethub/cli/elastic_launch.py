@@ -200,7 +200,7 @@ def _supervise(cmd: list[str], env: dict, stop: str) -> tuple[int, Optional[str]
     """Run torchrun until it ends or a worker asks (``stop``) for the job to end; its stderr passes through, watched
     for the rendezvous giving up. (exit code, the worker's line if it asked, whether the rendezvous timed out)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
-    seen = {"timeout": False}
+    seen = {"timeout": False, "quiet": False}
     reader = threading.Thread(target=_pass_through, args=(proc.stderr, seen), daemon=True)
     reader.start()
     stopped = None
@@ -209,6 +209,7 @@ def _supervise(cmd: list[str], env: dict, stop: str) -> tuple[int, Optional[str]
             time.sleep(WATCH_S)
             if stopped is None and os.path.exists(stop):
                 stopped = _read_stop(stop)
+                seen["quiet"] = True  # the agent's traceback for the signal below says nothing the line won't
                 os.killpg(proc.pid, signal.SIGTERM)  # the agent ends its workers
         rc = proc.wait()
     except KeyboardInterrupt:
@@ -224,8 +225,9 @@ def _supervise(cmd: list[str], env: dict, stop: str) -> tuple[int, Optional[str]
 
 def _pass_through(stream, seen: dict) -> None:
     for line in iter(stream.readline, b""):
-        sys.stderr.buffer.write(line)
-        sys.stderr.flush()
+        if not seen["quiet"]:
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
         if b"RendezvousTimeoutError" in line:
             seen["timeout"] = True
 
