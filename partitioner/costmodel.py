@@ -166,7 +166,7 @@ def layer_costs(m: ModelConfig, flash_attention: bool = True, element_bytes: flo
     # head: final norm + LM head (+ the loss's logits kept for backward)
     flops[-1] = 2.0 * s * h * v
     params[-1] = v * h + 2 * h  # tied or not, the head's stage holds the vocab x hidden weight (CostModel.range_params)
-    act[-1] = e * s * h * 2 + 4.0 * s * v  # norm input, head input, fp32 logits for the loss
+    act[-1] = e * s * h * 2 + loss_saved_bytes(m)  # norm input, head input, the loss's fp32 log-probabilities
     act_rc[-1] = act[-1]
     out[-1] = 0.0
     split_p, split_a, tp = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
@@ -298,7 +298,7 @@ class CostModel:
         self.element_bytes = ELEMENT_BYTES.get(self.dtype, 2.0)
         self.grad_bytes = GRAD_BYTES.get(self.dtype, 4.0)
         self.layers = with_measured_activations(layer_costs(self.model, self.flash_attention, self.element_bytes),
-                                                self.profiles)
+                                                self.profiles, loss_saved_bytes(self.model))
         self._params_cum = np.concatenate([[0.0], np.cumsum(self.layers.params)])
         self._split_cum = np.concatenate([[0.0], np.cumsum(self.layers.params_split)])
         self._tp_times: dict[tuple[str, int], tuple] = {}
@@ -683,12 +683,20 @@ class CostModel:
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
 
 
-def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile]) -> LayerCosts:
+def loss_saved_bytes(m: ModelConfig) -> float:
+    """Per sample: what the language-model loss keeps for its backward, the log-probabilities of every position in
+    fp32 (cross-entropy computes them in fp32 under autocast too)."""
+    return 4.0 * m.seq_length * m.vocab_size
+
+
+def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile], loss_bytes: float = 0.0
+                              ) -> LayerCosts:
     """``layers`` with the activation bytes per sample that profiles measured (``hethub profile``: what autograd
     keeps for a layer's backward) in place of the analytic formula's, which counts a fused 16-bit block (a plain
     PyTorch block keeps about twice that). Per sample from an affine fit over the profiles' micro-batch sizes (a
     fixed part is not per sample), the largest over device types; a layer's tensor-parallel share scales with it.
-    Profiles measured under tensor parallelism, or without activation bytes, change nothing."""
+    Profiles measured under tensor parallelism, or without activation bytes, change nothing. ``loss_bytes`` (per
+    sample) is added to a measured head: a profile measures the head layer alone, not the loss after it."""
     points: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for p in profiles:
         for lp in p.layers if p.tensor_parallel == 1 else ():
@@ -700,6 +708,9 @@ def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile]) -
     for (_t, idx), pts in points.items():
         per_sample[idx] = max(per_sample.get(idx, 0.0), _affine(pts)[1])
     act, split = layers.act_bytes.copy(), layers.act_split.copy()
+    head = len(act) - 1
+    if head in per_sample:  # a profile measures the head alone: the loss after it keeps more
+        per_sample[head] += loss_bytes
     for idx, b in per_sample.items():
         if idx < len(act):
             split[idx] *= b / act[idx] if act[idx] > 0 else 0.0

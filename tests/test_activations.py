@@ -91,5 +91,6 @@ def test_profiled_activation_bytes_replace_the_formula_per_sample():
             LayerProfile(index=i, kind="embedding" if i == 0 else "head" if i == n - 1 else "block", forward_ms=1,
                          backward_ms=2, activation_bytes=500 + 1000 * mb) for i in range(n)])
     measured = CostModel(CPU_CLUSTER, STACK, dtype="fp32", profiles=[profile(1), profile(4)])
-    assert list(measured.layers.act_bytes) == pytest.approx([1000.0] * n)
+    loss = 4.0 * STACK.seq_length * STACK.vocab_size  # the loss's fp32 log-probabilities: no profile sees them
+    assert list(measured.layers.act_bytes) == pytest.approx([1000.0] * (n - 1) + [1000.0 + loss])
     assert list(analytic.layers.act_bytes) != pytest.approx([1000.0] * n)
