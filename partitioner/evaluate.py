@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .costmodel import CostModel
+from .costmodel import CostModel, loss_saved_bytes
 from .chunked import chunk_orders
 from .records import CHUNKED, Plan, Predicted
 from .schedule import overlaps, peak_in_flight, trailing_weight_passes
@@ -148,13 +148,20 @@ def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order
     order = order if order is not None else chunk_orders(plan, plan.num_micro_batches)[s]
     act = cm.layers.act_bytes_recompute if st.recompute else cm.act_bytes(st.tensor_parallel)
     per_chunk = {c.position: float(act[c.first:c.last].sum()) * samples for c in plan.pipeline if c.group == s}
+    # the loss's log-probabilities (in the head's bytes) serve the input gradient only: a split B frees them
+    loss = {c.position: loss_saved_bytes(cm.model) * samples for c in plan.pipeline
+            if c.group == s and c.last == len(act)}
     split = {(mb, k) for kind, mb, k in order if kind == "W"}
     held = peak = 0.0
     for kind, mb, k in order:
         if kind == "F":
             held += per_chunk[k]
             peak = max(peak, held)
-        elif kind == "W" or (kind == "B" and (mb, k) not in split):
+        elif kind == "B" and (mb, k) in split:
+            held -= loss.get(k, 0.0)
+        elif kind == "W":
+            held -= per_chunk[k] - loss.get(k, 0.0)
+        elif kind == "B":
             held -= per_chunk[k]
     return peak
 

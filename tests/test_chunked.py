@@ -223,6 +223,27 @@ def test_chunked_memory_follows_each_schedule_in_flight_activations():
     assert predict(il, cm).memory_gib[0] > predict(plain, cm).memory_gib[0]
 
 
+def test_a_split_backward_frees_the_loss_log_probabilities_before_the_weight_pass():
+    """The loss's fp32 log-probabilities (kept with the head's activations) serve the input gradient only: under
+    a split backward the chunk holding the head keeps them until its B, the rest until its W (measured by
+    benchmarks/chunked.py: zb-v's group 0 was predicted up to 12.6% high before)."""
+    from hethub.partitioner.costmodel import loss_saved_bytes
+    from hethub.partitioner.evaluate import activation_peak_bytes
+    cm = CostModel(CPU_CLUSTER, STACK)
+    last = BALANCED.pipeline[-1]
+    whole = float(cm.act_bytes()[last.first:last.last].sum()) * 4
+    loss = loss_saved_bytes(STACK) * 4
+    k = last.position
+    split = [("F", 0, k), ("B", 0, k), ("F", 1, k), ("W", 0, k), ("B", 1, k), ("W", 1, k)]
+    whole_b = [("F", 0, k), ("B", 0, k), ("F", 1, k), ("B", 1, k)]
+    assert activation_peak_bytes(BALANCED, cm, last.group, 4, split) == pytest.approx(2 * whole - loss)
+    assert activation_peak_bytes(BALANCED, cm, last.group, 4, whole_b) == pytest.approx(whole)
+    first = BALANCED.pipeline[0]  # no head: all of it waits for W
+    f = [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("W", 0, 0)]
+    assert activation_peak_bytes(BALANCED, cm, first.group, 4, f) == pytest.approx(
+        2 * float(cm.act_bytes()[first.first:first.last].sum()) * 4)
+
+
 def test_auto_keeps_the_fastest_variant_that_fits_and_reports_each():
     cm = CostModel(CPU_CLUSTER, STACK)
     plan = BALANCED.model_copy(update={"predicted": predict(BALANCED, cm)})
