@@ -17,6 +17,34 @@ TWO_TYPE = Cluster.model_validate({
     "network": {"intra_node_gbps": 2400, "inter_node_gbps": 200}})
 
 
+# The elastic tests' model and cluster: priced as a model large enough that the planner uses every device (the
+# ranks train the small layer stack), on two hosts of two FAST and two SLOW devices.
+ELASTIC_PRICED = ModelConfig(name="stack-priced", architecture="gpt", num_layers=5, hidden_size=2048,
+                             num_attention_heads=16, ffn_hidden_size=8192, vocab_size=512, seq_length=512)
+
+
+def two_host_cluster(fast: str, slow: str, memory_gib: float = 64) -> Cluster:
+    return Cluster.model_validate({
+        "name": "fast-slow",
+        "device_types": {k: {"vendor": "cpu", "peak_tflops": {"fp32": tf}, "memory_gib": memory_gib, "memory_gbps": 20}
+                         for k, tf in (("FAST", 2), ("SLOW", 1))},
+        "nodes": [{"host": fast, "device_type": "FAST", "count": 2}, {"host": slow, "device_type": "SLOW", "count": 2}],
+        "network": {"intra_node_gbps": 800, "inter_node_gbps": 100}})
+
+
+def write_elastic_plan(cluster: Cluster, path) -> str:
+    """The planner's plan of ELASTIC_PRICED on ``cluster`` (global batch 8, every device used), written to ``path``."""
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.costmodel import CostModel
+    from hethub.partitioner.planner import PlannerOptions
+    plan = make_plan(cluster, ELASTIC_PRICED, 8, opts=PlannerOptions(time_limit_s=2, max_tensor_parallel=1),
+                     with_homogeneous_sum=False, cost_model=CostModel(cluster, ELASTIC_PRICED, dtype="fp32"))
+    assert plan.world_size == 4
+    with open(path, "w") as f:
+        f.write(plan.to_json())
+    return str(path)
+
+
 def random_instance(seed: int, vendors=("nvidia", "amd"), min_types: int = 1):
     rng = random.Random(seed)
     n_types = rng.randint(min_types, 3)

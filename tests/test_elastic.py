@@ -17,36 +17,20 @@ import pytest
 
 from conftest import ROOT
 from dist_util import spawn
-from hethub.partitioner import Cluster, ModelConfig, load_plan
-from hethub.partitioner.api import make_plan
-from hethub.partitioner.costmodel import CostModel
-from hethub.partitioner.planner import PlannerOptions
+from hethub.partitioner import load_plan
+from instances import two_host_cluster, write_elastic_plan
 
 pytestmark = pytest.mark.dist
 
 pytest.importorskip("deepspeed")
 
 WORKER = os.path.join("tests", "workers", "elastic.py")
-# Priced as a model large enough that the planner uses every device (the ranks train the 7-layer stack).
-PRICED = ModelConfig(name="stack-priced", architecture="gpt", num_layers=5, hidden_size=2048, num_attention_heads=16,
-                     ffn_hidden_size=8192, vocab_size=512, seq_length=512)
-TWO_HOSTS = Cluster.model_validate({
-    "name": "fast-slow",
-    "device_types": {"FAST": {"vendor": "cpu", "peak_tflops": {"fp32": 2}, "memory_gib": 64, "memory_gbps": 20},
-                     "SLOW": {"vendor": "cpu", "peak_tflops": {"fp32": 1}, "memory_gib": 64, "memory_gbps": 20}},
-    "nodes": [{"host": "fast", "device_type": "FAST", "count": 2}, {"host": "slow", "device_type": "SLOW", "count": 2}],
-    "network": {"intra_node_gbps": 800, "inter_node_gbps": 100}})
+TWO_HOSTS = two_host_cluster("fast", "slow")
 BOTH, FAST_ONLY = "fast,fast,slow,slow", "fast,fast"
 
 
 def _base_plan(tmp_path) -> str:
-    plan = make_plan(TWO_HOSTS, PRICED, 8, opts=PlannerOptions(time_limit_s=2, max_tensor_parallel=1),
-                     with_homogeneous_sum=False, cost_model=CostModel(TWO_HOSTS, PRICED, dtype="fp32"))
-    assert plan.world_size == 4
-    path = str(tmp_path / "plan.json")
-    with open(path, "w") as f:
-        f.write(plan.to_json())
-    return path
+    return write_elastic_plan(TWO_HOSTS, tmp_path / "plan.json")
 
 
 def _phase(tmp_path, plan, name, hosts, last, ckpt_name="ckpt", background="1"):
@@ -159,16 +143,7 @@ def test_a_checkpoint_whose_writers_did_not_all_finish_is_never_complete(tmp_pat
 
 def _plan_needing_both_hosts(tmp_path) -> str:
     """The two-host plan where a device holds 4 GiB: the model needs all four devices."""
-    small = TWO_HOSTS.model_dump(exclude_none=True)
-    for kind in small["device_types"].values():
-        kind["memory_gib"] = 4
-    cluster = Cluster.model_validate(small)
-    plan = make_plan(cluster, PRICED, 8, opts=PlannerOptions(time_limit_s=2, max_tensor_parallel=1),
-                     with_homogeneous_sum=False, cost_model=CostModel(cluster, PRICED, dtype="fp32"))
-    assert plan.world_size == 4
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    return str(path)
+    return write_elastic_plan(two_host_cluster("fast", "slow", memory_gib=4), tmp_path / "plan.json")
 
 
 def test_hosts_left_that_cannot_hold_the_model_end_the_job_with_one_line(tmp_path):

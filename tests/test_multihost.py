@@ -182,25 +182,8 @@ def test_hosts_that_see_checkpoints_of_different_steps_refuse_to_resume(tmp_path
 
 def _elastic_plan(tmp_path) -> str:
     """Two hosts at ADDRS: FAST x2 and SLOW x2, planned (as a model big enough to use all four) for the stack."""
-    from hethub.partitioner import Cluster, ModelConfig
-    from hethub.partitioner.api import make_plan
-    from hethub.partitioner.costmodel import CostModel
-    from hethub.partitioner.planner import PlannerOptions
-    priced = ModelConfig(name="stack-priced", architecture="gpt", num_layers=5, hidden_size=2048,
-                         num_attention_heads=16, ffn_hidden_size=8192, vocab_size=512, seq_length=512)
-    cluster = Cluster.model_validate({
-        "name": "fast-slow",
-        "device_types": {"FAST": {"vendor": "cpu", "peak_tflops": {"fp32": 2}, "memory_gib": 64, "memory_gbps": 20},
-                         "SLOW": {"vendor": "cpu", "peak_tflops": {"fp32": 1}, "memory_gib": 64, "memory_gbps": 20}},
-        "nodes": [{"host": ADDRS[0], "device_type": "FAST", "count": 2},
-                  {"host": ADDRS[1], "device_type": "SLOW", "count": 2}],
-        "network": {"intra_node_gbps": 800, "inter_node_gbps": 100}})
-    plan = make_plan(cluster, priced, 8, opts=PlannerOptions(time_limit_s=2, max_tensor_parallel=1),
-                     with_homogeneous_sum=False, cost_model=CostModel(cluster, priced, dtype="fp32"))
-    assert plan.world_size == 4
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    return str(path)
+    from instances import two_host_cluster, write_elastic_plan
+    return write_elastic_plan(two_host_cluster(ADDRS[0], ADDRS[1]), tmp_path / "plan.json")
 
 
 def _elastic_start(host, plan: str, port: int, ckpt: str, log: str, last: int) -> subprocess.Popen:
