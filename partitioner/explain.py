@@ -18,6 +18,7 @@ micro-batch allow wider stages, and more micro-batches shrink the bubble a deepe
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from .costmodel import CostModel
 from .errors import InfeasibleError
@@ -56,25 +57,32 @@ def explain(plan: Plan, cm: CostModel, opts: PlannerOptions, solve) -> list[str]
     ``solve(cm, global_batch, opts)`` is the planner (passed in: this module does not import the API)."""
     used = plan.devices_by_type()
     lines = []
+    plans: dict[int, Optional[Plan]] = {}  # global batch -> its plan (None: infeasible), shared by every idle type
     for t, total in cm.cluster.count_by_type().items():
         u = used.get(t, 0)
         if u >= total:
             lines.append(f"{t}: all {total} used")
             continue
         line = f"{t}: {u} of {total} used; {total - u} idle — {idle_reason(plan, cm, t, total - u)}"
-        hint = _bring_in(plan, cm, opts, solve, t, u)
+        hint = _bring_in(plan, cm, opts, solve, t, u, plans)
         lines.append(line + (f"; {hint}" if hint else ""))
     return lines
 
 
-def _bring_in(plan: Plan, cm: CostModel, opts: PlannerOptions, solve, t: str, used: int) -> str:
-    """A what-if that uses more devices of ``t``: the global batch doubled, up to 8x (compared per sample)."""
+def _bring_in(plan: Plan, cm: CostModel, opts: PlannerOptions, solve, t: str, used: int,
+              plans: dict[int, Optional[Plan]]) -> str:
+    """A what-if that uses more devices of ``t``: the global batch doubled, up to 8x (compared per sample).
+    ``plans`` holds the what-ifs solved so far (another idle type asks for the same batches)."""
     G = plan.global_batch_size
     quick = replace(opts, time_limit_s=max(opts.time_limit_s / 4, 1.0))
     for factor in (2, 4, 8):
-        try:
-            bigger = solve(cm, factor * G, quick)
-        except InfeasibleError:
+        if factor * G not in plans:
+            try:
+                plans[factor * G] = solve(cm, factor * G, quick)
+            except InfeasibleError:
+                plans[factor * G] = None
+        bigger = plans[factor * G]
+        if bigger is None:
             continue
         more = bigger.devices_by_type().get(t, 0)
         if more > used:
