@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
 EVENTS_ENV = "HETHUB_EVENTS"  # the --log-json file, handed by ``hethub launch --elastic`` to its workers
 STOP_FILE = ".stop"
 MAX_REASON_CHARS = 2000
+
+
+_STEP_PLAN = re.compile(r"step-(\d{1,12})\.json")
+
+
+def plan_files(checkpoint_dir: str) -> list[tuple[int, str]]:
+    """(step it took over at, path) of every plan an elastic run recorded (``DIR/plans/step-<k>.json``), by step."""
+    folder = os.path.join(checkpoint_dir, "plans")
+    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := _STEP_PLAN.fullmatch(name))]
+    return [(step, os.path.join(folder, name)) for step, name in sorted(found)]
 
 
 def stop_path(checkpoint_dir: str) -> str:
@@ -58,3 +69,12 @@ def request_stop(checkpoint_dir: str, message: str) -> None:
     except OSError as exc:  # the agent then restarts the job until --max-restarts: said, not hidden
         sys.stderr.write(f"hethub: could not ask the launchers to end the job ({path[:160]}: "
                          f"{exc.strerror or exc}); the agent restarts it up to --max-restarts times\n")
+
+
+def read_stop(path: str) -> str:
+    """The line a worker left in ``path`` (``request_stop``), for the launcher's last line."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(MAX_REASON_CHARS).strip().splitlines()[0] if os.path.getsize(path) else "(no reason given)"
+    except (OSError, IndexError):
+        return "(its reason could not be read)"

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, check_host, load_plan
-from ..events import EVENTS_ENV, log_event, stop_path
+from ..events import EVENTS_ENV, log_event, read_stop, stop_path
 
 # flag -> (kind, default); None: required
 FLAGS = {"--master_addr": (str, None), "--master_port": (int, None), "--checkpoint-dir": (str, None),
@@ -208,7 +208,7 @@ def _supervise(cmd: list[str], env: dict, stop: str) -> tuple[int, Optional[str]
         while proc.poll() is None:
             time.sleep(WATCH_S)
             if stopped is None and os.path.exists(stop):
-                stopped = _read_stop(stop)
+                stopped = read_stop(stop)
                 seen["quiet"] = True  # the agent's traceback for the signal below says nothing the line won't
                 os.killpg(proc.pid, signal.SIGTERM)  # the agent ends its workers
         rc = proc.wait()
@@ -231,10 +231,3 @@ def _pass_through(stream, seen: dict) -> None:
         if b"RendezvousTimeoutError" in line:
             seen["timeout"] = True
 
-
-def _read_stop(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(2000).strip().splitlines()[0] if os.path.getsize(path) else "(no reason given)"
-    except (OSError, IndexError):
-        return "(its reason could not be read)"

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 from rich.console import Console
 from rich.table import Table
 
+from ..events import plan_files
 from ..partitioner.errors import InputError
 from ..partitioner.outputs import count
 from ..partitioner.provenance import as_notes
@@ -98,17 +98,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-_STEP_PLAN = re.compile(r"step-(\d{1,12})\.json")
-
-
 def run_plans(checkpoint_dir: str) -> list[tuple[int, Plan]]:
     """(step it took over at, plan) of every plan an elastic run ran under (``DIR/plans/step-<k>.json``), by step."""
-    folder = os.path.join(checkpoint_dir, "plans")
-    if not os.path.isdir(folder):
+    if not os.path.isdir(os.path.join(checkpoint_dir, "plans")):
         raise InputError("show", f"{checkpoint_dir[:160]!r} is neither a plan file nor an elastic run's checkpoint "
                                  "directory (it has no plans/ folder)")
-    found = sorted((int(m.group(1)), name) for name in os.listdir(folder) if (m := _STEP_PLAN.fullmatch(name)))
-    return [(step, load_plan(os.path.join(folder, name))) for step, name in found]
+    return [(step, load_plan(path)) for step, path in plan_files(checkpoint_dir)]
 
 
 def print_run(checkpoint_dir: str, console: Console | None = None) -> None:

@@ -195,11 +195,6 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
     return result
 
 
-def _host(engine) -> str:
-    stage, replica = engine.plan.locate(engine.global_rank)
-    return engine.plan.stages[stage].replicas[replica].host
-
-
 def agree(engine, error: Optional[str], what: str) -> None:
     """Collective: every rank gives its own verdict (None: fine); when any rank failed, every rank ends with
     exit 2, the failed rank with its message, the others naming it, so none is left waiting in a collective."""

@@ -18,7 +18,7 @@ import os
 import time
 from typing import Optional, Sequence
 
-from ..events import EVENTS_ENV, say
+from ..events import EVENTS_ENV, plan_files, say
 from ..partitioner.api import make_plan
 from ..partitioner.costmodel import CostModel
 from ..partitioner.errors import InputError
@@ -117,8 +117,9 @@ def _plan_text(base: Plan, ranks: Sequence[tuple[str, int]], checkpoint_dir: str
     cluster = sub_cluster(base.cluster, ranks)
     step = resume_step(checkpoint_dir)
     t0 = time.perf_counter()
-    plan = base if same_devices(base, cluster) else replan(base, cluster)
-    planned_s = time.perf_counter() - t0
+    replanned = not same_devices(base, cluster)
+    plan = replan(base, cluster) if replanned else base
+    planned_s = time.perf_counter() - t0 if replanned else None
     if plan.world_size != len(ranks):
         raise InputError("elastic", f"the plan for the hosts present uses {plan.world_size} of their {len(ranks)} "
                                     "devices; an elastic run needs every present device in its plan (a host with "
@@ -126,23 +127,18 @@ def _plan_text(base: Plan, ranks: Sequence[tuple[str, int]], checkpoint_dir: str
     plan = renumber(plan, ranks)
     plans = os.path.join(checkpoint_dir, "plans")
     os.makedirs(plans, exist_ok=True)
-    before = _previous_plan(plans, step)
+    before = _previous_plan(checkpoint_dir, step)
     write_atomic(os.path.join(plans, f"step-{step}.json"), plan.to_json(), "plan")
-    _say(base, before, plan, cluster, step, planned_s if not same_devices(base, cluster) else None)
+    _say(base, before, plan, cluster, step, planned_s)
     return plan.to_json()
 
 
-def _previous_plan(plans: str, step: int) -> Optional[Plan]:
+def _previous_plan(checkpoint_dir: str, step: int) -> Optional[Plan]:
     """The plan the job ran under before this start (the newest ``step-<k>.json`` with k <= step), if any."""
-    found = []
-    for name in os.listdir(plans):
-        k = name[5:-5]
-        if name.startswith("step-") and name.endswith(".json") and k.isdigit() and int(k) <= step:
-            found.append((int(k), name))
-    for _k, name in sorted(found, reverse=True):
+    for _k, path in reversed([(k, p) for k, p in plan_files(checkpoint_dir) if k <= step]):
         try:
-            with open(os.path.join(plans, name), encoding="utf-8") as f:
-                return parse_record(Plan, json.loads(f.read()), name)
+            with open(path, encoding="utf-8") as f:
+                return parse_record(Plan, json.loads(f.read()), os.path.basename(path))
         except (OSError, ValueError, InputError):
             continue  # not one this hethub wrote: an older one says what ran before
     return None

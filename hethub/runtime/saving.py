@@ -73,8 +73,10 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     poll(engine, wait=True)  # a write still in flight finishes first: checkpoints complete in step order
     job = _prepare(engine, save_dir, tag, client_state)
     files = _snapshot(engine)
-    job.thread = threading.Thread(target=_write, args=(job, files), name=f"hethub-checkpoint-{job.tag}", daemon=True)
-    job.thread.start()
+    if job.rank in job.writers:  # the others have nothing to write: their part is done
+        job.thread = threading.Thread(target=_write, args=(job, files), name=f"hethub-checkpoint-{job.tag}",
+                                      daemon=True)
+        job.thread.start()
     engine.pending_checkpoint = job
     _LAST[0] = job
     if not background:
@@ -156,7 +158,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write(job: Pending, files: dict[str, Any]) -> None:
-    """The thread: this rank's files, then its record of their digests (or of the error it met)."""
+    """The thread of a writer: its files, then its record of their digests (or of the error it met)."""
     digests: dict[str, str] = {}
     try:
         for name, obj in files.items():
@@ -165,12 +167,11 @@ def _write(job: Pending, files: dict[str, Any]) -> None:
             digests[name] = sha256_file(path)
     except OSError as exc:  # disk full, quota: the checkpoint is never published, the previous one stays intact
         job.error = f"checkpoint: cannot write in {job.tmp[:100]!r}: {exc.strerror or type(exc).__name__}"
-    if job.rank in job.writers:
-        try:
-            record = {"error": job.error} if job.error else {"digests": digests}
-            write_atomic(os.path.join(job.tmp, _WRITTEN.format(rank=job.rank)), json.dumps(record), "checkpoint")
-        except (OSError, InputError) as exc:
-            job.error = job.error or f"checkpoint: cannot write in {job.tmp[:100]!r}: {exc}"
+    try:
+        record = {"error": job.error} if job.error else {"digests": digests}
+        write_atomic(os.path.join(job.tmp, _WRITTEN.format(rank=job.rank)), json.dumps(record), "checkpoint")
+    except (OSError, InputError) as exc:
+        job.error = job.error or f"checkpoint: cannot write in {job.tmp[:100]!r}: {exc}"
 
 
 def _records(job: Pending) -> dict[str, str]:
