@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 
+from .groups import SEND_WINDOW
 from .records import CHUNKED, Plan, chunk_group
 
 Order = list[tuple[str, int, int]]  # (F|B|W, micro-batch, chunk position)
@@ -149,12 +150,19 @@ class _ZeroBubbleV(_ListScheduler):
         room = self.held[g] + (self.nxt_f[down] - self.nxt_f[up]) + 2 <= self.cap or not self.train or self.forced
         for k in (up, down):  # the V's second leg first: it leads to the loss
             mb = self.nxt_f[k]
-            if mb < M and self.fwd_ready(mb, k, now) and (k == up or room):
+            if mb < M and self.fwd_ready(mb, k, now) and (k == up or room) and self.consumed(mb, k):
                 return "F", mb, k
         if self.pending_w[g]:
             mb, k = self.pending_w[g][0]
             return "W", mb, k
         return None
+
+    def consumed(self, mb: int, k: int) -> bool:
+        """Evaluation only: chunk k runs at most ``SEND_WINDOW`` forwards ahead of the chunk its output goes to (a
+        rank holds that many unfinished sends per peer; without training's cap on held activations, the first leg
+        would otherwise send a whole batch ahead and block on the window before its second leg, which the group
+        downstream waits for). The last chunk has no consumer, so the chain always has a forward to run."""
+        return self.train or k == self.V - 1 or mb - self.nxt_f[k + 1] < SEND_WINDOW
 
     def record(self, g: int, kind: str, mb: int, k: int) -> None:
         if kind == "F":

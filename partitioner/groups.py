@@ -16,6 +16,10 @@ The rules, one home each:
   one stream; with both directions on one group, stage s's ``recv G0`` waits behind stage s+1's ``recv A1`` and
   vice versa (every plan with two stages and two micro-batches deadlocks). A group's operations stay in the order
   the schedule posts them: that order is part of the schedule's contract, and ``ordering.check_order`` proves it.
+- **Bounded sends.** A rank keeps at most ``SEND_WINDOW`` unfinished sends per (direction, peer); the next one
+  waits for the oldest. A send holds its packed buffer until it completes, which takes the receiver posting its
+  receive: a stage running ahead of its neighbour would otherwise hold one buffer per micro-batch. The replay
+  proves the product's schedules finish under the bound.
 - **Control.** Small control messages (checks, agreements, loss and norm scalars, barriers) go over one gloo group
   on host tensors (``CONTROL``), whatever the accelerator: they never meet NCCL's ordering or a vendor boundary.
 """
@@ -27,6 +31,7 @@ from typing import Optional, Sequence
 from .records import Plan
 
 GLOO, ACCEL = "gloo", "accelerator"
+SEND_WINDOW = 2  # unfinished sends a rank keeps per (direction, peer)
 CONTROL = "control"
 
 

@@ -14,6 +14,10 @@ buffered sends either):
   them before posting its data receives (the runtime does exactly this).
 - Per (rank, group), operations run one at a time in posting order; the head send of rank a to b and the head
   receive of b from a run together, and must be the same message (else the data would land in the wrong buffer).
+- **Bounded sends.** A rank keeps at most ``SEND_WINDOW`` (2) unfinished sends per (direction, peer): an ``SA`` or
+  ``SG`` whose peer already has two waits, blocking the rank, until the oldest has run (the runtime holds each
+  send's buffer until it completes; without the bound a stage running ahead of its neighbour would hold one per
+  micro-batch). A send's messages to one peer (its tensors, and the metadata before the first) count as one.
 - ``F`` waits for its ``RA``'s receives, ``B`` for its ``RG``'s; ``AR`` waits for the stage's replicas, ``OPT``
   for every rank (the gradient norm); at the end a rank waits for all of its operations.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .errors import InputError
-from .groups import transfer_group
+from .groups import SEND_WINDOW, transfer_group
 from .records import Plan
 from .schedule import Action
 
@@ -38,6 +42,11 @@ GroupOf = Callable[[str, int], tuple]  # (action kind, stage) -> the group key i
 
 class OrderError(InputError):
     """A schedule that deadlocks, or mis-delivers a message, under NCCL's ordering."""
+
+
+class MispairedError(OrderError):
+    """Two ranks' next operations on a group are different messages: NCCL would deliver one into the other's
+    buffer (where tags would have matched them)."""
 
 
 @dataclass
@@ -60,6 +69,7 @@ class _Rank:
     meta_sent: set = field(default_factory=set)  # groups this rank sent its metadata on
     meta_recvd: set = field(default_factory=set)
     ops: list = field(default_factory=list)
+    sends: dict = field(default_factory=dict)  # (direction, peer) -> ops of each send not yet finished, oldest first
 
 
 def per_direction(kind: str, stage: int) -> tuple:
@@ -95,14 +105,32 @@ class _Replay:
         st.ops += ops
         return ops
 
+    def _window_full(self, st: _Rank, a: Action) -> bool:
+        """Whether a peer of send ``a`` still has ``SEND_WINDOW`` unfinished sends from this rank."""
+        for t in a.transfers:
+            held = st.sends.get((a.kind, t.peer), [])
+            held[:] = [ops for ops in held if not all(op.done for op in ops)]
+            if len(held) >= SEND_WINDOW:
+                return True
+        return False
+
+    def _hold(self, st: _Rank, a: Action, ops: list[_Op]) -> None:
+        for t in a.transfers:
+            if t.peer != st.rank:
+                st.sends.setdefault((a.kind, t.peer), []).append([op for op in ops if op.peer == t.peer])
+
     def _ready(self, st: _Rank, a: Action) -> bool:
         """Whether the rank may run action ``a`` now (posting it if it posts), else it waits."""
         k, group = a.kind, (self._group(st, a) if a.kind in ("SA", "RA", "SG", "RG") else None)
+        if k in ("SA", "SG") and self._window_full(st, a):
+            return False
         if k == "SA":
+            meta = []
             if group not in st.meta_sent:
-                self._post(st, a, meta=True)
+                meta = self._post(st, a, meta=True)
                 st.meta_sent.add(group)
             st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
+            self._hold(st, a, meta + st.posted[("A", a.mb, a.chunk)])
         elif k == "RA":
             if group not in st.meta_recvd:
                 if ("meta", group) not in st.posted:
@@ -113,6 +141,8 @@ class _Replay:
             st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
         elif k in ("SG", "RG"):
             st.posted[("G", a.mb, a.chunk)] = self._post(st, a)
+            if k == "SG":
+                self._hold(st, a, st.posted[("G", a.mb, a.chunk)])
         elif k == "F" and vstage(self.plan, st.rank, a) > 0:
             return all(op.done for op in st.posted.get(("A", a.mb, a.chunk), ()))
         elif k == "B" and vstage(self.plan, st.rank, a) < len(self.plan.pipeline) - 1:
@@ -149,7 +179,7 @@ class _Replay:
                 continue
             peer_op = other[0]
             if peer_op.message != op.message:
-                raise OrderError("schedule", f"rank {rank} at {op.action} and rank {op.peer} at {peer_op.action} pair "
+                raise MispairedError("schedule", f"rank {rank} at {op.action} and rank {op.peer} at {peer_op.action} pair "
                                              f"different messages ({_text(op.message)} vs {_text(peer_op.message)}) "
                                              f"on {_group_text(group)}: NCCL matches a group's messages in posting "
                                              "order")

@@ -2,7 +2,10 @@
 
 The replay follows the runtime's semantics (``schedule`` module docstring): posting a send or a
 receive takes no time and never blocks; a transfer starts once both its send and its receive are
-posted and its links are free, and takes the cost model's p2p time; a forward (backward) starts once
+posted, every operation either rank posted before it on the same group has finished (NCCL runs a
+group's operations in issue order, one at a time; so does the runtime's ordered transport on gloo)
+and its links are free, and takes the cost model's p2p time; a send waits (blocking its rank) while
+its peer has ``SEND_WINDOW`` unfinished sends from the rank; a forward (backward) starts once
 the rank is free and every transfer of its activations (gradients) has arrived. Inter-node transfers
 hold the sending host's NIC (egress) and the receiving host's NIC (ingress) — one resource per
 direction per node, shared by all its ranks; intra-node transfers share nothing. A stage's all-reduce
@@ -15,12 +18,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .costmodel import CostModel, allreduce_end_s
 from .errors import InputError, missing_package
-from .ordering import check_order, vstage
+from .groups import SEND_WINDOW, transfer_group
+from .ordering import MispairedError, OrderError, check_order, vstage
 from .outputs import count, write_atomic
 from .records import CHUNKED, Plan
 from .schedule import Action, Transfer, build_schedule, lead_ranks
@@ -186,10 +191,23 @@ def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]]
                                             f"parallel group's lead), got {_short_ranks(sorted(sched))}")
         check_matching(sched)
         check_structure(plan, sched, train)
-        result = _Replay(plan, cm, sched).run()  # a deadlock even where messages match by tag: named here first
-        check_order(plan, sched)  # ... and one only NCCL's issue order has (the plan's own schedules pass it)
+        try:
+            result = _Replay(plan, cm, sched).run()
+        except ScheduleError:
+            _refuse_mispaired(plan, sched)  # the exact reason where one exists: messages NCCL would mis-pair
+            raise
+        check_order(plan, sched)  # a deadlock the timed replay's order does not meet (the plan's own pass)
         return result
     return _Replay(plan, cm, sched).run()
+
+
+def _refuse_mispaired(plan: Plan, sched: dict[int, list[Action]]) -> None:
+    try:
+        check_order(plan, sched)
+    except MispairedError:
+        raise
+    except OrderError:
+        return  # a plain deadlock: the timed replay's own message names what each rank waits for
 
 
 def _first_gap(busy: list[tuple[float, float]], t: float, dur: float) -> float:
@@ -219,6 +237,12 @@ class _Replay:
         self.recv_post: dict[tuple, float] = {}
         self.done: dict[tuple, float] = {}  # transfer key -> time its data arrived
         self.recv_keys: dict[tuple, list[tuple]] = {}  # (rank, "A"|"G", mb) -> keys of that receive
+        # (rank, group) -> its transfers not yet finished, in posting order; and when its last one finished
+        self.lanes: dict[tuple, deque] = {}
+        self.lane_free: dict[tuple, float] = {}
+        self.key_lanes: dict[tuple, tuple[tuple, tuple]] = {}  # transfer key -> (sender's lane, receiver's lane)
+        self.key_stop: dict[tuple, int] = {}
+        self.held: dict[tuple, list[tuple]] = {}  # (rank, "SA"|"SG", peer) -> its unfinished sends, oldest first
         self.nic_out: dict[str, list[tuple[float, float]]] = {}  # host -> sorted busy intervals
         self.nic_in: dict[str, list[tuple[float, float]]] = {}
         self.ar_waiting: dict[int, dict[int, float]] = {}  # stage -> {rank: time it reached its AR}
@@ -275,10 +299,11 @@ class _Replay:
         return self.transfer_cache[k]
 
     def start_transfer(self, key: tuple, stop: int) -> None:
-        """Both halves are posted: the data moves once the links are free."""
+        """Both halves are posted and head their groups' queues: the data moves once the links are free."""
         src, dst, kind, mb, boundary, start_row = key
         dur, same = self.transfer_s(src, dst, boundary, stop - start_row)
-        begin = max(self.send_post[key], self.recv_post[key])
+        lanes = self.key_lanes.get(key, ())
+        begin = max([self.send_post[key], self.recv_post[key]] + [self.lane_free.get(q, 0.0) for q in lanes])
         if not same:
             srep, drep = self.where[src][1], self.where[dst][1]
             out, inn = self.nic_out.setdefault(srep.host, []), self.nic_in.setdefault(drep.host, [])
@@ -289,15 +314,38 @@ class _Replay:
             bisect.insort(inn, (begin, begin + dur))
         self.done[key] = begin + dur
         self.events.append(Event(src, f"{kind}{mb}>r{dst}", "transfer", mb, begin, begin + dur))
+        for q in lanes:
+            self.lanes[q].popleft()
+            self.lane_free[q] = begin + dur
+
+    def _run_heads(self, lanes: list[tuple]) -> None:
+        """Start every transfer that heads both of its queues and is posted on both sides, following the chain
+        each start opens (a loop, not recursion: one post can release a whole pipeline's queued transfers)."""
+        while lanes:
+            queue = self.lanes.get(lanes.pop())
+            if not queue:
+                continue
+            key = queue[0]
+            mine = self.key_lanes[key]
+            if key in self.send_post and key in self.recv_post and all(self.lanes[q][0] == key for q in mine):
+                self.start_transfer(key, self.key_stop[key])
+                lanes.extend(mine)
 
     def post(self, r: int, a: Action) -> None:
         sending = a.kind in ("SA", "SG")
+        group = transfer_group(a.kind, vstage(self.plan, r, a))
         keys = []
         for t in a.transfers:
             k = self.key(r, a, t)
             (self.send_post if sending else self.recv_post)[k] = self.clock[r]
             keys.append(k)
-            if k in self.send_post and k in self.recv_post:
+            if t.peer != r:  # a rank handing rows to itself runs no operation
+                lane = (r, group)
+                self.lanes.setdefault(lane, deque()).append(k)
+                self.key_lanes[k] = self.key_lanes.get(k, ()) + (lane,)
+                self.key_stop[k] = t.stop
+                self._run_heads([lane])
+            elif k in self.send_post and k in self.recv_post:
                 self.start_transfer(k, t.stop)
         if not sending:
             self.recv_keys[(r, a.kind[1], a.mb, a.chunk)] = keys
@@ -337,10 +385,32 @@ class _Replay:
             self.pc[q] += 1
         return True
 
+    def window_free(self, r: int, a: Action) -> Optional[float]:
+        """When send ``a`` may post: once each peer has fewer than ``SEND_WINDOW`` unfinished sends from rank r
+        (the runtime waits for the oldest); None: one of those has not started yet."""
+        t = self.clock[r]
+        for tr in a.transfers:
+            held = self.held.get((r, a.kind, tr.peer), [])
+            while held and len(held) >= SEND_WINDOW:
+                if held[0] not in self.done:
+                    return None
+                t = max(t, self.done[held.pop(0)])
+            held[:] = [k for k in held if k not in self.done or self.done[k] > t]
+        return t
+
     def step(self, r: int) -> bool:
         """Advance rank r by one action if it can; False when it must wait."""
         a = self.sched[r][self.pc[r]]
-        if a.kind in ("SA", "SG", "RA", "RG"):
+        if a.kind in ("SA", "SG"):
+            t = self.window_free(r, a)
+            if t is None:
+                return False
+            self.clock[r] = t
+            self.post(r, a)
+            for tr in a.transfers:
+                if tr.peer != r:
+                    self.held.setdefault((r, a.kind, tr.peer), []).append(self.key(r, a, tr))
+        elif a.kind in ("RA", "RG"):
             self.post(r, a)
         elif a.kind == "AR":
             return self.try_allreduce(r)

@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT
 from dist_util import spawn
 from hethub.partitioner import Cluster, ModelConfig, Plan
+from hethub.partitioner.groups import SEND_WINDOW
 from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.schedule import build_schedule, format_schedule
 from instances import CASES, CPU_CLUSTER, STACK, stack_plan
@@ -56,9 +57,13 @@ def run_and_compare(tmp_path, plan, rtol, atol, sched=None, extra=()):
             seen.add(k)
     assert seen == set(ref["params"]), "every layer's weights were checked"
     sched = sched or build_schedule(plan)
+    held = []
     for rank in range(plan.world_size):  # each rank ran exactly its schedule's actions, in order
-        got_trace = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)["trace"]
-        assert got_trace == format_schedule(sched[rank]), f"rank {rank}"
+        out = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=True)
+        assert out["trace"] == format_schedule(sched[rank]), f"rank {rank}"
+        held.append(out["sends_held"])
+    # sends held at once per (direction, peer): never past the window, whatever M (the ranks that send hold some)
+    assert max(held) <= SEND_WINDOW and (max(held) >= 1 or len(plan.pipeline) == 1), held
     # Sanity: training moved the weights and the loss.
     assert not torch.equal(ref["losses"][0], ref["losses"][-1])
     return got, ref

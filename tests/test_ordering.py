@@ -92,8 +92,8 @@ def test_receives_posted_out_of_order_are_refused_naming_both_ranks():
 
 
 def test_hethub_simulate_refuses_a_schedule_only_nccl_deadlocks_on():
-    """The event replay matches messages by key (as gloo does by tag): the swapped receives pass it; the
-    simulator's NCCL-order check then refuses the schedule with rank and action."""
+    """Matched by key (as gloo matches by tag) the swapped receives would pass; the simulator checks NCCL's
+    order first and refuses the schedule naming both ranks and the mis-paired messages."""
     plan = with_micro_batches(SHAPES["1to1"], 3)
     sched, _r = _swap_receives(plan)
     cm = CostModel(plan.cluster, plan.model)

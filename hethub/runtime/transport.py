@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import WIRE_DTYPES, pack, unpack, wire_dtype_for, wire_layout
+from ..partitioner.groups import SEND_WINDOW
 from .errors import Guard
 from .ordered import Op, OrderedGroups
 
@@ -68,7 +69,9 @@ class Transport:
     group (``grid.p2p``); on each group this rank's operations run in the order the schedule posts them
     (``ordered``), the order ``partitioner.ordering`` proves deadlock-free. A tensor lives on its group's device:
     host memory for gloo groups (the bridge, CPU runs), the rank's accelerator otherwise. Sends are released as
-    they complete, not at the end of the iteration.
+    they complete, not at the end of the iteration, and at most ``SEND_WINDOW`` are held per (direction, peer): a
+    send to a peer with that many unfinished waits for the oldest (the NCCL-order replay proves the schedules
+    finish under that bound, and the simulator times it).
 
     ``default_wire`` is the wire dtype of a boundary whose plan entry names none: the run's 16-bit training
     dtype, so that a bf16/fp16 run sends what the cost model prices (the residual stream stays fp32 under
@@ -81,13 +84,15 @@ class Transport:
         self.is_lead = grid.tp_rank == 0  # talks to the neighbouring stages (every rank without TP)
         self.waited_s = 0.0  # seconds spent waiting for receives since the executor last read it
         self.ops = OrderedGroups(guard, strict=grid.on_host)
-        self.peak_sends: dict[tuple[str, int], int] = {}  # (direction, peer) -> most send buffers held at once
+        self.peak_sends: dict[tuple[str, int], int] = {}  # (direction, peer) -> most sends held at once
+        self._send_id = 0  # one per send action: its messages to a peer (metadata, every tensor) are one send
         self.reset_shapes()
         self.reset()
 
     def reset(self) -> None:
         self._recvs: dict[tuple[str, int, int], _Posted] = {}  # ("A"|"G", mb, chunk) -> posted receive
-        self._sends: list[tuple[Op, str, int, torch.Tensor]] = []  # (operation, direction, peer, buffer) in flight
+        # (operation, direction, peer, send id, buffer) of each message in flight, oldest first
+        self._sends: list[tuple[Op, str, int, int, torch.Tensor]] = []
         # ("A"|"G", mb, chunk) -> tensors a rank handed to its own next (or previous) chunk: zb-v's turn
         self._handed: dict[tuple[str, int, int], list[torch.Tensor]] = {}
 
@@ -108,6 +113,7 @@ class Transport:
         if not self.is_lead:
             return  # the group's lead sends the (replicated) output once
         route = self._route("fwd", k)
+        self._make_room(route.direction, transfers)
         if k not in self._meta_sent:
             self._send_meta(outputs, transfers, route)
             self._meta_sent.add(k)
@@ -125,7 +131,9 @@ class Transport:
         if self._local(transfers):
             self._hand("G", mb, k - 1, grads)
         elif self.is_lead:
-            self._post_sends(grads, transfers, self._route("bwd", k - 1))
+            route = self._route("bwd", k - 1)
+            self._make_room(route.direction, transfers)
+            self._post_sends(grads, transfers, route)
 
     def recv_grads(self, mb: int, outputs: Sequence[torch.Tensor], transfers, k: int) -> None:
         if self.is_lead and not self._local(transfers):
@@ -157,11 +165,32 @@ class Transport:
     def release_sends(self) -> None:
         """Drop the buffers of sends that have completed (called after every action)."""
         self._sends = [s for s in self._sends if not self.ops.is_done(s[0])]
-        held: dict[tuple[str, int], int] = {}
-        for _op, direction, peer, _buf in self._sends:
-            held[(direction, peer)] = held.get((direction, peer), 0) + 1
-        for key, n in held.items():
-            self.peak_sends[key] = max(self.peak_sends.get(key, 0), n)
+        for key, ids in self._held().items():
+            self.peak_sends[key] = max(self.peak_sends.get(key, 0), len(ids))
+
+    def _held(self) -> dict[tuple[str, int], list[int]]:
+        """(direction, peer) -> ids of the sends not yet finished, oldest first."""
+        held: dict[tuple[str, int], list[int]] = {}
+        for _op, direction, peer, sid, _buf in self._sends:
+            ids = held.setdefault((direction, peer), [])
+            if sid not in ids:
+                ids.append(sid)
+        return held
+
+    def _make_room(self, direction: str, transfers) -> None:
+        """Before a send action: wait until each of its peers has fewer than ``SEND_WINDOW`` unfinished sends
+        from this rank (the oldest finish first: a group's operations run in order), then open a new send."""
+        self._send_id += 1
+        self.release_sends()
+        for t in transfers:
+            ids = self._held().get((direction, t.peer), [])
+            if len(ids) >= SEND_WINDOW:
+                t0 = time.perf_counter()
+                for op, d, peer, sid, _buf in list(self._sends):
+                    if d == direction and peer == t.peer and sid in ids[:len(ids) - SEND_WINDOW + 1]:
+                        self.ops.wait(op)
+                self.waited_s += time.perf_counter() - t0
+                self.release_sends()
 
     def wait_sends(self) -> None:
         """Every operation of the iteration has finished (the sends still in flight, in the order they left)."""
@@ -173,7 +202,7 @@ class Transport:
         meta = encode_meta([(t, t.is_floating_point() and t.requires_grad) for t in outputs]).to(route.device)
         for p in peers:
             op = self.ops.issue(route.group, lambda p=p: dist.isend(meta, p.peer, group=route.group))
-            self._sends.append((op, route.direction, p.peer, meta))
+            self._sends.append((op, route.direction, p.peer, self._send_id, meta))
 
     def _recv_meta_from(self, peers, route, k: int) -> None:
         metas = [torch.zeros(META_LEN, dtype=torch.int64, device=route.device) for _ in peers]
@@ -212,7 +241,7 @@ class Transport:
                 piece = buf[off:off + b - a]
                 op = self.ops.issue(route.group, lambda piece=piece, t=t: dist.isend(piece, t.peer, group=route.group),
                                     ready)
-                self._sends.append((op, route.direction, t.peer, piece))
+                self._sends.append((op, route.direction, t.peer, self._send_id, piece))
                 off += b - a
 
     def _post_recvs(self, kind: str, mb: int, k: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,

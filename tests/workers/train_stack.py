@@ -186,6 +186,7 @@ def main():
                 "forwards": 0 if single else forwards[0], "weight_casts": weight_casts,
                 "wire": [] if single else sorted(wire), "loss_scale": scaler["scale"] if scaler else 0.0, "skipped": scaler["skipped"] if scaler else 0,
                 "device_type": "" if single else engine.grid.device_type,
+                "sends_held": 0 if single else max(engine.transport.peak_sends.values(), default=0),
                 "stage_bridge": False if single else engine.grid.dp_bridged,
                 "world_backend": "" if single else dist.get_backend(),
                 "groups": [] if single else [[s.purpose, list(s.ranks), s.backend] for s in engine.grid.specs]},
