@@ -193,6 +193,9 @@ class DeviceCosts:
     measured: np.ndarray  # bool per layer: from a profile
     fwd_fixed_s: np.ndarray = None  # per call
     bwd_fixed_s: np.ndarray = None
+    # The backward split in two passes (zb-h1, zb-v), per layer, as fractions of its backward (per sample; per
+    # call): the weight pass, and what the two passes take beyond one backward (``CostModel._split_ratios``).
+    split: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = None
 
     def __post_init__(self):
         if self.fwd_fixed_s is None:
@@ -336,9 +339,10 @@ class CostModel:
         n = self.model.num_planner_layers
         measured = np.zeros(n, dtype=bool)
         efficiency = dt.efficiency
+        split = self._split_ratios(profiles)
         if not profiles:
             fwd, bwd = self._analytic(t, efficiency, self.dtype)
-            return DeviceCosts(fwd, bwd, efficiency, measured)
+            return DeviceCosts(fwd, bwd, efficiency, measured, split=split)
         measured, fwd_m, bwd_m, fwd_a, bwd_a = self._measured(profiles)
         # One efficiency factor for the type, from the measured compute-bound layers (blocks and head).
         efficiency = calibrate_efficiency(self.model, self.cluster.device_type(t).peak(profiles[0].dtype),
@@ -350,7 +354,33 @@ class CostModel:
             missing = np.flatnonzero(~measured)
             self.notes.append(f"profile for {t} lacks layers {_ranges(missing)}: analytic cost model used for them "
                               f"(efficiency {efficiency:.3f})")
-        return DeviceCosts(fwd, bwd, efficiency, measured, fwd_a, bwd_a)
+        return DeviceCosts(fwd, bwd, efficiency, measured, fwd_a, bwd_a, split)
+
+    def _split_ratios(self, profiles: list[Profile]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer: the weight pass as a fraction of the backward, per sample and per call, and the extra
+        fraction the two passes of a split backward take beyond one backward (per sample, per call).
+
+        Measured where a profile has both passes (affine fits over micro-batch sizes, as forward and backward
+        are fitted); else the analytic share (``LayerCosts.wgrad_share``) and no extra. Why measure: a split
+        pays each pass's fixed costs (a second autograd call, the weight products run on their own), so on this
+        CPU a block's two passes took 1.2-1.3x its backward and the weight pass 0.55-0.6x of it, not the
+        analytic 0.45x; a zb-v iteration predicted with the analytic split was 20-27% short."""
+        share = self.layers.wgrad_share
+        n = len(share)
+        w_s, w_c, x_s, x_c = share.copy(), share.copy(), np.zeros(n), np.zeros(n)
+        points: dict[int, list[tuple[int, float, float, float]]] = {}
+        for p in profiles:
+            for lp in p.layers:
+                if lp.weight_grad_ms is not None and lp.input_grad_ms is not None:
+                    points.setdefault(lp.index, []).append((p.micro_batch_size, lp.backward_ms, lp.weight_grad_ms,
+                                                            lp.input_grad_ms + lp.weight_grad_ms - lp.backward_ms))
+        for idx, pts in points.items():
+            (b_c, b_s), (wg_c, wg_s) = _affine([(q[0], q[1]) for q in pts]), _affine([(q[0], q[2]) for q in pts])
+            extra = [(q[0], max(q[3], 0.0)) for q in pts]
+            x_fit = _affine(extra) if any(v > 0 for _, v in extra) else (0.0, 0.0)
+            w_s[idx], x_s[idx] = wg_s / b_s, x_fit[1] / b_s
+            w_c[idx], x_c[idx] = (wg_c / b_c, x_fit[0] / b_c) if b_c > 0 else (w_s[idx], 0.0)
+        return w_s, w_c, x_s, x_c
 
     def _measured(self, profiles: list[Profile]) -> tuple[np.ndarray, ...]:
         """(measured mask, fwd per sample, bwd per sample, fwd per call, bwd per call) of every layer from the
@@ -455,19 +485,35 @@ class CostModel:
         return fwd, bwd
 
     def wgrad_prefix(self, t: str, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Cumulative (per-sample, per-call) weight-gradient seconds over layers (layout of ``prefix``): each
-        layer's ``LayerCosts.wgrad_share`` of its backward without its tensor-parallel all-reduces, which carry
-        input gradients (a recomputed forward belongs to the input-gradient pass, which runs first). A measured
-        layer is split with the analytic share."""
+        """Cumulative (per-sample, per-call) weight-pass seconds over layers (layout of ``prefix``): each layer's
+        weight-pass fraction (``DeviceCosts.split``: measured, else the analytic share) of its backward without
+        its tensor-parallel all-reduces, which carry input gradients (a recomputed forward belongs to the
+        input-gradient pass, which runs first)."""
+        w_s, w_c, _, _ = self.devices[t].split
+        return self._split_prefix(t, tp, w_s, w_c)
+
+    def split_extra_prefix(self, t: str, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Cumulative (per-sample, per-call) seconds a split backward (zb-h1's and zb-v's B + W) takes beyond
+        one backward (``DeviceCosts.split``; 0 where not measured)."""
+        _, _, x_s, x_c = self.devices[t].split
+        return self._split_prefix(t, tp, x_s, x_c)
+
+    def _split_prefix(self, t: str, tp: int, ratio_s: np.ndarray, ratio_c: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
         _, bwd_s, _, bwd_c = self.layer_times(t, tp)
         ar_s, ar_c = self.tp_allreduce_s(t, tp)
-        share = self.layers.wgrad_share
-        return (np.concatenate([[0.0], np.cumsum((bwd_s - ar_s) * share)]),
-                np.concatenate([[0.0], np.cumsum((bwd_c - ar_c) * share)]))
+        return (np.concatenate([[0.0], np.cumsum((bwd_s - ar_s) * ratio_s)]),
+                np.concatenate([[0.0], np.cumsum((bwd_c - ar_c) * ratio_c)]))
 
     def stage_weight_grad_s(self, t: str, first: int, last: int, samples: float, tp: int = 1) -> float:
-        """The weight-gradient part of ``stage_compute_s``'s backward for ``samples`` samples (``wgrad_prefix``)."""
+        """The weight pass of layers [first, last) for ``samples`` samples (``wgrad_prefix``)."""
         per_sample, per_call = self.wgrad_prefix(t, tp)
+        return float(per_call[last] - per_call[first] + (per_sample[last] - per_sample[first]) * samples)
+
+    def stage_split_extra_s(self, t: str, first: int, last: int, samples: float, tp: int = 1) -> float:
+        """What splitting the backward of layers [first, last) adds to ``stage_compute_s``'s backward: a split
+        stage's input pass takes backward - weight pass + this (``split_extra_prefix``)."""
+        per_sample, per_call = self.split_extra_prefix(t, tp)
         return float(per_call[last] - per_call[first] + (per_sample[last] - per_sample[first]) * samples)
 
     def sample_s(self, t: str) -> float:

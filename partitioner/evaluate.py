@@ -72,6 +72,14 @@ def boundary_transfers(plan: Plan, s: int) -> list[tuple[int, int, int, int]]:
             for i in range(plan.stages[s].width) for t in overlaps(plan, s, i, "next")]
 
 
+def split_compute_s(cm: CostModel, t: str, first: int, last: int, samples: float, recompute: bool, tp: int,
+                    split: bool) -> tuple[float, float]:
+    """``CostModel.stage_compute_s``, the backward of a stage whose schedule splits it (B + W) with the split's
+    own cost added."""
+    fwd, bwd = cm.stage_compute_s(t, first, last, samples, recompute, tp)
+    return fwd, bwd + (cm.stage_split_extra_s(t, first, last, samples, tp) if split else 0.0)
+
+
 def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
     if plan.schedule in CHUNKED:
         return chunked_group_costs(plan, cm)
@@ -82,7 +90,8 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         samples = max(r.samples for r in st.replicas)
         # the slowest replica paces the stage: its share on its own type (mixed-type stages differ per replica)
         tp = st.tensor_parallel
-        fwd, bwd = max((cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute, tp)
+        split = plan.schedule == "zb-h1" and s > 0
+        fwd, bwd = max((split_compute_s(cm, st.type_of(r), first, last, r.samples, st.recompute, tp, split)
                         for r in st.replicas), key=sum)
         comm = 0.0
         if s + 1 < S:
@@ -104,7 +113,6 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
         mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
                                     st.width, tp, z)
-        split = plan.schedule == "zb-h1" and s > 0
         wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas]
         wgrad = max(wgrads)
         # what the last gradient pass hides of the buckets: the shortest replica's pass (it may end as late)
@@ -188,9 +196,9 @@ def chunked_group_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         tp, z = st.tensor_parallel, plan.shards_optimizer(st)
         ks = plan.chunks_of_group[s]
 
-        def rep_cost(r):
-            parts = [cm.stage_compute_s(st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last, r.samples,
-                                        st.recompute, tp) for k in ks]
+        def rep_cost(r):  # zb-v splits the backward of every chunk but the first
+            parts = [split_compute_s(cm, st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last, r.samples,
+                                     st.recompute, tp, plan.schedule == "zb-v" and k > 0) for k in ks]
             return sum(f for f, _ in parts), sum(b for _, b in parts)
         fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
         comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)

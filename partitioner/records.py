@@ -376,6 +376,19 @@ class LayerProfile(Record):
     # (p90 - p10) / median of its repetitions, and how many times it was measured to get there (hethub profile).
     spread: Optional[float] = Field(default=None, ge=0, le=MAX_RATE, allow_inf_nan=False)
     rounds: int = Field(default=1, ge=1, le=100)
+    # Its backward split as zb-h1 / zb-v run it: the input-gradient pass, then the weight pass (hethub profile
+    # measures both where the layer's input carries a gradient). The two usually take more than backward_ms
+    # together: each pass has its own fixed costs. Without them the cost model splits backward_ms analytically.
+    input_grad_ms: Optional[float] = Field(default=None, gt=0, le=MAX_RATE, allow_inf_nan=False)
+    weight_grad_ms: Optional[float] = Field(default=None, gt=0, le=MAX_RATE, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _check_split(self) -> "LayerProfile":
+        if (self.input_grad_ms is None) != (self.weight_grad_ms is None):
+            given = "input_grad_ms" if self.weight_grad_ms is None else "weight_grad_ms"
+            raise ValueError(f"{given}: a split backward is measured as both passes (input_grad_ms and "
+                             f"weight_grad_ms), got only {given}")
+        return self
 
 
 class LinkProfile(Record):

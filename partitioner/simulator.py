@@ -278,10 +278,12 @@ class _Replay:
             tp = st.tensor_parallel
             fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, tp)
             tp_f, tp_b = self.cm.stage_tp_allreduce_s(t, first, last, rep.samples, st.recompute, tp)
-            # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W)
-            wgrad = (self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp)
-                     if any(b.kind == "W" and b.chunk == a.chunk for b in self.sched[rank]) else 0.0)
-            self.durations[k] = {"F": fwd, "B": bwd - wgrad, "W": wgrad, "TPF": tp_f, "TPB": tp_b}
+            # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W),
+            # together longer than one backward by the split's own cost
+            split = any(b.kind == "W" and b.chunk == a.chunk for b in self.sched[rank])
+            wgrad = self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp) if split else 0.0
+            extra = self.cm.stage_split_extra_s(t, first, last, rep.samples, tp) if split else 0.0
+            self.durations[k] = {"F": fwd, "B": bwd - wgrad + extra, "W": wgrad, "TPF": tp_f, "TPB": tp_b}
         return self.durations[k][a.kind]
 
     def transfer_s(self, src: int, dst: int, boundary: int, rows: int) -> tuple[float, bool]:

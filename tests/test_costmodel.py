@@ -9,6 +9,9 @@ import pytest
 from hethub.partitioner import Cluster, InputError, LayerProfile, Profile, builtin_model
 from hethub.partitioner.costmodel import (CostModel, work_bound_samples_per_s, allreduce_end_s, block_activation_bytes, block_forward_flops,
                                           calibrate_efficiency, layer_costs)
+from hethub.partitioner.evaluate import stage_costs
+from hethub.partitioner.placement import StageLayout, build_plan
+from hethub.partitioner.simulator import simulate
 from instances import MIXED
 
 def test_block_flops_match_the_textbook_formula():
@@ -134,6 +137,35 @@ def test_a_profile_measured_tensor_parallel_replaces_the_analytic_terms_at_its_d
         _profile(m, "A100-80GB", range(6), tp=3)
 
 
+def test_a_measured_split_backward_prices_zero_bubble_passes_and_the_analytic_share_stays_elsewhere():
+    """B + W of a split backward cost more than one backward (each pass's own fixed costs): where a profile
+    measured both passes, the weight pass is the measured one and the input pass carries the difference, in
+    the cost model, the planner's closed form and the simulator alike; elsewhere the analytic share applies."""
+    m = builtin_model("gpt-tiny")
+    plain = _profile(m, "A100-80GB", range(6))  # forward 1 ms, backward 2 ms, at micro-batch 2
+    data = plain.model_dump()
+    for lp in data["layers"][1:]:  # 2 ms of backward run split as 1.6 + 1.0 ms
+        lp.update(input_grad_ms=1.6, weight_grad_ms=1.0)
+    split = Profile.model_validate(data)
+    cm, ref = CostModel(MIXED, m, profiles=[split]), CostModel(MIXED, m, profiles=[plain])
+    t = "A100-80GB"
+    assert cm.stage_weight_grad_s(t, 1, 5, 2) == pytest.approx(4 * 1.0e-3)
+    assert cm.stage_split_extra_s(t, 1, 5, 2) == pytest.approx(4 * 0.6e-3)
+    assert cm.stage_split_extra_s(t, 0, 1, 2) == 0.0  # the embedding: not measured split
+    share = float(ref.layers.wgrad_share[2])
+    assert ref.stage_weight_grad_s(t, 2, 3, 2) == pytest.approx(share * 2e-3) and ref.stage_split_extra_s(t, 1, 5, 2) == 0
+    plan = build_plan(m, MIXED, [StageLayout((0, 3), t, (2,)), StageLayout((3, 6), t, (2,))], 2, 4)
+    zb = plan.model_copy(update={"schedule": "zb-h1"})
+    # stage 1 splits its backward: its B takes input_grad_ms per layer, its W weight_grad_ms
+    events = [e for e in simulate(zb, cm).events if e.rank == 1 and e.kind in ("B", "W")]
+    assert {round((e.end_s - e.start_s) * 1e3, 6) for e in events if e.kind == "B"} == {round(3 * 1.6, 6)}
+    assert {round((e.end_s - e.start_s) * 1e3, 6) for e in events if e.kind == "W"} == {round(3 * 1.0, 6)}
+    assert stage_costs(zb, cm)[1].compute_s == pytest.approx(stage_costs(zb, ref)[1].compute_s + 3 * 0.6e-3)
+    assert stage_costs(plan, cm)[1].compute_s == pytest.approx(stage_costs(plan, ref)[1].compute_s)  # 1f1b: fused
+    with pytest.raises(ValueError, match=r"input_grad_ms: a split backward is measured as both passes"):
+        LayerProfile(index=1, kind="block", forward_ms=1, backward_ms=2, input_grad_ms=1.0)
+
+
 def test_profile_for_unknown_type_or_other_model_is_refused():
     m = builtin_model("gpt-tiny")
     with pytest.raises(InputError, match=r"profiles\[0\].device_type: profile is for 'H100-80GB'"):
@@ -165,6 +197,9 @@ def test_profiler_measures_every_layer_and_round_trips(tmp_path):
     assert [l.index for l in prof.layers] == list(range(6))
     assert all(l.forward_ms > 0 and l.backward_ms > 0 for l in prof.layers)
     block = prof.layers[1]
+    # the split backward (zb-h1, zb-v) measured as its two passes where the input carries a gradient
+    assert prof.layers[0].input_grad_ms is None and prof.layers[0].weight_grad_ms is None
+    assert all(l.input_grad_ms > 0 and l.weight_grad_ms > 0 for l in prof.layers[1:])
     # autograd keeps at least the block's input and the MLP's hidden activations (fp32, 1 x 32 x 256)
     assert block.activation_bytes >= 4 * 32 * 256
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--reps", "2", "--dtype", "bf16",

@@ -23,11 +23,12 @@ from rich.progress import Progress
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..emulated.slowdown import SlowDown
+from ..emulated.slowdown import SlowDown, idle_to
 from ..models.builtin import Block, Embedding, Head
 from ..partitioner.errors import InputError
 from ..partitioner.loaders import load_model
 from ..partitioner.outputs import check_output_path, write_atomic
+from ..runtime import split_backward
 from ..runtime.activations import ActivationMeter
 from ..runtime.tp import parallelize
 from ..partitioner.records import LayerProfile, LinkProfile, ModelConfig, Profile, check_tensor_parallel
@@ -128,6 +129,40 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
             "spread": spread([f + b for f, b in zip(fwd, bwd)])}
 
 
+def measure_split(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device,
+                  warmup: int = 2, reps: int = 7, slowdown: float = 1.0) -> dict:
+    """Median milliseconds of one layer's backward split as zb-h1 and zb-v run it (``runtime.split_backward``):
+    the input-gradient pass, then the weight pass. Why measure rather than split ``backward_ms`` by FLOPs: each
+    pass pays its own fixed costs (a CPU block's two took 1.2-1.3x its backward). Under an emulated slowdown
+    the weight pass idles as the runtime's engine idles it (the layer's wrapper idles the input pass)."""
+    weights = [p for p in module.parameters() if p.requires_grad]
+    calls = split_backward.LinearCalls(module)
+    clock, w_ref = Clock(device), {}
+    inp, wgt = [], []
+    try:
+        for it in range(warmup + reps):
+            x = make_input()
+            for p in weights:
+                p.grad = None
+            with calls.capturing() as recorded:
+                y = module(x)
+            with torch.autocast(device.type, enabled=False):  # backward outside autocast, as the runtime runs it
+                _sync(device)
+                t0 = clock.mark()
+                pending = split_backward.backward_input([y], [torch.ones_like(y)], [x], weights, 1, recorded)
+                t1, w0 = clock.mark(), time.perf_counter()
+                split_backward.backward_weight(weights, pending)
+                if slowdown != 1.0:
+                    idle_to(slowdown, w_ref, "w", time.perf_counter() - w0)
+                t2 = clock.mark()
+            if it >= warmup:
+                inp.append(clock.ms(t0, t1))
+                wgt.append(clock.ms(t1, t2))
+    finally:
+        calls.remove()
+    return {"input_grad_ms": statistics.median(inp), "weight_grad_ms": statistics.median(wgt)}
+
+
 SPREAD_LIMIT = 0.25  # a layer whose repetitions spread wider than this (of their median) is measured again
 MAX_ROUNDS = 3  # measurements of one layer at most: the first and two re-measurements
 
@@ -212,6 +247,9 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
             with training_precision(device, dtype):
                 rows[kind] = measure_steady(
                     lambda: measure_layer(module, make_input, device, warmup, reps, agree), agree)
+                if kind != "embedding" and tensor_parallel == 1:  # token ids carry no gradient to split off
+                    split_module = SlowDown(module.module, slowdown) if slowdown != 1.0 else module
+                    rows[kind].update(measure_split(split_module, make_input, device, warmup, reps, slowdown))
             if bar:
                 bar.advance(task)
     finally:
@@ -223,7 +261,8 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
         layers.append(LayerProfile(index=info.index, kind=info.kind, forward_ms=r["forward_ms"],
                                    backward_ms=r["backward_ms"], activation_bytes=r["activation_bytes"],
                                    peak_memory_bytes=r["peak_memory_bytes"], spread=r["spread"],
-                                   rounds=r["rounds"]))
+                                   rounds=r["rounds"], input_grad_ms=r.get("input_grad_ms"),
+                                   weight_grad_ms=r.get("weight_grad_ms")))
     return Profile(device_type=device_type, model=model, micro_batch_size=micro_batch_size, dtype=dtype,
                    emulated_slowdown=slowdown, tensor_parallel=tensor_parallel, layers=layers,
                    host=socket.gethostname())

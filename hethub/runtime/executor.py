@@ -52,7 +52,7 @@ class Executor:
         self.executed_s: list[tuple[float, float, float]] = []  # (start, end, seconds waiting for data) of each
         self.total_loss: Optional[torch.Tensor] = None
         self.loss_scale = 1.0  # fp16: the loss scaler's scale, set by the engine before each iteration
-        self._emulated_w_ref: dict[str, float] = {}  # the fastest weight pass seen
+        self._emulated_w_ref: dict[str, float] = {}  # the fastest weight pass seen, per chunk
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
         self._handlers = {"L": self._load, "F": self._forward, "B": self._backward, "W": self._weight,
                           "SA": self._send_activations, "RA": self._recv_activations,
@@ -224,7 +224,7 @@ class Executor:
         weights = self.module.chunk_parameters(self.grid.local_chunk(self._at(a)))
         split_backward.backward_weight(weights, self._wgrad.pop((a.mb, self._at(a))), on_ready=self.gradients.ready)
         if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
-            idle_to(self.emulate_slowdown, self._emulated_w_ref, "w", time.perf_counter() - t0)
+            idle_to(self.emulate_slowdown, self._emulated_w_ref, f"w{self._at(a)}", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ transfers
     def _send_activations(self, a: Action) -> None:

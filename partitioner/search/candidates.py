@@ -160,6 +160,8 @@ class _Part:
     wgrad_fixed: np.ndarray
     bwd_per_sample: np.ndarray  # ... of which the backward pass (``CostModel.backward_prefix``)
     bwd_fixed: np.ndarray
+    extra_per_sample: np.ndarray  # what a split backward (zb-h1) adds (``CostModel.split_extra_prefix``)
+    extra_fixed: np.ndarray
     params: np.ndarray  # per rank of a tp group
     act: np.ndarray  # activation bytes kept per in-flight sample
     act_max: np.ndarray  # largest layer's full activations per sample (recompute replays one at a time)
@@ -169,6 +171,10 @@ class _Part:
 
     def compute_s(self, s: int) -> np.ndarray:
         return self.fixed + self.per_sample * s
+
+    def split_compute_s(self, s: int, split: np.ndarray) -> np.ndarray:
+        """``compute_s``, with the split backward's own cost where ``split``."""
+        return self.compute_s(s) + np.where(split, self.extra_fixed + self.extra_per_sample * s, 0.0)
 
     def wgrad_s(self, s: int) -> np.ndarray:
         return self.wgrad_fixed + self.wgrad_per_sample * s
@@ -227,12 +233,14 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
     params = cm.range_params(a, e, tp)
     per_node = max(n.count for n in cm.cluster.nodes if n.device_type == t) // tp
     w_sample, w_call = cm.wgrad_prefix(t, tp)
+    x_sample, x_call = cm.split_extra_prefix(t, tp)
     out = []
     for rc in ((False, True) if allow_recompute else (False,)):
         b_sample, b_call = cm.backward_prefix(t, rc, tp)
         out.append(_Part(cm, t, tp, rc, cm.prefix(t, rc, tp)[e] - cm.prefix(t, rc, tp)[a],
                          cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], w_sample[e] - w_sample[a],
-                         w_call[e] - w_call[a], b_sample[e] - b_sample[a], b_call[e] - b_call[a], params, act[rc],
+                         w_call[e] - w_call[a], b_sample[e] - b_sample[a], b_call[e] - b_call[a],
+                         x_sample[e] - x_sample[a], x_call[e] - x_call[a], params, act[rc],
                          act_max, lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node))
     return out
 
@@ -337,14 +345,14 @@ class _Builder:
         a mixed stage), with or without ZeRO-1, where ``only`` (default: every range) and memory allow."""
         cm, M = self.cm, self.M
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
-        comp, comm, cross = pa.compute_s(sa), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
+        comp, comm, cross = pa.split_compute_s(sa, self.split), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
         away = pa.comm_s(wa, sa, False, other_host=True)
         k, wg = pa.in_flight(w, sa, M, z), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
-            comp, comm = np.maximum(comp, pb.compute_s(sb)), away
+            comp, comm = np.maximum(comp, pb.split_compute_s(sb, self.split)), away
             cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
