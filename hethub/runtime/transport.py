@@ -323,7 +323,9 @@ class _Route:
 
 def _to_host(buf: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A device tensor copied into pinned host memory without blocking the host: the copy and an event the send
-    waits for before gloo reads the memory (the bridge's device -> host half)."""
+    waits for before gloo reads the memory (the bridge's device -> host half). The pinned block comes from torch's
+    caching host allocator, which hands it out again once the send is released (at most ``SEND_WINDOW`` per
+    peer are held), so steady state pins no new memory."""
     host = torch.empty(buf.shape, dtype=buf.dtype, device="cpu", pin_memory=True)
     host.copy_(buf, non_blocking=True)
     event = torch.cuda.Event()
