@@ -194,7 +194,7 @@ class DeviceCosts:
     fwd_fixed_s: np.ndarray = None  # per call
     bwd_fixed_s: np.ndarray = None
     # The backward split in two passes (zb-h1, zb-v), per layer, as fractions of its backward (per sample; per
-    # call): the weight pass, and what the two passes take beyond one backward (``CostModel._split_ratios``).
+    # call): the weight pass, and what the two passes take beyond one backward (``split_ratios``).
     split: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = None
 
     def __post_init__(self):
@@ -339,11 +339,11 @@ class CostModel:
         n = self.model.num_planner_layers
         measured = np.zeros(n, dtype=bool)
         efficiency = dt.efficiency
-        split = self._split_ratios(profiles)
+        split = split_ratios(self.layers.wgrad_share, profiles)
         if not profiles:
             fwd, bwd = self._analytic(t, efficiency, self.dtype)
             return DeviceCosts(fwd, bwd, efficiency, measured, split=split)
-        measured, fwd_m, bwd_m, fwd_a, bwd_a = self._measured(profiles)
+        measured, fwd_m, bwd_m, fwd_a, bwd_a = measured_times(self.model.num_planner_layers, profiles)
         # One efficiency factor for the type, from the measured compute-bound layers (blocks and head).
         efficiency = calibrate_efficiency(self.model, self.cluster.device_type(t).peak(profiles[0].dtype),
                                           {lp.index: lp.forward_ms + lp.backward_ms for lp in profiles[0].layers},
@@ -355,49 +355,6 @@ class CostModel:
             self.notes.append(f"profile for {t} lacks layers {_ranges(missing)}: analytic cost model used for them "
                               f"(efficiency {efficiency:.3f})")
         return DeviceCosts(fwd, bwd, efficiency, measured, fwd_a, bwd_a, split)
-
-    def _split_ratios(self, profiles: list[Profile]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per layer: the weight pass as a fraction of the backward, per sample and per call, and the extra
-        fraction the two passes of a split backward take beyond one backward (per sample, per call).
-
-        Measured where a profile has both passes (affine fits over micro-batch sizes, as forward and backward
-        are fitted); else the analytic share (``LayerCosts.wgrad_share``) and no extra. Why measure: a split
-        pays each pass's fixed costs (a second autograd call, the weight products run on their own), so on this
-        CPU a block's two passes took 1.2-1.3x its backward and the weight pass 0.55-0.6x of it, not the
-        analytic 0.45x; a zb-v iteration predicted with the analytic split was 20-27% short."""
-        share = self.layers.wgrad_share
-        n = len(share)
-        w_s, w_c, x_s, x_c = share.copy(), share.copy(), np.zeros(n), np.zeros(n)
-        points: dict[int, list[tuple[int, float, float, float]]] = {}
-        for p in profiles:
-            for lp in p.layers:
-                if lp.weight_grad_ms is not None and lp.input_grad_ms is not None:
-                    points.setdefault(lp.index, []).append((p.micro_batch_size, lp.backward_ms, lp.weight_grad_ms,
-                                                            lp.input_grad_ms + lp.weight_grad_ms - lp.backward_ms))
-        for idx, pts in points.items():
-            (b_c, b_s), (wg_c, wg_s) = _affine([(q[0], q[1]) for q in pts]), _affine([(q[0], q[2]) for q in pts])
-            extra = [(q[0], max(q[3], 0.0)) for q in pts]
-            x_fit = _affine(extra) if any(v > 0 for _, v in extra) else (0.0, 0.0)
-            w_s[idx], x_s[idx] = wg_s / b_s, x_fit[1] / b_s
-            w_c[idx], x_c[idx] = (wg_c / b_c, x_fit[0] / b_c) if b_c > 0 else (w_s[idx], 0.0)
-        return w_s, w_c, x_s, x_c
-
-    def _measured(self, profiles: list[Profile]) -> tuple[np.ndarray, ...]:
-        """(measured mask, fwd per sample, bwd per sample, fwd per call, bwd per call) of every layer from the
-        profiles of one (type, degree): an affine fit over micro-batch sizes where there are several."""
-        n = self.model.num_planner_layers
-        measured = np.zeros(n, dtype=bool)
-        samples_by_layer: dict[int, list[tuple[int, float, float]]] = {}
-        for p in profiles:
-            for lp in p.layers:
-                samples_by_layer.setdefault(lp.index, []).append((p.micro_batch_size, lp.forward_ms / 1e3,
-                                                                  lp.backward_ms / 1e3))
-                measured[lp.index] = True
-        fwd_m, bwd_m, fwd_a, bwd_a = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-        for idx, pts in samples_by_layer.items():
-            (fwd_a[idx], fwd_m[idx]), (bwd_a[idx], bwd_m[idx]) = (_affine([(q[0], q[1]) for q in pts]),
-                                                                  _affine([(q[0], q[2]) for q in pts]))
-        return measured, fwd_m, bwd_m, fwd_a, bwd_a
 
     def tp_measured(self, t: str, tp: int) -> bool:
         """Whether (type, degree) has a profile measured tensor-parallel (else the analytic terms apply)."""
@@ -429,7 +386,7 @@ class CostModel:
             for arr, add in ((fwd, per_sample), (bwd, per_sample), (fwd_fixed, per_call), (bwd_fixed, per_call)):
                 arr += add
         if self.tp_measured(t, tp):
-            m, fwd_m, bwd_m, fwd_a, bwd_a = self._measured(self._tp_profiles[(t, tp)])
+            m, fwd_m, bwd_m, fwd_a, bwd_a = measured_times(self.model.num_planner_layers, self._tp_profiles[(t, tp)])
             fwd[m], bwd[m], fwd_fixed[m], bwd_fixed[m] = fwd_m[m], bwd_m[m], fwd_a[m], bwd_a[m]
         self._tp_times[key] = (fwd, bwd, fwd_fixed, bwd_fixed)
         return self._tp_times[key]
@@ -762,6 +719,51 @@ def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile], l
             split[idx] *= b / act[idx] if act[idx] > 0 else 0.0
             act[idx] = b
     return replace(layers, act_bytes=act, act_split=split)
+
+
+def measured_times(n: int, profiles: Sequence[Profile]) -> tuple[np.ndarray, ...]:
+    """(measured mask, fwd per sample, bwd per sample, fwd per call, bwd per call) of every layer from the
+    profiles of one (type, degree), for a model of n planner layers: an affine fit over micro-batch sizes
+    where there are several."""
+    measured = np.zeros(n, dtype=bool)
+    samples_by_layer: dict[int, list[tuple[int, float, float]]] = {}
+    for p in profiles:
+        for lp in p.layers:
+            samples_by_layer.setdefault(lp.index, []).append((p.micro_batch_size, lp.forward_ms / 1e3,
+                                                              lp.backward_ms / 1e3))
+            measured[lp.index] = True
+    fwd_m, bwd_m, fwd_a, bwd_a = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    for idx, pts in samples_by_layer.items():
+        (fwd_a[idx], fwd_m[idx]), (bwd_a[idx], bwd_m[idx]) = (_affine([(q[0], q[1]) for q in pts]),
+                                                              _affine([(q[0], q[2]) for q in pts]))
+    return measured, fwd_m, bwd_m, fwd_a, bwd_a
+
+
+def split_ratios(share: np.ndarray, profiles: Sequence[Profile]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: the weight pass as a fraction of the backward, per sample and per call, and the extra
+    fraction the two passes of a split backward take beyond one backward (per sample, per call).
+
+    Measured where a profile has both passes (affine fits over micro-batch sizes, as forward and backward
+    are fitted); else ``share`` (the analytic ``LayerCosts.wgrad_share``) and no extra. Why measure: a split
+    pays each pass's fixed costs (a second autograd call, the weight products run on their own), so on this
+    CPU a block's two passes took 1.2-1.3x its backward and the weight pass 0.55-0.6x of it, not the
+    analytic 0.45x; a zb-v iteration predicted with the analytic split was 20-27% short."""
+    n = len(share)
+    w_s, w_c, x_s, x_c = share.copy(), share.copy(), np.zeros(n), np.zeros(n)
+    points: dict[int, list[tuple[int, float, float, float]]] = {}
+    for p in profiles:
+        for lp in p.layers:
+            if lp.weight_grad_ms is not None and lp.input_grad_ms is not None:
+                points.setdefault(lp.index, []).append((p.micro_batch_size, lp.backward_ms, lp.weight_grad_ms,
+                                                        lp.input_grad_ms + lp.weight_grad_ms - lp.backward_ms))
+    for idx, pts in points.items():
+        (b_c, b_s), (wg_c, wg_s) = _affine([(q[0], q[1]) for q in pts]), _affine([(q[0], q[2]) for q in pts])
+        extra = [(q[0], max(q[3], 0.0)) for q in pts]
+        x_fit = _affine(extra) if any(v > 0 for _, v in extra) else (0.0, 0.0)
+        w_s[idx], x_s[idx] = wg_s / b_s, x_fit[1] / b_s
+        w_c[idx], x_c[idx] = (wg_c / b_c, x_fit[0] / b_c) if b_c > 0 else (w_s[idx], 0.0)
+    return w_s, w_c, x_s, x_c
 
 
 def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
