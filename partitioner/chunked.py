@@ -54,7 +54,10 @@ def zbv_orders(layers: list[int], p: int, M: int, train: bool = True) -> list[Or
     activations counting the second legs still to come (2p chunks of 1/(2p) of the layers: 1F1B's first-stage
     memory, the V's promise; second-leg forwards are never held back, as a group full of first-leg activations
     only gets out through them), else its oldest pending weight pass (W fills what would be bubble),
-    else it waits for the next pass anywhere to end. Forwards and backwards of a chunk go in micro-batch order.
+    else it waits for the next pass anywhere to end. Forwards and backwards of a chunk go in micro-batch order, and
+    none runs more than ``SEND_WINDOW`` micro-batches ahead of the chunk its output (its input gradient) goes to on
+    another group: the runtime holds at most that many unfinished sends per peer, and an order that ran further
+    ahead hung there (4 groups, 8 micro-batches; ``ordering.check_order`` proves the orders finish).
     The resulting order is fixed data: it finished under unit costs, so its dependencies are acyclic and it finishes
     under any costs (a deadlock would be a cycle)."""
     return _ZeroBubbleV(layers, p, M, train).run()
@@ -144,7 +147,7 @@ class _ZeroBubbleV(_ListScheduler):
         if self.train:
             for k in (up, down):
                 mb = self.nxt_b[k]
-                if mb < M and self.bwd_ready(mb, k, now):
+                if mb < M and self.bwd_ready(mb, k, now) and self.returned(mb, k):
                     return "B", mb, k
         # a first-leg forward reserves room for its second leg too: held + the second legs still to come
         room = self.held[g] + (self.nxt_f[down] - self.nxt_f[up]) + 2 <= self.cap or not self.train or self.forced
@@ -158,11 +161,22 @@ class _ZeroBubbleV(_ListScheduler):
         return None
 
     def consumed(self, mb: int, k: int) -> bool:
-        """Evaluation only: chunk k runs at most ``SEND_WINDOW`` forwards ahead of the chunk its output goes to (a
-        rank holds that many unfinished sends per peer; without training's cap on held activations, the first leg
-        would otherwise send a whole batch ahead and block on the window before its second leg, which the group
-        downstream waits for). The last chunk has no consumer, so the chain always has a forward to run."""
-        return self.train or k == self.V - 1 or mb - self.nxt_f[k + 1] < SEND_WINDOW
+        """Forward ``mb`` of chunk k runs at most ``SEND_WINDOW`` micro-batches ahead of the forwards of the chunk
+        its output goes to (a rank holds that many unfinished sends per peer and waits for the oldest: running
+        further ahead, the first leg blocked before its second leg, which the group downstream waits for). The
+        last chunk has no consumer, and zb-v's turn (chunks p-1 and p, on one group) sends nothing."""
+        if k == self.V - 1 or self.group_of(k) == self.group_of(k + 1):
+            return True
+        return mb - self.nxt_f[k + 1] < SEND_WINDOW
+
+    def returned(self, mb: int, k: int) -> bool:
+        """The same bound on backward ``mb`` of chunk k, whose input gradient goes to chunk k-1."""
+        if k == 0 or self.group_of(k) == self.group_of(k - 1):
+            return True
+        return mb - self.nxt_b[k - 1] < SEND_WINDOW
+
+    def group_of(self, k: int) -> int:
+        return k if k < self.p else 2 * self.p - 1 - k
 
     def record(self, g: int, kind: str, mb: int, k: int) -> None:
         if kind == "F":
