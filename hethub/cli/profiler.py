@@ -209,12 +209,13 @@ def _tp_group(tensor_parallel: int):
 
 def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 1, dtype: str = "fp32",
                   warmup: int = 2, reps: int = 7, slowdown: float = 1.0, progress: bool = True,
-                  seed: int = 0, tensor_parallel: int = 1) -> Profile:
+                  seed: int = 0, tensor_parallel: int = 1, split: bool = True) -> Profile:
     """Measure embedding, one block and head of ``model`` on the local device; every block shares the block's row.
 
     With ``tensor_parallel`` t > 1 (under a launcher, t processes) the block is split over them as the runtime
     splits it (``Block.TP_PLAN``), so its times include the all-reduces on this node's real link; embedding
-    and head run whole, as in training."""
+    and head run whole, as in training. ``split``: also time the backward split in two passes (``measure_split``),
+    which zb-h1 and zb-v run; without it the cost model splits the backward analytically."""
     device = local_device()
     agree, mesh = (lambda n: n), None
     if tensor_parallel > 1:
@@ -247,7 +248,9 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
             with training_precision(device, dtype):
                 rows[kind] = measure_steady(
                     lambda: measure_layer(module, make_input, device, warmup, reps, agree), agree)
-                if kind != "embedding" and tensor_parallel == 1:  # token ids carry no gradient to split off
+                # the embedding's token ids carry no gradient to split off; a tensor-parallel profile keeps the
+                # analytic split (its passes are not measured yet)
+                if split and kind != "embedding" and tensor_parallel == 1:
                     split_module = SlowDown(module.module, slowdown) if slowdown != 1.0 else module
                     rows[kind].update(measure_split(split_module, make_input, device, warmup, reps, slowdown))
             if bar:
