@@ -258,17 +258,19 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
     finally:
         if bar:
             bar.stop()
-    layers = []
-    for info in model.layers():
-        r = rows[info.kind]
-        layers.append(LayerProfile(index=info.index, kind=info.kind, forward_ms=r["forward_ms"],
-                                   backward_ms=r["backward_ms"], activation_bytes=r["activation_bytes"],
-                                   peak_memory_bytes=r["peak_memory_bytes"], spread=r["spread"],
-                                   rounds=r["rounds"], input_grad_ms=r.get("input_grad_ms"),
-                                   weight_grad_ms=r.get("weight_grad_ms")))
     return Profile(device_type=device_type, model=model, micro_batch_size=micro_batch_size, dtype=dtype,
-                   emulated_slowdown=slowdown, tensor_parallel=tensor_parallel, layers=layers,
+                   emulated_slowdown=slowdown, tensor_parallel=tensor_parallel, layers=_layer_rows(model, rows),
                    host=socket.gethostname())
+
+
+_MEASURED = ("forward_ms", "backward_ms", "activation_bytes", "peak_memory_bytes", "spread", "rounds",
+             "input_grad_ms", "weight_grad_ms")
+
+
+def _layer_rows(model: ModelConfig, rows: dict[str, dict]) -> list[LayerProfile]:
+    """Every planner layer's row: the measurement of its kind (each block shares the block's)."""
+    return [LayerProfile(index=info.index, kind=info.kind, **{k: rows[info.kind].get(k) for k in _MEASURED})
+            for info in model.layers()]
 
 
 def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int = 5) -> list[dict]:
