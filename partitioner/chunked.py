@@ -165,18 +165,15 @@ class _ZeroBubbleV(_ListScheduler):
         its output goes to (a rank holds that many unfinished sends per peer and waits for the oldest: running
         further ahead, the first leg blocked before its second leg, which the group downstream waits for). The
         last chunk has no consumer, and zb-v's turn (chunks p-1 and p, on one group) sends nothing."""
-        if k == self.V - 1 or self.group_of(k) == self.group_of(k + 1):
+        if k == self.V - 1 or chunk_group("zb-v", self.p, k) == chunk_group("zb-v", self.p, k + 1):
             return True
         return mb - self.nxt_f[k + 1] < SEND_WINDOW
 
     def returned(self, mb: int, k: int) -> bool:
         """The same bound on backward ``mb`` of chunk k, whose input gradient goes to chunk k-1."""
-        if k == 0 or self.group_of(k) == self.group_of(k - 1):
+        if k == 0 or chunk_group("zb-v", self.p, k) == chunk_group("zb-v", self.p, k - 1):
             return True
         return mb - self.nxt_b[k - 1] < SEND_WINDOW
-
-    def group_of(self, k: int) -> int:
-        return k if k < self.p else 2 * self.p - 1 - k
 
     def record(self, g: int, kind: str, mb: int, k: int) -> None:
         if kind == "F":

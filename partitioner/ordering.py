@@ -179,10 +179,10 @@ class _Replay:
                 continue
             peer_op = other[0]
             if peer_op.message != op.message:
-                raise MispairedError("schedule", f"rank {rank} at {op.action} and rank {op.peer} at {peer_op.action} pair "
-                                             f"different messages ({_text(op.message)} vs {_text(peer_op.message)}) "
-                                             f"on {_group_text(group)}: NCCL matches a group's messages in posting "
-                                             "order")
+                raise MispairedError("schedule", f"rank {rank} at {op.action} and rank {op.peer} at {peer_op.action} "
+                                                 f"pair different messages ({_text(op.message)} vs "
+                                                 f"{_text(peer_op.message)}) on {_group_text(group)}: NCCL matches a "
+                                                 "group's messages in posting order")
             op.done = peer_op.done = True
             q.popleft()
             other.popleft()

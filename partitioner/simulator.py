@@ -393,7 +393,7 @@ class _Replay:
         t = self.clock[r]
         for tr in a.transfers:
             held = self.held.get((r, a.kind, tr.peer), [])
-            while held and len(held) >= SEND_WINDOW:
+            while len(held) >= SEND_WINDOW:
                 if held[0] not in self.done:
                     return None
                 t = max(t, self.done[held.pop(0)])
