@@ -344,6 +344,28 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
                      fits_memory=fits_memory(plan, cm), closed_form_s=closed)
 
 
+def with_pass_times(plan: Plan, cm: CostModel) -> Plan:
+    """A zb-v plan with ``chunk_pass_ms``: per chunk its forward, input-gradient and weight-gradient pass on its
+    group's slowest replica (the one whose three take longest), as the simulator prices them; zb-v's list
+    scheduler orders the passes by these. Other schedules: the plan as it is."""
+    if plan.schedule != "zb-v":
+        return plan
+    times = []
+    for c in plan.pipeline:
+        st = plan.stages[c.group]
+        slowest = (0.0, 0.0, 0.0)
+        for t, n in {(st.type_of(r), r.samples) for r in st.replicas}:
+            fwd, bwd = cm.stage_compute_s(t, c.first, c.last, n, st.recompute, st.tensor_parallel)
+            wgt = cm.stage_weight_grad_s(t, c.first, c.last, n, st.tensor_parallel) if c.position > 0 else 0.0
+            extra = cm.stage_split_extra_s(t, c.first, c.last, n, st.tensor_parallel) if c.position > 0 else 0.0
+            passes = (fwd * 1e3, (bwd - wgt + extra) * 1e3, wgt * 1e3)
+            slowest = max(slowest, passes, key=sum)
+        times.append(tuple(round(x, 6) for x in slowest))
+    data = plan.model_dump(exclude_none=True)
+    data.pop("predicted", None)
+    return Plan.model_validate(dict(data, chunk_pass_ms=times))
+
+
 def chunk_time_s(plan: Plan, cm: CostModel):
     """``chunked.rechunk``'s price of a chunk: forward + backward of layers [first, last) on the group's slowest
     replica (its share of the micro-batch, its own type)."""

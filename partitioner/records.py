@@ -36,6 +36,7 @@ MAX_DIM = 10_000_000  # hidden, ffn, vocab, sequence length, heads
 MAX_BATCH = 10_000_000  # samples in a global batch
 MAX_MICRO_BATCHES = 100_000  # micro-batches in one iteration
 MAX_RATE = 1e9  # TFLOP/s, GiB, GB/s, Gbit/s, microseconds: finite and at most this
+PassMs = Annotated[float, Field(ge=0, le=MAX_RATE, allow_inf_nan=False)]  # one compute pass, milliseconds
 MIN_RATE = 1e-6  # TFLOP/s, GB/s, Gbit/s: more than this (1e-300 made the MILP's coefficients overflow)
 
 Name = Field(min_length=1, max_length=MAX_NAME_CHARS)
@@ -661,6 +662,11 @@ class Plan(Record):
     # The precision the plan was priced in and should train in (``hethub plan --dtype``, by default the
     # cheapest every device type computes natively: bf16, else fp16, else fp32); None in plans written before.
     dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    # zb-v only: per chunk (pipeline order) its forward, input-gradient and weight-gradient pass in ms on its
+    # group's slowest replica, as the planner priced them. zb-v's order comes from a list scheduler, and it orders
+    # the passes by these times (absent: by layer counts, right only where every group runs at one speed); kept in
+    # the plan so that the runtime, the simulator and the deadlock check derive the same order.
+    chunk_pass_ms: Optional[list[tuple[PassMs, PassMs, PassMs]]] = Field(default=None, max_length=MAX_DEVICES * 4)
     predicted: Optional[Predicted] = None
     solver: Optional[SolverInfo] = None
     # The measured profiles the plan was priced with (empty: the analytic cost model).
@@ -743,6 +749,8 @@ def validate_plan(plan: Plan) -> None:
                          f"{plan.micro_batch_size} * {plan.num_micro_batches} = "
                          f"{plan.micro_batch_size * plan.num_micro_batches}, got {plan.global_batch_size}")
     _check_layer_cover(plan)
+    if plan.chunk_pass_ms is not None:
+        _check_pass_ms(plan)
     seen_ranks: dict[int, str] = {}
     seen_slots: dict[tuple[str, int], str] = {}
     for i, st in enumerate(plan.stages):
@@ -800,6 +808,18 @@ def _check_layer_cover(plan: Plan) -> None:
     if expected_first != n_layers:
         raise ValueError(f"stages[{len(plan.stages) - 1}].layers: stages must cover all {n_layers} planner layers, "
                          f"last stage ends at {expected_first}")
+
+
+def _check_pass_ms(plan: Plan) -> None:
+    if plan.schedule != "zb-v":
+        raise ValueError(f"chunk_pass_ms: only schedule 'zb-v' orders its passes by time, got schedule "
+                         f"{plan.schedule!r}")
+    if len(plan.chunk_pass_ms) != len(plan.pipeline):
+        raise ValueError(f"chunk_pass_ms: one [forward, input gradient, weight gradient] per chunk "
+                         f"({len(plan.pipeline)}), got {len(plan.chunk_pass_ms)}")
+    if not all(sum(times) > 0 for times in plan.chunk_pass_ms):
+        k = next(k for k, times in enumerate(plan.chunk_pass_ms) if sum(times) <= 0)
+        raise ValueError(f"chunk_pass_ms[{k}]: a chunk's passes take time, got {list(plan.chunk_pass_ms[k])}")
 
 
 def _check_chunks(plan: Plan) -> None:

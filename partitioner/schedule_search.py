@@ -14,7 +14,7 @@ from typing import Optional
 from .chunked import rechunk
 from .costmodel import CostModel
 from .errors import InputError
-from .evaluate import chunk_time_s, fits_memory, predict
+from .evaluate import chunk_time_s, fits_memory, predict, with_pass_times
 from .records import CHUNKED, SCHEDULES, Plan
 
 AUTO = "auto"
@@ -35,7 +35,7 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
         for v in counts:
             if any(st.layer_count() < v for st in plan.stages):  # a group cannot hold more chunks than layers
                 continue
-            out.append(rechunk(plan, name, v, chunk_s))
+            out.append(with_pass_times(rechunk(plan, name, v, chunk_s), cm))
     return out
 
 

@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from hethub.partitioner.chunked import interleaved_orders, rechunk, zbv_orders
+from hethub.partitioner.chunked import chunk_orders, interleaved_orders, rechunk, zbv_orders
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.errors import InputError
-from hethub.partitioner.evaluate import chunk_time_s, chunked_memory_bytes, predict, with_micro_batches
+from hethub.partitioner.evaluate import (chunk_time_s, chunked_memory_bytes, predict, with_micro_batches,
+                                         with_pass_times)
+from hethub.partitioner.ordering import check_order
 from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.records import Cluster, Plan, builtin_model
 from hethub.partitioner.schedule import Action, build_schedule
@@ -149,7 +151,10 @@ def _finishes(orders, V) -> bool:
 
 def test_interleaving_and_zbv_finish_for_every_group_count_chunk_count_and_micro_batch_count():
     """Megatron's static alternation deadlocks once p does not divide M (p=4, v=3, M=5 among 156 cases up to
-    p=7, v=4, M=39); the generalised orders finish in all of them, each pass once."""
+    p=7, v=4, M=39); the generalised orders finish in all of them, each pass once; zb-v's also when ordered by
+    random pass times."""
+    import random
+    rng = random.Random(0)
     for p in range(1, 7):
         for M in range(1, 20):
             for v in range(1, 5):
@@ -159,6 +164,8 @@ def test_interleaving_and_zbv_finish_for_every_group_count_chunk_count_and_micro
                     assert sorted(order) == sorted((kd, mb, c * p + g) for kd in "FB" for c in range(v)
                                                    for mb in range(M))
             assert _finishes(zbv_orders([1 + k % 3 for k in range(2 * p)], p, M), 2 * p), (p, M)
+            timed = [tuple(rng.uniform(0.1, 5.0) for _ in range(3)) for _ in range(2 * p)]
+            assert _finishes(zbv_orders([1] * (2 * p), p, M, pass_ms=timed), 2 * p), (p, M, timed)
     assert interleaved_orders(3, 1, 5)[0] == [
         ("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("B", 0, 0), ("F", 3, 0), ("B", 1, 0), ("F", 4, 0), ("B", 2, 0),
         ("B", 3, 0), ("B", 4, 0)]  # v = 1: 1F1B
@@ -176,6 +183,48 @@ def test_zbv_holds_at_most_one_f1b_first_stage_of_activations_on_its_first_leg()
                 peak = max(peak, held)
             assert peak <= 2 * p
             assert sum(kind == "W" for kind, _, k in order) == M * (2 - (g == 0))  # chunk 0 has no W
+
+
+V100_A100 = Cluster.model_validate({"name": "a100-v100", "nodes": [
+    {"host": "v0", "device_type": "V100-32GB", "count": 8}, {"host": "a0", "device_type": "A100-80GB", "count": 8}],
+    "network": {"intra_node_gbps": 2400, "inter_node_gbps": 200}})
+
+
+def test_zbv_orders_its_passes_by_their_times_where_groups_run_at_different_speeds():
+    """8 V100 then 8 A100 (fp16), gpt-1.3b cut where the MILP cuts it: the V100 group's chunks hold 3 and 4 layers,
+    the A100 group's 10 and 9. Ordered by layer counts, the A100s waited for V100 passes the order took for short
+    (1.90 s/iteration); by the passes' times, 1.58 s. The times travel in the plan, so every consumer (runtime,
+    simulator, deadlock check) derives the same order from it."""
+    model, cm = builtin_model("gpt-1.3b"), CostModel(V100_A100, builtin_model("gpt-1.3b"), dtype="fp16")
+    plan = build_plan(model, V100_A100, [StageLayout((0, 8), "V100-32GB", (1,) * 8),
+                                         StageLayout((8, model.num_planner_layers), "A100-80GB", (1,) * 8)], 8, 16,
+                      dtype="fp16")
+    by_count = rechunk(plan, "zb-v", 2, chunk_time_s(plan, cm))
+    by_time = with_pass_times(by_count, cm)
+    assert by_count.chunk_pass_ms is None and len(by_time.chunk_pass_ms) == 4
+    assert predict(by_time, cm).iteration_s < 0.9 * predict(by_count, cm).iteration_s
+    again = Plan.from_json(by_time.to_json())
+    assert again == by_time and chunk_orders(again, 16) == chunk_orders(by_time, 16) != chunk_orders(by_count, 16)
+    for m in (1, 3, 16):
+        q = with_micro_batches(by_time, m)
+        for train in (True, False):
+            check_order(q, build_schedule(q, train=train))
+    assert rechunk(by_time, "zb-v", 2).chunk_pass_ms is None  # new chunks, new times: the old ones are dropped
+    assert with_pass_times(plan, cm) is plan  # one chunk per group: nothing to order by time
+
+
+@pytest.mark.parametrize("schedule, times, message", [
+    ("zb-v", [[1, 1, 1]] * 5, r"chunk_pass_ms: one \[forward, input gradient, weight gradient\] per chunk \(6\), "
+                              r"got 5"),
+    ("zb-v", [[1, -1, 1]] * 6, r"chunk_pass_ms\[0\]\[1\]: must be >= 0, got -1"),
+    ("zb-v", [[0, 0, 0]] * 6, r"chunk_pass_ms\[0\]: a chunk's passes take time, got \[0.0, 0.0, 0.0\]"),
+    ("interleaved-1f1b", [[1, 1, 1]] * 6, r"chunk_pass_ms: only schedule 'zb-v' orders its passes by time"),
+])
+def test_bad_pass_times_are_one_line_naming_the_field(schedule, times, message):
+    data = json.loads(rechunk(DEEP, schedule, 2).to_json())
+    data["chunk_pass_ms"] = times
+    with pytest.raises(InputError, match=message):
+        Plan.from_json(json.dumps(data), "plan")
 
 
 BALANCED = stack_plan([2, 4], [[4], [4], [4]], 4, 8)  # three groups of one width, M = 8

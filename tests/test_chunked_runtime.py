@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT
 from dist_util import spawn
-from hethub.partitioner.chunked import rechunk
+from hethub.partitioner.chunked import chunk_orders, rechunk
 from hethub.partitioner import Plan
 from hethub.partitioner.groups import group_specs
 from hethub.partitioner.schedule import build_schedule
@@ -38,11 +38,22 @@ def bridged(plan: Plan) -> Plan:
                                                                     for k in cross]})
 
 
+def timed(plan: Plan, pass_ms) -> Plan:
+    """The zb-v plan ordered by ``pass_ms`` (``Plan.chunk_pass_ms``), asserted to change the order."""
+    out = Plan.model_validate({**plan.model_dump(), "chunk_pass_ms": pass_ms})
+    assert chunk_orders(out, out.num_micro_batches) != chunk_orders(plan, plan.num_micro_batches)
+    return out
+
+
 @pytest.mark.parametrize("base, schedule, v, bridge", [(THREE, "interleaved-1f1b", 2, False),
                                                        (TWO, "interleaved-1f1b", 3, True),
                                                        (THREE, "zb-v", 2, False)])
 def test_every_chunked_schedule_trains_like_one_process_in_float64(tmp_path, base, schedule, v, bridge):
+    """zb-v ordered by its passes' times, group 0 three times slower than the others (the unit-cost order runs in
+    the tests below)."""
     plan = rechunk(base, schedule, v)
+    if schedule == "zb-v":
+        plan = timed(plan, [(3.0, 3.0, 3.0) if c.group == 0 else (1.0, 1.0, 1.0) for c in plan.pipeline])
     if bridge:
         plan = bridged(plan)
         assert {s.stage for s in group_specs(plan) if s.purpose == "fwd" and s.on_host} == set(range(5))

@@ -6,7 +6,7 @@ runtime's own groups (one per boundary and direction, ``partitioner.groups``).
 """
 import pytest
 
-from hethub.partitioner import Cluster, ModelConfig
+from hethub.partitioner import Cluster, ModelConfig, Plan
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.evaluate import with_micro_batches
 from hethub.partitioner.ordering import OrderError, check_order, one_group_per_boundary
@@ -122,7 +122,7 @@ def test_a_cycle_through_compute_is_named_with_rank_and_action():
 def test_deep_pipelines_and_many_micro_batches_finish_under_the_send_window():
     """Random pipelines of 1-12 groups (widths 1 and 2, unequal layer counts), every schedule, M from 1 to 40,
     training and evaluation: each finishes under NCCL's order with at most ``SEND_WINDOW`` unfinished sends per
-    peer (zb-v's order once ran a chunk's forwards further ahead of their consumer than that and hung with
+    peer, zb-v's also when ordered by random pass times (zb-v's order once ran a chunk's forwards further ahead of their consumer than that and hung with
     4 groups and 8 micro-batches, 15 groups and 39)."""
     import random
     cluster = Cluster.model_validate({
@@ -140,9 +140,12 @@ def test_deep_pipelines_and_many_micro_batches_finish_under_the_send_window():
             base = build_plan(model, cluster, [StageLayout((bounds[i], bounds[i + 1]), "CPU",
                                                            (4 // w,) * w) for i, w in enumerate(widths)], 4, 4)
             for schedule, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
-                                ("zb-v", 2)):
-                plan = rechunk(base, schedule, v) if schedule in CHUNKED else base.model_copy(
+                                ("zb-v", 2), ("zb-v", "timed")):
+                plan = rechunk(base, schedule, 2 if v == "timed" else v) if schedule in CHUNKED else base.model_copy(
                     update={"schedule": schedule})
+                if v == "timed":  # ordered by random pass times (``Plan.chunk_pass_ms``)
+                    plan = Plan.model_validate({**plan.model_dump(), "chunk_pass_ms": [
+                        tuple(rng.uniform(0.1, 5.0) for _ in range(3)) for _ in plan.pipeline]})
                 for m in sorted({1, 2, 3, 8, p + 1, 2 * p + 3, 3 * p, rng.randint(1, 40)}):
                     q = with_micro_batches(plan, m)
                     for train in (True, False):
