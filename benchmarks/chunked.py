@@ -3,7 +3,7 @@
 for two of runtime.py's (d) plans (4 stages of width 1; widths 1/2/1/2) and a balanced 4-stage pipeline whose fill
 is most of its iteration (M = 4), each run under 1F1B, interleaved-1f1b (v = 2; 3 on the balanced one) and zb-v,
 the groups and sample splits unchanged (``chunked.rechunk`` re-cuts each group's layers by
-time, as ``hethub plan --schedule`` does):
+time, and zb-v orders its passes by their times, as ``hethub plan --schedule`` does):
 - measured vs predicted iteration time (``hethub simulate``'s number), target within 10%;
 - measured vs predicted speed-up over the same plan's 1F1B, target within 10% of the predicted speed-up;
 - per rank, the most activation bytes autograd held at once during the timed steps vs the cost model's peak
@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime import FID_FAST, FID_PLANS, FID_SLOW, fidelity_setup, run, write_result  # noqa: E402
 from hethub.partitioner.chunked import rechunk  # noqa: E402
-from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, predict  # noqa: E402
+from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, predict, with_pass_times  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
 
 # (name, micro-batch size, micro-batches, [(layers, type, samples per replica)], chunked variants)
@@ -44,7 +44,7 @@ def main():
         base = build_plan(model, cluster, [StageLayout(l, t, s) for l, t, s in stages], b, M)
         first = {}
         for schedule, v in [("1f1b", 1), *variants]:
-            plan = rechunk(base, schedule, v, chunk_time_s(base, cm))
+            plan = with_pass_times(rechunk(base, schedule, v, chunk_time_s(base, cm)), cm)  # zb-v: ordered by time
             tag = f"{len(rows)}"
             path, mem = os.path.join(tmp, f"plan-{tag}.json"), os.path.join(tmp, f"mem-{tag}")
             with open(path, "w") as f:

@@ -11,7 +11,7 @@ import time
 
 from hethub.partitioner import builtin_model
 from hethub.partitioner.api import homogeneous_plans, homogeneous_totals, make_plan
-from hethub.partitioner.costmodel import CostModel
+from hethub.partitioner.costmodel import CostModel, natural_dtype
 from hethub.partitioner.planner import PlannerOptions
 from hethub.partitioner.schedule_search import choose_schedule
 
@@ -26,7 +26,8 @@ def main():
     lines = []
     for name, cluster, model_name, batch, *limit in ROWS[:1] if quick else ROWS:
         model = builtin_model(model_name)
-        cm = CostModel(cluster, model)
+        dtype, _ = natural_dtype(cluster)  # as `hethub plan --dtype auto`: fp16 where a type lacks bf16 (V100)
+        cm = CostModel(cluster, model, dtype=dtype)
         t0 = time.perf_counter()
         limit_s = limit[0] if limit else 60
         plan = make_plan(cluster, model, batch, opts=PlannerOptions(time_limit_s=limit_s), cost_model=cm,
@@ -39,7 +40,7 @@ def main():
         for sched, v, it, fits in sorted(tried, key=lambda x: x[2]):
             sps = batch / it
             mark = " (chosen)" if (sched, v) == (best.schedule, best.num_chunks) else ""
-            lines.append(f"| {name} | {batch} | {plan.num_stages} | {sched}{mark} | {v} | {it * 1e3:.1f} | {sps:.2f} | "
+            lines.append(f"| {name} | {dtype} | {batch} | {plan.num_stages} | {sched}{mark} | {v} | {it * 1e3:.1f} | {sps:.2f} | "
                          f"{sps / best.predicted.upper_bound_samples_per_s:.3f} | "
                          f"{sps / total:.3f} | {'yes' if fits else 'no'} | {plan_s:.1f} | {plan.solver.gap:.2%} | "
                          f"{picks} |")
@@ -49,10 +50,12 @@ def main():
         "The MILP plans one chunk per group (1F1B); each schedule runs those groups, chunked schedules with the "
         "groups' layers re-cut into v chunks by time (`chunked.rechunk`); iteration from the event replay. "
         "efficiency: samples/s / pure-compute upper bound. vs homog.: samples/s / the sum of the best single-type "
-        "sub-cluster plans, each with its own best schedule (listed). plan s: MILP + every variant's replay.", "",
-        "| cluster | global batch | groups | schedule | v | ms/iteration | samples/s | efficiency | vs homog. "
+        "sub-cluster plans, each with its own best schedule (listed). plan s: MILP + every variant's replay. dtype: "
+        "as `hethub plan --dtype auto` (bf16 where every type has it, else fp16). zb-v's order is timed by its "
+        "chunks' passes (`chunk_pass_ms`).", "",
+        "| cluster | dtype | global batch | groups | schedule | v | ms/iteration | samples/s | efficiency | vs homog. "
         "| fits memory | plan s | MILP gap | homogeneous plans |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *lines, ""])
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *lines, ""])
     os.makedirs("benchmarks/results", exist_ok=True)
     with open("benchmarks/results/schedules.md", "w") as f:
         f.write(text)
