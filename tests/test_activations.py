@@ -79,6 +79,28 @@ def test_the_split_weight_pass_keeps_nothing_alive():
         assert all(p.grad.grad_fn is None for p in weights)
 
 
+def test_between_the_split_passes_the_meter_counts_what_the_weight_pass_waits_with():
+    """A plain Linear alone: the input pass frees autograd's graph (nothing but Linears needs it), yet the weight
+    pass still holds the Linear's X and its output gradient dY; the meter counts both until the weight pass, and
+    what autograd saved once (X) once."""
+    lin = nn.Linear(16, 32, dtype=torch.float64)
+    weights = list(lin.parameters())
+    calls = split_backward.LinearCalls(lin)
+    meter = ActivationMeter(weights)
+    with meter:
+        x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+        with calls.capturing() as recorded:
+            y = torch.relu(lin(x))  # relu saves its output: freed with the graph after the input pass
+        after_forward = meter.held
+        pending = split_backward.backward_input([y], [torch.ones_like(y)], [x], weights, 1, recorded)
+        del y
+        assert not pending.groups and after_forward == (8 * 16 + 8 * 32) * 8  # X, relu's output
+        assert meter.held == (8 * 16 + 8 * 32) * 8  # X, dY (relu's output freed with the graph)
+        split_backward.backward_weight(weights, pending)
+        del pending, recorded
+        assert meter.held == 0
+
+
 def test_profiled_activation_bytes_replace_the_formula_per_sample():
     from hethub.partitioner.costmodel import CostModel
     from hethub.partitioner.records import LayerProfile, Profile

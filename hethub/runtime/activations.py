@@ -9,7 +9,7 @@ low-precision copies of them (one per iteration, shared by every micro-batch).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -45,14 +45,17 @@ class ActivationMeter:
         key = _storage_key(t)
         if key in self._skip or key == 0 or self._copies_a_parameter(t):
             return t
+        self._hold(key, t)
+        # detached: a saved graph output kept with its grad_fn would own the node that owns this save, a cycle
+        # autograd never frees once the graph is retained (the split backward's input pass retains it)
+        return _Held(t.detach(), self, key)
+
+    def _hold(self, key: int, t: torch.Tensor) -> None:
         if key not in self._saves:
             self._saves[key], self._bytes[key] = 0, t.untyped_storage().nbytes()
             self.held += self._bytes[key]
             self.peak = max(self.peak, self.held)
         self._saves[key] += 1
-        # detached: a saved graph output kept with its grad_fn would own the node that owns this save, a cycle
-        # autograd never frees once the graph is retained (the split backward's input pass retains it)
-        return _Held(t.detach(), self, key)
 
     def _copies_a_parameter(self, t: torch.Tensor, depth: int = 3) -> bool:
         """Whether ``t`` is a parameter cast or viewed (autocast's copy, its transpose): a chain of one-input
@@ -74,10 +77,38 @@ class ActivationMeter:
 
     def __enter__(self) -> "ActivationMeter":
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc)
+
+
+_ACTIVE: list[ActivationMeter] = []  # the meters inside their ``with``, innermost last
+
+
+def pin(tensors: Iterable[Optional[torch.Tensor]]) -> tuple:
+    """Count ``tensors`` as held (each storage once, with the saves) by the innermost active meter until
+    ``unpin`` of the returned token. Why: after a split backward's input pass (zb-h1, zb-v) the weight pass waits
+    with tensors autograd no longer holds (a plain Linear's X and dY, the gradients recorded where a weight's path
+    joins), memory the micro-batch still takes; counting autograd's saves alone missed them."""
+    if not _ACTIVE:
+        return ()
+    meter, keys = _ACTIVE[-1], []
+    for t in tensors:
+        key = _storage_key(t) if t is not None else 0
+        if key and key not in meter._skip:
+            meter._hold(key, t)
+            keys.append(key)
+    return (meter, keys)
+
+
+def unpin(token: tuple) -> None:
+    if token:
+        meter, keys = token
+        for key in keys:
+            meter._drop(key)
 
 
 def _unpack(h):

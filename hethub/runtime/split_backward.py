@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.utils.checkpoint import CheckpointFunction
 
+from .activations import pin, unpin
 from .tp import is_dtensor
 
 
@@ -208,9 +209,11 @@ def _refuse_reentrant(nodes: Sequence, stage: int) -> None:
 
 @dataclass
 class Pending:
-    """What one micro-batch's weight pass resumes from: graph groups and directly computed Linear calls."""
+    """What one micro-batch's weight pass resumes from: graph groups and directly computed Linear calls; ``pins``:
+    what an active activation meter counts as held until the weight pass (``activations.pin``)."""
     groups: list[_Group]
     calls: list[_Call]
+    pins: tuple = ()
 
 
 def backward_input(roots: Sequence[torch.Tensor], root_grads: Optional[Sequence[torch.Tensor]],
@@ -228,7 +231,8 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Optional[Sequence[
     # the graph is kept only for the groups' weight pass; direct calls keep their own X and dY
     _accumulate(inputs, _grad(records, list(roots), list(inputs), root_grads, retain_graph=bool(groups)))
     _refuse_lost(len({id(p) for c in direct if c.dy is None for p in c.params()}), stage)  # off the input's path
-    return Pending(groups, direct)
+    held = [t for c in direct for t in (c.x, c.dy)] + [t for g in groups for ts in g.grads.values() for t in ts]
+    return Pending(groups, direct, pin(held))
 
 
 def _grad(hooks: list, outputs, inputs, grads, **kw):
@@ -316,3 +320,4 @@ def backward_weight(weights: Sequence[torch.Tensor], pending: Pending,
         ws = [weights[i] for i in g.weights]
         uses.add(ws, _grad(clamps, edges, [GradientEdge(_accumulator(w), 0) for w in ws], grads))
     uses.flush()
+    unpin(pending.pins)
