@@ -129,6 +129,10 @@ class LayerCosts:
     # The share of a layer's backward that computes weight gradients (the rest computes its input's gradient):
     # a schedule that splits backward (``zb-h1``) sends the input gradient upstream first and runs this later.
     wgrad_share: np.ndarray = None
+    # What a layer whose backward is split holds between the two passes beyond ``act_bytes`` (per sample): the
+    # output gradients its weight pass waits with (autograd keeps the rest of its graph for the weights outside
+    # plain Linears). Negative where a measured layer frees more than that adds (``with_measured_activations``).
+    wait_extra: np.ndarray = None
 
 
 def block_matmul_flops(m: ModelConfig) -> float:
@@ -176,7 +180,18 @@ def layer_costs(m: ModelConfig, flash_attention: bool = True, element_bytes: flo
     wshare = np.full(n, 0.5)  # head: dW and dX are one matmul each
     wshare[0] = 1.0  # embedding: its backward is the weight's gradient alone (token ids have none)
     wshare[1:-1] = block_matmul_flops(m) / (2.0 * block_forward_flops(m))  # backward = 2 x forward
-    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b, split_p, split_a, tp, wshare)
+    wait = np.zeros(n)  # the embedding's backward is never split (its input, token ids, has no gradient)
+    wait[1:-1] = e * s * block_weighted_outputs(m)
+    wait[-1] = e * s * (h + v)  # the final norm's output gradient, the logits'
+    return LayerCosts(flops, params, act, act_rc, out, mem, mem_b, split_p, split_a, tp, wshare, wait)
+
+
+def block_weighted_outputs(m: ModelConfig) -> float:
+    """Per position: elements of a block's outputs that feed a weight's gradient (QKV, output projection, MLP in
+    and out, the two norms), whose gradients a split backward's weight pass waits with."""
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    kv = h * m.kv_heads // m.num_attention_heads
+    return float((h + 2 * kv) + h + ffn * (2 if m.architecture == "llama" else 1) + h + 2 * h)
 
 
 @dataclass
@@ -553,6 +568,12 @@ class CostModel:
         """Per layer, per sample: bytes kept for backward without recompute on one rank of a tp group."""
         return self.layers.act_bytes - self.layers.act_split * (1.0 - 1.0 / tp)
 
+    def wait_bytes(self, tp: int = 1) -> np.ndarray:
+        """Per layer, per sample: bytes a layer whose backward is split holds between its input pass and its weight
+        pass on one rank of a tp group (its whole graph, recomputed or not, plus ``LayerCosts.wait_extra``)."""
+        share = np.where(self.layers.tp_split, 1.0 / tp, 1.0)
+        return np.maximum(self.act_bytes(tp) + self.layers.wait_extra * share, 0.0)
+
     def stage_memory_bytes(self, first: int, last: int, samples: int, in_flight: int, recompute: bool,
                            width: int = 1, tp: int = 1, zero1: Optional[bool] = None) -> float:
         """Peak bytes on one rank of a replica under 1F1B: state + activations of the micro-batches in flight.
@@ -701,15 +722,22 @@ def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile], l
     Profiles measured under tensor parallelism, or without activation bytes, change nothing. ``loss_bytes`` (per
     sample) is added to a measured head: a profile measures the head layer alone, not the loss after it."""
     points: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    waits: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for p in profiles:
         for lp in p.layers if p.tensor_parallel == 1 else ():
             if lp.activation_bytes:
                 points.setdefault((p.device_type, lp.index), []).append((p.micro_batch_size, lp.activation_bytes))
+                if lp.weight_pass_bytes is not None:
+                    waits.setdefault((p.device_type, lp.index), []).append((p.micro_batch_size, lp.weight_pass_bytes))
     if not points:
         return layers
     per_sample: dict[int, float] = {}
     for (_t, idx), pts in points.items():
         per_sample[idx] = max(per_sample.get(idx, 0.0), _affine(pts)[1])
+    wait = layers.wait_extra.copy()
+    for idx in {i for _t, i in waits} & set(per_sample):  # the largest over device types, as the activations'
+        if idx < len(wait):  # measured as one layer, the head's loss on neither side
+            wait[idx] = max(_affine(pts)[1] for (_t, i), pts in waits.items() if i == idx) - per_sample[idx]
     act, split = layers.act_bytes.copy(), layers.act_split.copy()
     head = len(act) - 1
     if head in per_sample:  # a profile measures the head alone: the loss after it keeps more
@@ -718,7 +746,7 @@ def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile], l
         if idx < len(act):
             split[idx] *= b / act[idx] if act[idx] > 0 else 0.0
             act[idx] = b
-    return replace(layers, act_bytes=act, act_split=split)
+    return replace(layers, act_bytes=act, act_split=split, wait_extra=wait)
 
 
 def measured_times(n: int, profiles: Sequence[Profile]) -> tuple[np.ndarray, ...]:

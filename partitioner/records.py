@@ -382,6 +382,10 @@ class LayerProfile(Record):
     # together: each pass has its own fixed costs. Without them the cost model splits backward_ms analytically.
     input_grad_ms: Optional[float] = Field(default=None, gt=0, le=MAX_RATE, allow_inf_nan=False)
     weight_grad_ms: Optional[float] = Field(default=None, gt=0, le=MAX_RATE, allow_inf_nan=False)
+    # Bytes the layer holds between those passes at the profile's micro-batch size: what the weight pass waits
+    # with (the graph autograd keeps for weights outside plain Linears, each plain Linear's input and output
+    # gradient, the gradients recorded where a weight's path joins), counted as ``activation_bytes`` is.
+    weight_pass_bytes: Optional[int] = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check_split(self) -> "LayerProfile":

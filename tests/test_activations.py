@@ -116,3 +116,27 @@ def test_profiled_activation_bytes_replace_the_formula_per_sample():
     loss = 4.0 * STACK.seq_length * STACK.vocab_size  # the loss's fp32 log-probabilities: no profile sees them
     assert list(measured.layers.act_bytes) == pytest.approx([1000.0] * (n - 1) + [1000.0 + loss])
     assert list(analytic.layers.act_bytes) != pytest.approx([1000.0] * n)
+    # without measured split passes a layer waits for its weight pass with its graph and its outputs' gradients
+    assert all(analytic.wait_bytes()[1:] > analytic.act_bytes()[1:])
+
+
+def test_profiled_weight_pass_bytes_replace_the_formula_per_sample():
+    """A profile that measured what the weight pass waits with (``weight_pass_bytes``): per sample the layer then
+    holds that between its split passes (a plain-Linear layer frees its graph, and holds less than its forward
+    left: measured 600 against 1000 bytes per sample here); layers without it keep the formula's extra."""
+    from hethub.partitioner.costmodel import CostModel
+    from hethub.partitioner.records import LayerProfile, Profile
+    from instances import CPU_CLUSTER, STACK
+    n = STACK.num_planner_layers
+    analytic = CostModel(CPU_CLUSTER, STACK, dtype="fp32")
+
+    def profile(mb):
+        return Profile(model=STACK, device_type="CPU", micro_batch_size=mb, dtype="fp32", layers=[
+            LayerProfile(index=i, kind="embedding" if i == 0 else "head" if i == n - 1 else "block", forward_ms=1,
+                         backward_ms=2, activation_bytes=500 + 1000 * mb,
+                         **({"input_grad_ms": 1, "weight_grad_ms": 1, "weight_pass_bytes": 300 + 600 * mb}
+                            if i == 1 else {})) for i in range(n)])
+    measured = CostModel(CPU_CLUSTER, STACK, dtype="fp32", profiles=[profile(1), profile(4)])
+    assert measured.wait_bytes()[1] == pytest.approx(600.0)
+    extra = analytic.wait_bytes()[2:] - analytic.act_bytes()[2:]
+    assert list(measured.wait_bytes()[2:] - measured.act_bytes()[2:]) == pytest.approx(list(extra))

@@ -272,25 +272,22 @@ def test_chunked_memory_follows_each_schedule_in_flight_activations():
     assert predict(il, cm).memory_gib[0] > predict(plain, cm).memory_gib[0]
 
 
-def test_a_split_backward_frees_the_loss_log_probabilities_before_the_weight_pass():
-    """The loss's fp32 log-probabilities (kept with the head's activations) serve the input gradient only: under
-    a split backward the chunk holding the head keeps them until its B, the rest until its W (measured by
-    benchmarks/chunked.py: zb-v's group 0 was predicted up to 12.6% high before)."""
-    from hethub.partitioner.costmodel import loss_saved_bytes
+def test_between_its_b_and_its_w_a_chunk_holds_what_the_weight_pass_waits_with():
+    """Under a split backward a chunk-micro-batch holds, from its B to its W, the graph kept for the weights plus
+    the output gradients the W needs (``CostModel.wait_bytes``), more than its forward left: with the runtime's
+    meter counting those too, pricing that span as the forward's bytes understated zb-v's peaks by up to 34%
+    (benchmarks/chunked.py)."""
     from hethub.partitioner.evaluate import activation_peak_bytes
     cm = CostModel(CPU_CLUSTER, STACK)
-    last = BALANCED.pipeline[-1]
-    whole = float(cm.act_bytes()[last.first:last.last].sum()) * 4
-    loss = loss_saved_bytes(STACK) * 4
-    k = last.position
-    split = [("F", 0, k), ("B", 0, k), ("F", 1, k), ("W", 0, k), ("B", 1, k), ("W", 1, k)]
-    whole_b = [("F", 0, k), ("B", 0, k), ("F", 1, k), ("B", 1, k)]
-    assert activation_peak_bytes(BALANCED, cm, last.group, 4, split) == pytest.approx(2 * whole - loss)
-    assert activation_peak_bytes(BALANCED, cm, last.group, 4, whole_b) == pytest.approx(whole)
-    first = BALANCED.pipeline[0]  # no head: all of it waits for W
-    f = [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("W", 0, 0)]
-    assert activation_peak_bytes(BALANCED, cm, first.group, 4, f) == pytest.approx(
-        2 * float(cm.act_bytes()[first.first:first.last].sum()) * 4)
+    for chunk in (BALANCED.pipeline[-1], BALANCED.pipeline[0]):  # with the head (the logits' gradient), without
+        k, rows = chunk.position, 4
+        whole = float(cm.act_bytes()[chunk.first:chunk.last].sum()) * rows
+        wait = float(cm.wait_bytes()[chunk.first:chunk.last].sum()) * rows
+        assert wait > whole
+        split = [("F", 0, k), ("B", 0, k), ("F", 1, k), ("W", 0, k), ("B", 1, k), ("W", 1, k)]
+        fused = [("F", 0, k), ("B", 0, k), ("F", 1, k), ("B", 1, k)]
+        assert activation_peak_bytes(BALANCED, cm, chunk.group, rows, split) == pytest.approx(wait + whole)
+        assert activation_peak_bytes(BALANCED, cm, chunk.group, rows, fused) == pytest.approx(whole)
 
 
 def test_auto_keeps_the_fastest_variant_that_fits_and_reports_each():

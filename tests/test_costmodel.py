@@ -200,6 +200,11 @@ def test_profiler_measures_every_layer_and_round_trips(tmp_path):
     # the split backward (zb-h1, zb-v) measured as its two passes where the input carries a gradient
     assert prof.layers[0].input_grad_ms is None and prof.layers[0].weight_grad_ms is None
     assert all(l.input_grad_ms > 0 and l.weight_grad_ms > 0 for l in prof.layers[1:])
+    # between them a block waits with more than its forward left: the graph kept for its norms' weights, and
+    # every Linear's output gradient (the head: its logits' gradient, 32 positions x 256 tokens in fp32)
+    assert prof.layers[0].weight_pass_bytes is None
+    assert all(l.weight_pass_bytes > l.activation_bytes for l in prof.layers[1:-1])
+    assert prof.layers[-1].weight_pass_bytes >= 4 * 32 * 256
     # autograd keeps at least the block's input and the MLP's hidden activations (fp32, 1 x 32 x 256)
     assert block.activation_bytes >= 4 * 32 * 256
     r = run_cli("profile", "--model", "gpt-tiny", "--device-type", "CPU", "--reps", "2", "--dtype", "bf16",

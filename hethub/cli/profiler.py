@@ -138,29 +138,33 @@ def measure_split(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
     weights = [p for p in module.parameters() if p.requires_grad]
     calls = split_backward.LinearCalls(module)
     clock, w_ref = Clock(device), {}
-    inp, wgt = [], []
+    inp, wgt, waiting = [], [], 0
     try:
         for it in range(warmup + reps):
             x = make_input()
             for p in weights:
                 p.grad = None
-            with calls.capturing() as recorded:
-                y = module(x)
-            with torch.autocast(device.type, enabled=False):  # backward outside autocast, as the runtime runs it
-                _sync(device)
-                t0 = clock.mark()
-                pending = split_backward.backward_input([y], [torch.ones_like(y)], [x], weights, 1, recorded)
-                t1, w0 = clock.mark(), time.perf_counter()
-                split_backward.backward_weight(weights, pending)
-                if slowdown != 1.0:
-                    idle_to(slowdown, w_ref, "w", time.perf_counter() - w0)
-                t2 = clock.mark()
+            meter = ActivationMeter(module.parameters())
+            with meter:  # what the weight pass waits with: the graph kept for it, the tensors pinned for it
+                with calls.capturing() as recorded:
+                    y = module(x)
+                with torch.autocast(device.type, enabled=False):  # backward outside autocast, as the runtime runs it
+                    _sync(device)
+                    t0 = clock.mark()
+                    pending = split_backward.backward_input([y], [torch.ones_like(y)], [x], weights, 1, recorded)
+                    t1, w0 = clock.mark(), time.perf_counter()
+                    waiting = max(waiting, meter.held)
+                    split_backward.backward_weight(weights, pending)
+                    if slowdown != 1.0:
+                        idle_to(slowdown, w_ref, "w", time.perf_counter() - w0)
+                    t2 = clock.mark()
             if it >= warmup:
                 inp.append(clock.ms(t0, t1))
                 wgt.append(clock.ms(t1, t2))
     finally:
         calls.remove()
-    return {"input_grad_ms": statistics.median(inp), "weight_grad_ms": statistics.median(wgt)}
+    return {"input_grad_ms": statistics.median(inp), "weight_grad_ms": statistics.median(wgt),
+            "weight_pass_bytes": int(waiting)}
 
 
 SPREAD_LIMIT = 0.25  # a layer whose repetitions spread wider than this (of their median) is measured again
@@ -264,7 +268,7 @@ def profile_model(model: ModelConfig, device_type: str, micro_batch_size: int = 
 
 
 _MEASURED = ("forward_ms", "backward_ms", "activation_bytes", "peak_memory_bytes", "spread", "rounds",
-             "input_grad_ms", "weight_grad_ms")
+             "input_grad_ms", "weight_grad_ms", "weight_pass_bytes")
 
 
 def _layer_rows(model: ModelConfig, rows: dict[str, dict]) -> list[LayerProfile]:
