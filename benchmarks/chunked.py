@@ -80,9 +80,10 @@ def main():
         "predicted vs measured | measured speed-up | predicted speed-up | speed-up: measured vs predicted |",
         "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "## Activation memory: what autograd held at its peak vs the cost model", "",
-        "Held = the most bytes of tensors saved for backward alive at once during the timed steps (counted as "
-        "`hethub profile` counts a layer's activation bytes); predicted = `evaluate.activation_peak_bytes` (each "
-        "chunk-micro-batch held from its forward to its backward, or its W).", "",
+        "Held = the most bytes of tensors saved for backward, and of tensors a split backward's weight pass waits "
+        "with, alive at once during the timed steps (counted as `hethub profile` counts a layer's activation "
+        "bytes); predicted = `evaluate.activation_peak_bytes` (each chunk-micro-batch held from its forward to "
+        "its backward; from a split B to its W, what the W waits with).", "",
         "| plan | schedule | group | rank | rows | held MiB | predicted MiB | predicted vs held |",
         "|---|---|---|---|---|---|---|---|", *mem_rows, ""])
     write_result("chunked.md", text)
