@@ -493,16 +493,6 @@ class CostModel:
         the fixed per-call part amortised away)."""
         return float(self.prefix(t)[-1])
 
-    def usd_per_million_tokens(self, devices_by_type: dict[str, int], iteration_s: float, samples: int
-                               ) -> Optional[float]:
-        """Dollars per million tokens: the used devices' hourly prices over one iteration, per token it trains
-        (``samples`` x sequence length). None when a used type has no ``usd_per_hour``."""
-        prices = [self.cluster.device_type(t).usd_per_hour for t in devices_by_type]
-        if not devices_by_type or any(p is None for p in prices):
-            return None
-        usd = sum(p * n for p, n in zip(prices, devices_by_type.values())) * iteration_s / 3600.0
-        return usd / (samples * self.model.seq_length) * 1e6
-
     def upper_bound_samples_per_s(self, counts: Optional[dict[str, int]] = None) -> float:
         """Samples/s no plan can pass, under profiles too (``work_bound_samples_per_s``); one LP per device mix."""
         counts = counts or self.cluster.count_by_type()
@@ -705,6 +695,17 @@ class CostModel:
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
         return (self.state_bytes_of(params, width, zero1) * OPTIMIZER_PASSES
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
+
+
+def usd_per_million_tokens(cm: CostModel, devices_by_type: dict[str, int], iteration_s: float, samples: int
+                           ) -> Optional[float]:
+    """Dollars per million tokens: the used devices' hourly prices over one iteration, per token it trains
+    (``samples`` x sequence length). None when a used type has no ``usd_per_hour``."""
+    prices = [cm.cluster.device_type(t).usd_per_hour for t in devices_by_type]
+    if not devices_by_type or any(p is None for p in prices):
+        return None
+    usd = sum(p * n for p, n in zip(prices, devices_by_type.values())) * iteration_s / 3600.0
+    return usd / (samples * cm.model.seq_length) * 1e6
 
 
 def loss_saved_bytes(m: ModelConfig) -> float:

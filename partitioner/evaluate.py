@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .costmodel import CostModel
+from .costmodel import CostModel, usd_per_million_tokens
 from .chunked import chunk_orders
 from .records import CHUNKED, Plan, Predicted
 from .schedule import overlaps, peak_in_flight, trailing_weight_passes
@@ -339,8 +339,8 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
     ub = cm.upper_bound_samples_per_s()
     return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,
                      homogeneous_sum_samples_per_s=homogeneous_sum_samples_per_s,
-                     usd_per_million_tokens=cm.usd_per_million_tokens(plan.devices_by_type(), it,
-                                                                      plan.global_batch_size),
+                     usd_per_million_tokens=usd_per_million_tokens(cm, plan.devices_by_type(), it,
+                                                                   plan.global_batch_size),
                      stage_s=[c.per_micro_batch_s for c in costs],
                      memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
                      allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
