@@ -697,6 +697,18 @@ class CostModel:
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
 
 
+def pass_times_s(cm: CostModel, t: str, first: int, last: int, samples: float, recompute: bool, tp: int,
+                 split: bool) -> tuple[float, float, float]:
+    """(forward, backward, weight pass) seconds of layers [first, last) on type t: unsplit, the backward whole and
+    no weight pass; split (zb-h1, zb-v), the input-gradient pass B and the weight pass W, together longer than
+    one backward by the split's own cost. What the simulator replays and zb-v's order is timed by."""
+    fwd, bwd = cm.stage_compute_s(t, first, last, samples, recompute, tp)
+    if not split:
+        return fwd, bwd, 0.0
+    wgt = cm.stage_weight_grad_s(t, first, last, samples, tp)
+    return fwd, bwd - wgt + cm.stage_split_extra_s(t, first, last, samples, tp), wgt
+
+
 def usd_per_million_tokens(cm: CostModel, devices_by_type: dict[str, int], iteration_s: float, samples: int
                            ) -> Optional[float]:
     """Dollars per million tokens: the used devices' hourly prices over one iteration, per token it trains

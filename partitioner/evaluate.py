@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .costmodel import CostModel, usd_per_million_tokens
+from .costmodel import CostModel, pass_times_s, usd_per_million_tokens
 from .chunked import chunk_orders
 from .records import CHUNKED, Plan, Predicted
 from .schedule import overlaps, peak_in_flight, trailing_weight_passes
@@ -357,12 +357,9 @@ def with_pass_times(plan: Plan, cm: CostModel) -> Plan:
     for c in plan.pipeline:
         st = plan.stages[c.group]
         slowest = (0.0, 0.0, 0.0)
-        for t, n in {(st.type_of(r), r.samples) for r in st.replicas}:
-            fwd, bwd = cm.stage_compute_s(t, c.first, c.last, n, st.recompute, st.tensor_parallel)
-            wgt = cm.stage_weight_grad_s(t, c.first, c.last, n, st.tensor_parallel) if c.position > 0 else 0.0
-            extra = cm.stage_split_extra_s(t, c.first, c.last, n, st.tensor_parallel) if c.position > 0 else 0.0
-            passes = (fwd * 1e3, (bwd - wgt + extra) * 1e3, wgt * 1e3)
-            slowest = max(slowest, passes, key=sum)
+        for t, n in {(st.type_of(r), r.samples) for r in st.replicas}:  # chunk 0's backward is not split
+            passes = pass_times_s(cm, t, c.first, c.last, n, st.recompute, st.tensor_parallel, c.position > 0)
+            slowest = max(slowest, tuple(x * 1e3 for x in passes), key=sum)
         times.append(tuple(round(x, 6) for x in slowest))
     data = plan.model_dump(exclude_none=True)
     data.pop("predicted", None)

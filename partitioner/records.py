@@ -821,9 +821,9 @@ def _check_pass_ms(plan: Plan) -> None:
     if len(plan.chunk_pass_ms) != len(plan.pipeline):
         raise ValueError(f"chunk_pass_ms: one [forward, input gradient, weight gradient] per chunk "
                          f"({len(plan.pipeline)}), got {len(plan.chunk_pass_ms)}")
-    if not all(sum(times) > 0 for times in plan.chunk_pass_ms):
-        k = next(k for k, times in enumerate(plan.chunk_pass_ms) if sum(times) <= 0)
-        raise ValueError(f"chunk_pass_ms[{k}]: a chunk's passes take time, got {list(plan.chunk_pass_ms[k])}")
+    for k, times in enumerate(plan.chunk_pass_ms):
+        if sum(times) <= 0:
+            raise ValueError(f"chunk_pass_ms[{k}]: a chunk's passes take time, got {list(times)}")
 
 
 def _check_chunks(plan: Plan) -> None:

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .costmodel import CostModel, allreduce_end_s
+from .costmodel import CostModel, allreduce_end_s, pass_times_s
 from .errors import InputError, missing_package
 from .groups import SEND_WINDOW, transfer_group
 from .ordering import MispairedError, OrderError, check_order, vstage
@@ -276,14 +276,11 @@ class _Replay:
             first, last = st.layers if a.chunk is None else self.plan.pipeline[a.chunk][3:]
             t = st.type_of(rep)
             tp = st.tensor_parallel
-            fwd, bwd = self.cm.stage_compute_s(t, first, last, rep.samples, st.recompute, tp)
             tp_f, tp_b = self.cm.stage_tp_allreduce_s(t, first, last, rep.samples, st.recompute, tp)
-            # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W),
-            # together longer than one backward by the split's own cost
+            # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W)
             split = any(b.kind == "W" and b.chunk == a.chunk for b in self.sched[rank])
-            wgrad = self.cm.stage_weight_grad_s(t, first, last, rep.samples, tp) if split else 0.0
-            extra = self.cm.stage_split_extra_s(t, first, last, rep.samples, tp) if split else 0.0
-            self.durations[k] = {"F": fwd, "B": bwd - wgrad + extra, "W": wgrad, "TPF": tp_f, "TPB": tp_b}
+            fwd, bwd, wgt = pass_times_s(self.cm, t, first, last, rep.samples, st.recompute, tp, split)
+            self.durations[k] = {"F": fwd, "B": bwd, "W": wgt, "TPF": tp_f, "TPB": tp_b}
         return self.durations[k][a.kind]
 
     def transfer_s(self, src: int, dst: int, boundary: int, rows: int) -> tuple[float, bool]:

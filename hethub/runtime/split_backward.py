@@ -26,6 +26,7 @@ have exactly one consumer per recorded call.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -231,7 +232,8 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Optional[Sequence[
     # the graph is kept only for the groups' weight pass; direct calls keep their own X and dY
     _accumulate(inputs, _grad(records, list(roots), list(inputs), root_grads, retain_graph=bool(groups)))
     _refuse_lost(len({id(p) for c in direct if c.dy is None for p in c.params()}), stage)  # off the input's path
-    held = [t for c in direct for t in (c.x, c.dy)] + [t for g in groups for ts in g.grads.values() for t in ts]
+    held = itertools.chain((t for c in direct for t in (c.x, c.dy)),
+                           (t for g in groups for ts in g.grads.values() for t in ts))  # read only under a meter
     return Pending(groups, direct, pin(held))
 
 
