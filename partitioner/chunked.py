@@ -208,12 +208,35 @@ class _ZeroBubbleV(_ListScheduler):
             self.held[g] -= 1
 
 
+def one_chunk_order(M: int, S: int, s: int, train: bool = True, split: bool = False) -> list[tuple[str, int]]:
+    """Stage s of S under 1F1B as (F|B|W, micro-batch) in execution order (``train=False``: forwards only):
+    min(S-s-1, M) warm-up forwards, then one forward and one backward in turn, then the drain. ``split``
+    (schedule ``zb-h1``): every stage but the first splits each backward into B (input gradients, sent at
+    once) and W (weight gradients) right after it; the last stage also runs its last B before the W of the
+    micro-batch before it (``records.SCHEDULES``), so it ends holding two micro-batches' weight passes."""
+    first, last = s == 0, s == S - 1
+    warm = min(S - s - 1, M) if train else M
+    split = split and train and not first
+    out: list[tuple[str, int]] = [("F", j) for j in range(warm)]
+    for i in range(M - warm):
+        out += [("F", warm + i), ("B", i)] + ([("W", i)] if split else [])
+    for j in range(M - warm, M) if train else ():
+        out += [("B", j)] + ([("W", j)] if split else [])
+    if split and last and M >= 2:  # ... F(M-1) B(M-1) W(M-2) W(M-1): the last gradient leaves one W sooner
+        out.remove(("W", M - 2))
+        out.insert(out.index(("B", M - 1)) + 1, ("W", M - 2))
+    return out
+
+
 def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
-    """Per device group, its compute order under the plan's (chunked) schedule."""
+    """Per device group, its compute order under the plan's schedule (a one-chunk plan's group g runs chunk g)."""
     p, v = plan.num_stages, plan.num_chunks
     if plan.schedule == "zb-v":
         return zbv_orders([c.last - c.first for c in plan.pipeline], p, M, train, plan.chunk_pass_ms)
-    return interleaved_orders(p, v, M, train)
+    if plan.schedule in CHUNKED:
+        return interleaved_orders(p, v, M, train)
+    return [[(kind, mb, g) for kind, mb in one_chunk_order(M, p, g, train, plan.schedule == "zb-h1")]
+            for g in range(p)]
 
 
 def chunk_sizes(n_layers: int, v: int) -> list[int]:

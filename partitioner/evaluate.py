@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 from .costmodel import CostModel, pass_times_s, usd_per_million_tokens
 from .chunked import chunk_orders
 from .records import CHUNKED, Plan, Predicted
-from .schedule import overlaps, peak_in_flight, trailing_weight_passes
+from .schedule import overlaps, trailing_weight_passes
 from .simulator import simulate
 
 
@@ -84,6 +84,7 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
     if plan.schedule in CHUNKED:
         return chunked_group_costs(plan, cm)
     S, M = plan.num_stages, plan.num_micro_batches
+    orders = chunk_orders(plan, M)
     out = []
     for s, st in enumerate(plan.stages):
         first, last = st.layers
@@ -111,8 +112,7 @@ def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
             comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
         z = plan.shards_optimizer(st)
         opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
-        mem = cm.stage_memory_bytes(first, last, samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
-                                    st.width, tp, z)
+        mem = group_memory_bytes(plan, cm, s, samples, orders[s])
         wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas]
         wgrad = max(wgrads)
         # what the last gradient pass hides of the buckets: the shortest replica's pass (it may end as late)
@@ -149,8 +149,8 @@ def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
 
 
 def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
-    """The most activation bytes a rank of group s holds at once under the plan's compute order (1F1B's with one
-    chunk per group): a chunk-micro-batch is held from its forward to its backward; where the backward is split,
+    """The most activation bytes a rank of group s holds at once under the plan's compute order
+    (``chunked.chunk_orders``, one-chunk plans included): a chunk-micro-batch is held from its forward to its backward; where the backward is split,
     from its B to its W it holds what the weight pass waits with (``CostModel.wait_bytes``: the graph kept for
     the weights and the output gradients, more than the forward left: pricing it as the forward's bytes
     understated zb-v's peaks by up to 34% on the emulated cluster). ``samples``: the rank's rows of a
@@ -177,9 +177,11 @@ def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order
     return peak
 
 
-def chunked_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
-    """Peak bytes on a rank of group s under a chunked schedule: every chunk's state, plus the most activations
-    its order holds at once (``activation_peak_bytes``), plus a boundary's send and receive buffers per chunk."""
+def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
+    """Peak bytes on a rank of group s: every chunk's state, plus the most activations its order holds at once
+    (``activation_peak_bytes``), plus a boundary's send and receive buffers per chunk. One rule for every
+    schedule: under zb-h1 a stage holds, from each B to its W, what the weight pass waits with, and its last
+    stage ends holding two of those (counting in-flight micro-batches as 1F1B's missed that)."""
     st = plan.stages[s]
     tp, z = st.tensor_parallel, plan.shards_optimizer(st)
     full = cm.act_bytes(tp)
@@ -206,7 +208,7 @@ def chunked_group_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
         fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
         comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)
         opt = max(sum(cm.optimizer_s(t, a, b, st.width, tp, z) for a, b in st.chunk_ranges) for t in st.types)
-        mem = chunked_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
+        mem = group_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
         split = plan.schedule == "zb-v"
         wgrad = max(sum(cm.stage_weight_grad_s(st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last,
                                                r.samples, tp) for k in ks if k > 0) for r in st.replicas)
@@ -247,15 +249,10 @@ def closed_form_s(plan: Plan, cm: CostModel) -> float:
 
 
 def fits_memory(plan: Plan, cm: CostModel) -> bool:
-    """Every replica's peak (its share, its schedule's in-flight count) within its own type's memory."""
-    if plan.schedule in CHUNKED:
-        orders = chunk_orders(plan, plan.num_micro_batches)
-        return all(chunked_memory_bytes(plan, cm, s, r.samples, orders[s]) <= cm.memory_limit_bytes(st.type_of(r))
-                   for s, st in enumerate(plan.stages) for r in st.replicas)
-    S, M = plan.num_stages, plan.num_micro_batches
-    return all(cm.stage_memory_bytes(*st.layers, r.samples, peak_in_flight(plan.schedule, S, s, M), st.recompute,
-                                     st.width, st.tensor_parallel, plan.shards_optimizer(st))
-               <= cm.memory_limit_bytes(st.type_of(r)) for s, st in enumerate(plan.stages) for r in st.replicas)
+    """Every replica's peak (its share, its schedule's order) within its own type's memory."""
+    orders = chunk_orders(plan, plan.num_micro_batches)
+    return all(group_memory_bytes(plan, cm, s, r.samples, orders[s]) <= cm.memory_limit_bytes(st.type_of(r))
+               for s, st in enumerate(plan.stages) for r in st.replicas)
 
 
 REPLAY_WITHIN = 1.05  # plans whose closed form is within this factor of the best one's are replayed

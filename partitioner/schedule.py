@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .chunked import chunk_orders
+from .chunked import chunk_orders, one_chunk_order
 from .errors import InputError
 from .records import CHUNKED, SCHEDULES, Plan
 
@@ -123,21 +123,11 @@ def parse_schedule(text: str) -> list[Action]:
 def stage_order(num_micro_batches: int, num_stages: int, stage: int, train: bool = True, split: bool = False
                 ) -> list[tuple[str, Optional[int]]]:
     """1F1B for one stage as (action kind, micro-batch) pairs, in execution order (``train=False``:
-    forwards only, for evaluation). ``split`` (schedule ``zb-h1``): every stage but the first splits each
-    backward into B (input gradients, sent at once) and W (weight gradients) right after it; the last stage
-    also runs its last B before the W of the micro-batch before it (``SCHEDULES``)."""
+    forwards only, for evaluation): the compute order (``chunked.one_chunk_order``; ``split``: schedule
+    ``zb-h1``'s) with the transfers and loads placed around it."""
     M, S, s = num_micro_batches, num_stages, stage
     first, last = s == 0, s == S - 1
-    warm = min(S - s - 1, M) if train else M
-    split = split and train and not first
-    compute: list[tuple[str, Optional[int]]] = [("F", j) for j in range(warm)]
-    for i in range(M - warm):
-        compute += [("F", warm + i), ("B", i)] + ([("W", i)] if split else [])
-    for j in range(M - warm, M) if train else ():
-        compute += [("B", j)] + ([("W", j)] if split else [])
-    if split and last and M >= 2:  # ... F(M-1) B(M-1) W(M-2) W(M-1): the last gradient leaves one W sooner
-        compute.remove(("W", M - 2))
-        compute.insert(compute.index(("B", M - 1)) + 1, ("W", M - 2))
+    compute = one_chunk_order(M, S, s, train, split)
     out: list[tuple[str, Optional[int]]] = []
     next_ra = 0  # the next micro-batch whose activations' receive is not posted yet
     for kind, mb in compute:

@@ -11,7 +11,7 @@ import pytest
 from hethub.partitioner.chunked import chunk_orders, interleaved_orders, rechunk, zbv_orders
 from hethub.partitioner.costmodel import CostModel
 from hethub.partitioner.errors import InputError
-from hethub.partitioner.evaluate import (chunk_time_s, chunked_memory_bytes, predict, with_micro_batches,
+from hethub.partitioner.evaluate import (chunk_time_s, group_memory_bytes, predict, with_micro_batches,
                                          with_pass_times)
 from hethub.partitioner.ordering import check_order
 from hethub.partitioner.placement import StageLayout, build_plan
@@ -257,7 +257,7 @@ def _activation_peak(plan, cm, group):
     st = plan.stages[group]
     state = sum(cm.state_bytes(a, b) for a, b in st.chunk_ranges)
     buffers = sum(2.0 * float(cm.layers.out_bytes[max(a - 1, 0)]) * 4 for a, _ in st.chunk_ranges)
-    return chunked_memory_bytes(plan, cm, group, 4) - state - buffers
+    return group_memory_bytes(plan, cm, group, 4) - state - buffers
 
 
 def test_chunked_memory_follows_each_schedule_in_flight_activations():

@@ -191,9 +191,11 @@ def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
         assert abs(dur(zb, "B") + dur(zb, "W") - dur(base, "B")) <= 1e-9 * dur(base, "B")
 
 
-def test_zb_h1_speeds_up_a_deep_pipeline_and_holds_one_more_micro_batch_on_the_last_stage():
+def test_zb_h1_speeds_up_a_deep_pipeline_and_holds_what_its_weight_passes_wait_with():
     """Six equal stages, 12 micro-batches: zb-h1's replay is shorter than 1F1B's by at least a stage's weight
-    gradients per stage of drain; memory is 1F1B's except on the last stage, which holds two micro-batches."""
+    gradients per stage of drain. Memory: stage 0 (never split) holds 1F1B's; every later stage, from a B to
+    its W, what the weight pass waits with in place of that micro-batch's forward activations; the last stage
+    ends holding two of those (its last B runs before the W of the micro-batch before it)."""
     from hethub.partitioner.evaluate import stage_costs
     from hethub.partitioner.schedule import peak_in_flight
     cm = CostModel(CLUSTER, MODEL)
@@ -208,7 +210,14 @@ def test_zb_h1_speeds_up_a_deep_pipeline_and_holds_one_more_micro_batch_on_the_l
     assert [peak_in_flight("zb-h1", 6, s, 12) for s in range(6)] == [6, 5, 4, 3, 2, 2]
     assert peak_in_flight("zb-h1", 6, 5, 1) == 1 and peak_in_flight("zb-h1", 1, 0, 12) == 1
     mem = lambda p: [c.memory_bytes for c in stage_costs(p, cm)]  # noqa: E731
-    assert mem(_zb(plan))[:5] == mem(plan)[:5] and mem(_zb(plan))[5] > mem(plan)[5]
+    base_mem, zb_mem = mem(plan), mem(_zb(plan))
+    act = [float(cm.act_bytes()[a:b].sum()) * 2 for a, b in zip(bounds, bounds[1:])]  # 2 rows per replica
+    wait = [float(cm.wait_bytes()[a:b].sum()) * 2 for a, b in zip(bounds, bounds[1:])]
+    assert all(w > a for w, a in zip(wait, act))  # the weight pass waits with the output gradients too
+    assert zb_mem[0] == base_mem[0]
+    for s in range(1, 5):
+        assert zb_mem[s] - base_mem[s] == pytest.approx(wait[s] - act[s], rel=1e-9)
+    assert zb_mem[5] - base_mem[5] == pytest.approx(2 * wait[5] - act[5], rel=1e-9)
 
 
 def test_predicted_is_the_replay():

@@ -168,6 +168,7 @@ class _Part:
     in_bytes: np.ndarray
     out_bytes: np.ndarray
     per_node: int  # replicas (tp groups) one node of the type holds
+    wait_over: np.ndarray  # per sample, what a split backward holds from B to W beyond ``act`` (``wait_bytes``)
 
     def compute_s(self, s: int) -> np.ndarray:
         return self.fixed + self.per_sample * s
@@ -199,11 +200,13 @@ class _Part:
         per_link = s if intra else min(w, self.per_node) * s
         return np.where(self.out_bytes > 0, 2 * (lat + per_link * self.out_bytes * 8 / (gbps * 1e9)), 0.0)
 
-    def in_flight(self, width: int, s: int, M: int, zero1: bool = False) -> np.ndarray:
+    def in_flight(self, width: int, s: int, M: int, zero1: bool = False, waits=0) -> np.ndarray:
         """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
-        optimizer state over all of them) and a share of s samples."""
+        optimizer state over all of them) and a share of s samples. ``waits``: split backwards held at the peak
+        (zb-h1: one right after a B, the last stage's last two), each holding ``wait_over`` more than a forward
+        left (``evaluate.activation_peak_bytes`` counts the same along the stage's order)."""
         cap = (self.cm.memory_limit_bytes(self.t) - self.cm.state_bytes_of(self.params, width, zero1)
-               - 2.0 * self.in_bytes * s - (self.act_max * s if self.rc else 0.0))
+               - 2.0 * self.in_bytes * s - (self.act_max * s if self.rc else 0.0) - waits * self.wait_over * s)
         k = np.floor(np.where(cap > 0, cap / np.maximum(self.act * s, 1.0), 0.0))
         return np.minimum(k, M)
 
@@ -230,6 +233,8 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
     kept_rc = cum(lay.act_bytes_recompute)
     act = {False: cum(full_act)[e] - cum(full_act)[a], True: kept_rc[e] - kept_rc[a]}
     act_max = _range_max(full_act, bounds)[I, J]
+    waits = cum(cm.wait_bytes(tp))  # B rebuilt the whole graph, recomputed or not
+    wait = waits[e] - waits[a]
     params = cm.range_params(a, e, tp)
     per_node = max(n.count for n in cm.cluster.nodes if n.device_type == t) // tp
     w_sample, w_call = cm.wgrad_prefix(t, tp)
@@ -241,7 +246,8 @@ def _parts(cm: CostModel, t: str, tp: int, allow_recompute: bool, bounds: np.nda
                          cm.prefix_fixed(t, rc, tp)[e] - cm.prefix_fixed(t, rc, tp)[a], w_sample[e] - w_sample[a],
                          w_call[e] - w_call[a], b_sample[e] - b_sample[a], b_call[e] - b_call[a],
                          x_sample[e] - x_sample[a], x_call[e] - x_call[a], params, act[rc],
-                         act_max, lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node))
+                         act_max, lay.out_bytes[np.maximum(a - 1, 0)], lay.out_bytes[e - 1], per_node,
+                         np.maximum(wait - act[rc], 0.0)))
     return out
 
 
@@ -336,6 +342,8 @@ class _Builder:
         # them) and runs its last W (the last stage: its last two) before its all-reduce (``evaluate.iteration_s``)
         self.split = (I > 0) if schedule == "zb-h1" else np.zeros(len(I), dtype=bool)
         # (a middle stage as stage 1 of 3, the last as stage 1 of 2; the first never splits)
+        # what a split stage holds at its peak from a B to its W (``in_flight``'s ``waits``)
+        self.waits = np.where(self.split, np.where(self.ends_pipeline, min(2, M), 1), 0)
         self.tail_ws = np.where(I > 0, np.where(self.ends_pipeline, trailing_weight_passes(schedule, 2, 1, M),
                                                 trailing_weight_passes(schedule, 3, 1, M)), 0)
 
@@ -347,13 +355,13 @@ class _Builder:
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
         comp, comm, cross = pa.split_compute_s(sa, self.split), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
         away = pa.comm_s(wa, sa, False, other_host=True)
-        k, wg = pa.in_flight(w, sa, M, z), pa.wgrad_s(sa)
+        k, wg = pa.in_flight(w, sa, M, z, self.waits), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = np.maximum(comp, pb.split_compute_s(sb, self.split)), away
-            cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M))
+            cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M, False, self.waits))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
             bwd = np.minimum(bwd, pb.backward_s(sb))  # the all-reduce hides behind the shorter half's pass
