@@ -1,7 +1,8 @@
 """Chunked schedules run on the emulated cluster, side by side with 1F1B, one run, numbers side by side:
 
 for two of runtime.py's (d) plans (4 stages of width 1; widths 1/2/1/2) and a balanced 4-stage pipeline whose fill
-is most of its iteration (M = 4), each run under 1F1B, interleaved-1f1b (v = 2; 3 on the balanced one) and zb-v,
+is most of its iteration (M = 4), each run under 1F1B, zb-h1 (one chunk per group, the backward split: its memory
+is priced the way zb-v's is), interleaved-1f1b (v = 2; 3 on the balanced one) and zb-v,
 the groups and sample splits unchanged (``chunked.rechunk`` re-cuts each group's layers by
 time, and zb-v orders its passes by their times, as ``hethub plan --schedule`` does):
 - measured vs predicted iteration time (``hethub simulate``'s number), target within 10%;
@@ -27,11 +28,11 @@ from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, pre
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
 
 # (name, micro-batch size, micro-batches, [(layers, type, samples per replica)], chunked variants)
-PLANS = [(*p, [("interleaved-1f1b", 2), ("zb-v", 2)]) for p in FID_PLANS
+PLANS = [(*p, [("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2)]) for p in FID_PLANS
          if p[0] in ("4 stages, width 1 each", "4 stages, widths 1/2/1/2")]
 # few micro-batches for the depth: the fill is most of 1F1B's iteration, what chunking exists to cut
 PLANS.append(("4 FAST stages of 3 layers, M = 4", 2, 4, [((3 * s, 3 * s + 3), "FAST", (2,)) for s in range(4)],
-              [("interleaved-1f1b", 3), ("zb-v", 2)]))
+              [("zb-h1", 1), ("interleaved-1f1b", 3), ("zb-v", 2)]))
 
 
 def main():
