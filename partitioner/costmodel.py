@@ -564,21 +564,6 @@ class CostModel:
         share = np.where(self.layers.tp_split, 1.0 / tp, 1.0)
         return np.maximum(self.act_bytes(tp) + self.layers.wait_extra * share, 0.0)
 
-    def stage_memory_bytes(self, first: int, last: int, samples: int, in_flight: int, recompute: bool,
-                           width: int = 1, tp: int = 1, zero1: Optional[bool] = None) -> float:
-        """Peak bytes on one rank of a replica under 1F1B: state + activations of the micro-batches in flight.
-
-        With recompute, each in-flight micro-batch keeps only layer inputs, plus one layer's full
-        activations while it is being recomputed.
-        """
-        full = self.act_bytes(tp)
-        act = self.layers.act_bytes_recompute if recompute else full
-        kept = float(act[first:last].sum()) * samples * in_flight
-        if recompute:
-            kept += float(full[first:last].max()) * samples
-        boundary = 2.0 * float(self.layers.out_bytes[max(first - 1, 0)]) * samples  # send/recv buffers
-        return self.state_bytes(first, last, width, tp, zero1) + kept + boundary
-
     def memory_limit_bytes(self, t: str) -> float:
         return (self.cluster.device_type(t).memory_gib - self.memory_reserve_gib) * 2 ** 30
 
