@@ -10,7 +10,7 @@ import time
 
 from hethub.partitioner import Cluster, InfeasibleError, builtin_model
 from hethub.partitioner.api import BASELINES, homogeneous_plans, homogeneous_totals, make_baseline, make_plan
-from hethub.partitioner.costmodel import CostModel
+from hethub.partitioner.costmodel import CostModel, natural_dtype
 from hethub.partitioner.planner import PlannerOptions
 from hethub.partitioner.simulator import simulate
 
@@ -60,7 +60,8 @@ def main():
     for (name, cluster, model_name, batch, *limit), schedule in itertools.product(SUITE[:2] if quick else SUITE,
                                                                                  ("1f1b", "zb-h1")):
         model = builtin_model(model_name)
-        cm = CostModel(cluster, model)
+        dtype, _ = natural_dtype(cluster)  # as `hethub plan --dtype auto`: fp16 where a type lacks bf16 (V100)
+        cm = CostModel(cluster, model, dtype=dtype)
         opts = PlannerOptions(time_limit_s=limit[0] if limit else 60, schedule=schedule)
         t0 = time.perf_counter()
         plan = make_plan(cluster, model, batch, opts=opts, cost_model=cm, with_homogeneous_sum=False)
@@ -79,7 +80,7 @@ def main():
                 speedups.append(f"{p.samples_per_s / base.predicted.samples_per_s:.2f}x")
             except InfeasibleError:
                 speedups.append("infeasible")
-        rows.append(f"| {name} | {cluster.num_devices} | {model_name} | {batch} | {schedule} | {solve_s:.2f} | "
+        rows.append(f"| {name} | {cluster.num_devices} | {model_name} | {dtype} | {batch} | {schedule} | {solve_s:.2f} | "
                     f"{plan.solver.gap:.2%} | {plan.solver.status} | {plan.num_stages} | "
                     f"{sum(s.zero1 for s in plan.stages)} | {plan.world_size} | "
                     f"{p.efficiency:.3f} | {p.samples_per_s / hs:.3f} | "
@@ -111,11 +112,12 @@ def main():
         "(target within 5%); closed form vs sim: the MILP objective's view of the same plan. Speed-ups: "
         "predicted samples/s over each baseline (same cost model; DeepSpeed's partitions run 1F1B). schedule: "
         "what the plan (and its homogeneous sub-cluster plans) is planned for and replayed under (`--schedule`; "
-        "1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state.", "",
-        "| cluster | devices | model | global batch | schedule | solve s | gap | status | stages | ZeRO-1 stages "
+        "1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state. dtype: as `hethub plan "
+        "--dtype auto` (bf16 where every type has it, else fp16).", "",
+        "| cluster | devices | model | dtype | global batch | schedule | solve s | gap | status | stages | ZeRO-1 stages "
         "| devices used | efficiency | vs homog. | vs homog. bound | homog. gaps | predicted vs sim "
         "| closed form vs sim | vs uniform | vs parameters | vs fastest-only |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "The rows planned with a 10 s limit, planned again with 60 s (same homogeneous sum; samples/s vs the 10 s "
         "plan):", "",
         "| cluster | global batch | schedule | solve s | gap | status | efficiency | vs homog. | vs homog. bound "
