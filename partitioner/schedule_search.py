@@ -14,7 +14,7 @@ from typing import Optional
 from .chunked import rechunk
 from .costmodel import CostModel
 from .errors import InputError
-from .evaluate import chunk_time_s, fits_memory, predict, with_pass_times
+from .evaluate import chunk_time_s, fits_memory, predict, replay_fits, with_pass_times
 from .records import CHUNKED, SCHEDULES, Plan
 
 AUTO = "auto"
@@ -42,9 +42,12 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
 def choose_schedule(plan: Plan, cm: CostModel, schedule: str) -> tuple[Plan, list[tuple[str, int, float, bool]]]:
     """The fastest variant (``variants``) that fits memory, with its prediction, and what each variant predicted:
     (schedule, chunks per group, iteration seconds, fits memory). None fits: the fastest, marked as not fitting,
-    as ``hethub plan`` reports an over-memory plan."""
+    as ``hethub plan`` reports an over-memory plan. ``auto`` leaves out chunked variants too long to replay
+    (``evaluate.replay_fits``): their prediction would be the closed form, which only ranks chunked plans."""
     tried: list[tuple[Plan, float, bool]] = []
     for q in variants(plan, cm, schedule):
+        if schedule == AUTO and q.schedule in CHUNKED and not replay_fits(q):
+            continue
         pred = predict(q, cm, plan.predicted.homogeneous_sum_samples_per_s if plan.predicted else None)
         tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits_memory(q, cm)))
     fitting = [t for t in tried if t[2]] or tried

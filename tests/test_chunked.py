@@ -338,3 +338,18 @@ def test_a_shortened_replay_of_a_chunked_plan_extrapolates_to_its_full_replay(mo
     monkeypatch.setattr(evaluate, "SIM_BUDGET", 1)  # every prediction extrapolates
     assert evaluate.replay_micro_batches(chunked) < chunked.num_micro_batches
     assert predict(chunked, cm).iteration_s == pytest.approx(full, rel=0.005)
+
+
+def test_auto_leaves_out_chunked_variants_too_long_to_replay(monkeypatch):
+    """Past ``MAX_REPLAY_PAIRS`` a prediction is the closed form, which only ranks chunked plans: ``auto`` then
+    keeps to the one-chunk schedules (a chunked replay needs 4D + 2 micro-batches, 1F1B's 2S + 2)."""
+    from hethub.partitioner import evaluate
+    cm = CostModel(CPU_CLUSTER, STACK)
+    plan = with_micro_batches(BALANCED, 40)
+    plan = plan.model_copy(update={"predicted": predict(plan, cm)})
+    monkeypatch.setattr(evaluate, "SIM_BUDGET", 1)
+    monkeypatch.setattr(evaluate, "MAX_REPLAY_PAIRS", plan.world_size * (2 * plan.num_stages + 2))
+    best, tried = choose_schedule(plan, cm, "auto")
+    assert {s for s, _, _, _ in tried} == {"1f1b", "zb-h1"} and best.num_chunks == 1
+    best, tried = choose_schedule(plan, cm, "zb-v")  # asked for by name: priced by the closed form
+    assert [(s, v) for s, v, _, _ in tried] == [("zb-v", 2)]
