@@ -150,8 +150,8 @@ def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
 
 def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
     """The most activation bytes a rank of group s holds at once under the plan's compute order
-    (``chunked.chunk_orders``, one-chunk plans included): a chunk-micro-batch is held from its forward to its backward; where the backward is split,
-    from its B to its W it holds what the weight pass waits with (``CostModel.wait_bytes``: the graph kept for
+    (``chunked.chunk_orders``, one-chunk plans included): a chunk-micro-batch is held from its forward to its
+    backward; where the backward is split, from its B to its W it holds what the weight pass waits with (``CostModel.wait_bytes``: the graph kept for
     the weights and the output gradients, more than the forward left: pricing it as the forward's bytes
     understated zb-v's peaks by up to 34% on the emulated cluster). ``samples``: the rank's rows of a
     micro-batch. What ``benchmarks/chunked.py`` checks against a run."""
@@ -316,21 +316,26 @@ def replay_micro_batches(plan: Plan) -> int:
     batches). An interleaved plan's count leaves the same remainder mod p as M: it runs micro-batches in
     rounds of p, its last round shorter."""
     M, p = plan.num_micro_batches, plan.num_stages
-    depth = 2 * len(plan.pipeline) if plan.num_chunks > 1 else p
-    m = min(M, max(2 * depth + 2, SIM_BUDGET // plan.world_size))
+    m = min(M, max(2 * _warm_up(plan) + 2, SIM_BUDGET // plan.world_size))
     return m + (M - m) % p if plan.schedule == "interleaved-1f1b" else m
+
+
+def _warm_up(plan: Plan) -> int:
+    """Micro-batches after which an iteration grows linearly with M: S under one chunk per group, about 2D for a
+    chunked pipeline of D chunks (``replay_micro_batches``)."""
+    return 2 * len(plan.pipeline) if plan.num_chunks > 1 else plan.num_stages
 
 
 def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) -> float:
     """The simulated iteration; for very long iterations, replays of m and m/2 micro-batches extrapolated
     linearly (a schedule's steady state adds the same time per micro-batch). Both replays must be past the
-    warm-up, which a chunked schedule stretches over its D = p x v chunks (``replay_micro_batches``): from m = 2S + 2
-    and S + 1 the 768-device benchmark's interleaved (v = 3) and zb-v plans were predicted 10% and 5.6% faster
-    than their full replays. ``t1``: the m-micro-batch replay's iteration, where the caller has it already."""
+    warm-up, which a chunked schedule stretches over its D = p x v chunks (``replay_micro_batches``): from
+    m = 2S + 2 and S + 1 the 768-device benchmark's interleaved (v = 3) and zb-v plans were predicted 10% and
+    5.6% faster than their full replays. ``t1``: the m-micro-batch replay's iteration, where the caller has it already."""
     m1 = replay_micro_batches(plan)
     if m1 == plan.num_micro_batches:
         return t1 if t1 is not None else simulate(plan, cm).iteration_s
-    m2 = max((2 * len(plan.pipeline) if plan.num_chunks > 1 else plan.num_stages) + 1, m1 // 2)
+    m2 = max(_warm_up(plan) + 1, m1 // 2)
     if plan.schedule == "interleaved-1f1b":  # the same remainder mod p as m1 (and M)
         m2 += (m1 - m2) % plan.num_stages
         m2 = m2 if m2 < m1 else m1 - plan.num_stages

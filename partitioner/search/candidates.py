@@ -361,7 +361,8 @@ class _Builder:
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = np.maximum(comp, pb.split_compute_s(sb, self.split)), away
-            cross, k = np.maximum(cross, pb.comm_s(wb, sb, True)), np.minimum(k, pb.in_flight(w, sb, M, False, self.waits))
+            cross = np.maximum(cross, pb.comm_s(wb, sb, True))
+            k = np.minimum(k, pb.in_flight(w, sb, M, False, self.waits))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
             bwd = np.minimum(bwd, pb.backward_s(sb))  # the all-reduce hides behind the shorter half's pass
