@@ -151,9 +151,9 @@ def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
 def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
     """The most activation bytes a rank of group s holds at once under the plan's compute order
     (``chunked.chunk_orders``, one-chunk plans included): a chunk-micro-batch is held from its forward to its
-    backward; where the backward is split, from its B to its W it holds what the weight pass waits with (``CostModel.wait_bytes``: the graph kept for
-    the weights and the output gradients, more than the forward left: pricing it as the forward's bytes
-    understated zb-v's peaks by up to 34% on the emulated cluster). ``samples``: the rank's rows of a
+    backward; where the backward is split, from its B to its W it holds what the weight pass waits with
+    (``CostModel.wait_bytes``: the graph kept for the weights and the output gradients, more than the forward
+    left: pricing it as the forward's bytes understated zb-v's peaks by up to 34% on the emulated cluster). ``samples``: the rank's rows of a
     micro-batch. What ``benchmarks/chunked.py`` checks against a run."""
     st = plan.stages[s]
     order = order if order is not None else chunk_orders(plan, plan.num_micro_batches)[s]
@@ -331,7 +331,8 @@ def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) ->
     linearly (a schedule's steady state adds the same time per micro-batch). Both replays must be past the
     warm-up, which a chunked schedule stretches over its D = p x v chunks (``replay_micro_batches``): from
     m = 2S + 2 and S + 1 the 768-device benchmark's interleaved (v = 3) and zb-v plans were predicted 10% and
-    5.6% faster than their full replays. ``t1``: the m-micro-batch replay's iteration, where the caller has it already."""
+    5.6% faster than their full replays. ``t1``: the m-micro-batch replay's iteration, where the caller has it
+    already."""
     m1 = replay_micro_batches(plan)
     if m1 == plan.num_micro_batches:
         return t1 if t1 is not None else simulate(plan, cm).iteration_s
