@@ -153,8 +153,8 @@ def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order
     (``chunked.chunk_orders``, one-chunk plans included): a chunk-micro-batch is held from its forward to its
     backward; where the backward is split, from its B to its W it holds what the weight pass waits with
     (``CostModel.wait_bytes``: the graph kept for the weights and the output gradients, more than the forward
-    left: pricing it as the forward's bytes understated zb-v's peaks by up to 34% on the emulated cluster). ``samples``: the rank's rows of a
-    micro-batch. What ``benchmarks/chunked.py`` checks against a run."""
+    left: pricing it as the forward's bytes understated zb-v's peaks by up to 34% on the emulated cluster).
+    ``samples``: the rank's rows of a micro-batch. What ``benchmarks/chunked.py`` checks against a run."""
     st = plan.stages[s]
     order = order if order is not None else chunk_orders(plan, plan.num_micro_batches)[s]
     act = cm.layers.act_bytes_recompute if st.recompute else cm.act_bytes(st.tensor_parallel)
