@@ -9,6 +9,8 @@ time, and zb-v orders its passes by their times, as ``hethub plan --schedule`` d
 - measured vs predicted speed-up over the same plan's 1F1B, target within 10% of the predicted speed-up;
 - per rank, the most activation bytes autograd held at once during the timed steps vs the cost model's peak
   (``evaluate.activation_peak_bytes``), target within 10%.
+Every plan runs twice: pinned (each emulated layer takes its profiled time, ``hethub.emulated.pinned``: the
+measured number) and self-calibrated (k x the fastest real time each rank sees, the column beside it).
 Median of the iterations after warm-up. Writes benchmarks/results/chunked.md.
 Run: python benchmarks/chunked.py [--steps N]
 """
@@ -22,7 +24,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runtime import FID_FAST, FID_PLANS, FID_SLOW, fidelity_setup, run, write_result  # noqa: E402
+from runtime import (FID_FAST, FID_PLANS, FID_SLOW, PINNED_NOTE, fidelity_setup, profiles_dir, run,  # noqa: E402
+                     write_result)
 from hethub.partitioner.chunked import rechunk  # noqa: E402
 from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, predict, with_pass_times  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
@@ -50,18 +53,19 @@ def main():
             path, mem = os.path.join(tmp, f"plan-{tag}.json"), os.path.join(tmp, f"mem-{tag}")
             with open(path, "w") as f:
                 f.write(plan.to_json())
-            measured = run(plan.world_size, ["--mode", "hethub", "--hetero-plan", path, "--model-json", model_json,
-                                             "--emulate", f"FAST={FID_FAST:g},SLOW={FID_SLOW:g}", "--steps",
-                                             str(steps), "--memory-out", mem], os.path.join(tmp, f"out-{tag}.json"),
-                           port)
-            port += 1
+            args = ["--mode", "hethub", "--hetero-plan", path, "--model-json", model_json,
+                    "--emulate", f"FAST={FID_FAST:g},SLOW={FID_SLOW:g}", "--steps", str(steps), "--memory-out", mem]
+            measured = run(plan.world_size, args, os.path.join(tmp, f"out-{tag}.json"), port, pinned=profiles_dir(tmp))
+            measured_self = run(plan.world_size, args[:-2], os.path.join(tmp, f"self-{tag}.json"), port + 1)
+            port += 2
             predicted = predict(plan, cm).iteration_s
             first.setdefault("m", measured)
             first.setdefault("p", predicted)
             chunks = " ".join(f"[{c.first},{c.last})" for c in plan.pipeline)
             rows.append(f"| {name} | {b} x {M} | {schedule} | {chunks} | {measured * 1e3:.0f} | {predicted * 1e3:.0f} | "
                         f"{predicted / measured - 1:+.1%} | {first['m'] / measured:.3f}x | "
-                        f"{first['p'] / predicted:.3f}x | {(first['m'] / measured) / (first['p'] / predicted) - 1:+.1%} |")
+                        f"{first['p'] / predicted:.3f}x | {(first['m'] / measured) / (first['p'] / predicted) - 1:+.1%} | "
+                        f"{measured_self * 1e3:.0f} | {predicted / measured_self - 1:+.1%} |")
             print(rows[-1], flush=True)
             for s, st in enumerate(plan.stages):
                 for rep in st.replicas:
@@ -77,9 +81,11 @@ def main():
         f"measured in this run; fp32, Adam, gloo over the strict-order transport. Median of {steps - 3} iterations "
         f"after 3 warm-up. Each plan keeps its groups, widths and splits; chunked variants re-cut each group's layers "
         f"by time (`hethub plan --schedule`'s re-cut). Speed-up = the same plan's 1F1B ms / this schedule's ms.", "",
+        PINNED_NOTE, "",
         "| plan | micro-batch x M | schedule | chunks (pipeline order) | measured ms | predicted ms | "
-        "predicted vs measured | measured speed-up | predicted speed-up | speed-up: measured vs predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        "predicted vs measured | measured speed-up | predicted speed-up | speed-up: measured vs predicted | "
+        "self-calibrated ms | predicted vs self-calibrated |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "## Activation memory: what autograd held at its peak vs the cost model", "",
         "Held = the most bytes of tensors saved for backward, and of tensors a split backward's weight pass waits "
         "with, alive at once during the timed steps (counted as `hethub profile` counts a layer's activation "

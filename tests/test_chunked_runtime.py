@@ -121,17 +121,26 @@ def test_checkpoints_move_between_chunked_and_unchunked_plans_with_identical_wei
     assert seen == set(ref["params"])
 
 
+PIN_SCALE = 10.0
+TIMES = ("forward_ms", "backward_ms", "input_grad_ms", "weight_grad_ms")
+
+
 def test_a_run_holds_the_activations_its_schedule_order_predicts(tmp_path):
     """What autograd holds at its peak on every rank of a 3-stage zb-h1 run (the activation meter, counting what a
     split backward's weight pass waits with) against ``evaluate.activation_peak_bytes`` on profiled bytes: within
     5%. Counting in-flight micro-batches of forward activations, as the memory model did before, falls short by
-    more than 15% on every split stage (its B holds the weight pass's inputs and output gradients until its W)."""
+    more than 15% on every split stage (its B holds the weight pass's inputs and output gradients until its W).
+
+    The same run is pinned (``HETHUB_EMULATE_PROFILES``) to profiles 10x slower than the measured ones: every
+    forward, input pass and weight pass lasts at least its pinned time (``hethub.emulated.pinned``), which the real
+    compute alone (a tenth of it) would not."""
     import json
     from hethub.cli.demo import DEMO_CLUSTER, DEMO_MODEL
     from hethub.cli.profiler import profile_model
     from hethub.partitioner import Cluster, ModelConfig
-    from hethub.partitioner.costmodel import CostModel
+    from hethub.partitioner.costmodel import CostModel, pass_times_s
     from hethub.partitioner.evaluate import activation_peak_bytes
+    from hethub.partitioner.records import Profile
     from hethub.partitioner.placement import StageLayout, build_plan
     cluster, model = Cluster.model_validate(DEMO_CLUSTER), ModelConfig.model_validate(DEMO_MODEL)
     n = model.num_planner_layers
@@ -142,11 +151,29 @@ def test_a_run_holds_the_activations_its_schedule_order_predicts(tmp_path):
     (tmp_path / "plan.json").write_text(plan.to_json())
     (tmp_path / "model.json").write_text(model.to_json())
     mem = tmp_path / "held"
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    for p in profiles:
+        slower = [lp.model_copy(update={k: getattr(lp, k) * PIN_SCALE for k in TIMES if getattr(lp, k)})
+                  for lp in p.layers]
+        (pins / f"SLOW-{p.micro_batch_size}.json").write_text(p.model_copy(update={"layers": slower}).to_json())
     results = spawn(3, [os.path.join(ROOT, "hethub", "cli", "bench_worker.py"), "--mode", "hethub", "--hetero-plan",
                         str(tmp_path / "plan.json"), "--model-json", str(tmp_path / "model.json"), "--emulate",
-                        "SLOW=1", "--steps", "1", "--warmup", "0", "--memory-out", str(mem), "--out",
-                        str(tmp_path / "out.json")], timeout=120)
+                        "SLOW=1.001", "--steps", "1", "--warmup", "0", "--memory-out", str(mem), "--out",
+                        str(tmp_path / "out.json"), "--timeline", str(tmp_path / "timeline")], timeout=120,
+                    extra_env={"HETHUB_EMULATE_PROFILES": str(pins)})
     assert all(rc == 0 for rc, _o, _e in results), [e[-2000:] for _rc, _o, e in results]
+    pinned = CostModel(cluster, model, dtype="fp32", profiles=[Profile.model_validate_json(f.read_text())
+                                                                 for f in sorted(pins.iterdir())])
+    for s, st in enumerate(plan.stages):
+        fwd, bwd, wgt = pass_times_s(pinned, "SLOW", st.layers[0], st.layers[1], 2, False, 1, s > 0)
+        took = {"F": [], "B": [], "W": []}
+        for name, start, end, wait in json.loads((tmp_path / f"timeline.{st.replicas[0].rank}").read_text()):
+            if name[0] in took:
+                took[name[0]].append(end - start - wait)
+        assert len(took["F"]) == 4 and len(took["W"]) == (4 if s > 0 else 0), (s, took)
+        assert min(took["F"]) >= fwd and min(took["B"]) >= bwd, (s, took, fwd, bwd)
+        assert s == 0 or min(took["W"]) >= wgt > 0, (s, took, wgt)
     for s, st in enumerate(plan.stages):
         rank = st.replicas[0].rank
         held = json.loads((tmp_path / f"held.{rank}").read_text())["activation_peak_bytes"]

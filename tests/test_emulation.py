@@ -71,3 +71,84 @@ def test_a_slowed_layer_takes_k_times_its_work_recomputed_forward_included(monke
     # a recomputed layer runs its forward again inside its backward: k x that forward, not k x k
     backward_s = K * (FWD_S + BWD_S) if recompute else K * BWD_S
     assert times[1:] == [(K * FWD_S, backward_s)] * 2, times
+
+
+PIN_FWD_S, PIN_BWD_S = 5.0, 7.0
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_a_pinned_layer_takes_its_pinned_times_from_the_first_call(monkeypatch, recompute):
+    """Pinned (``hethub.emulated.pinned``), a layer's passes end at their given seconds however long its real work
+    took and from the first call on (no reference to learn); a recomputed forward idles to its own pin inside the
+    backward. A recomputing stage's backward pin holds its forward again (``pins_for``), whether checkpointing
+    stops the recompute early or runs the wrapped forward whole. Inputs of another row count than the pin's fall
+    back to k x the fastest time seen (the first call only sets the reference)."""
+    clock = Clock()
+    monkeypatch.setattr(emulation, "time", clock)
+    bwd_s = PIN_BWD_S + (PIN_FWD_S if recompute else 0.0)
+    layer = SlowDown(Layer(clock), K, pinned=(2, {"fwd": PIN_FWD_S, "bwd": bwd_s}))
+    unpinned = (3, (FWD_S, BWD_S + (FWD_S if recompute else 0.0)), True)  # its real times: a first call
+    for rows, expected, early_stop in [(2, (PIN_FWD_S, bwd_s), True), (2, (PIN_FWD_S, bwd_s), False), unpinned]:
+        x = torch.full((rows, 3), 1.5, dtype=torch.float64, requires_grad=True)
+        t0 = clock.now
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            y = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        t1 = clock.now
+        y.sum().backward()
+        assert (t1 - t0, clock.now - t1) == expected
+        assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_a_pin_shorter_than_the_work_adds_no_idle(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(emulation, "time", clock)
+    layer = SlowDown(Layer(clock), K, pinned=(2, {"fwd": FWD_S / 2, "bwd": BWD_S / 2}))
+    x = torch.ones((2, 3), dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    assert clock.now == FWD_S
+    y.sum().backward()
+    assert clock.now == FWD_S + BWD_S
+
+
+def test_pins_add_up_to_what_the_simulator_replays(tmp_path):
+    """Every layer's pins of a chunk sum to the chunk's passes as the simulator prices them (``pass_times_s``):
+    the pinned emulated device is the cost model's, split chunks (zb-v's, but its first) included."""
+    from hethub.emulated.pinned import pins_for
+    from hethub.partitioner import Cluster, ModelConfig
+    from hethub.partitioner.chunked import rechunk
+    from hethub.partitioner.costmodel import cost_model_for, pass_times_s
+    from hethub.partitioner.placement import StageLayout, build_plan
+    from hethub.cli.demo import DEMO_CLUSTER
+    from hethub.cli.profiler import profile_model
+    model = ModelConfig.model_validate({"name": "pin", "architecture": "gpt", "num_layers": 4, "hidden_size": 32,
+                                        "num_attention_heads": 2, "ffn_hidden_size": 64, "vocab_size": 64,
+                                        "seq_length": 8})
+    cluster = Cluster.model_validate(DEMO_CLUSTER)  # FAST and SLOW ranks
+    profiles = [profile_model(model, t, mb, "fp32", warmup=1, reps=1, progress=False)
+                for t in ("FAST", "SLOW") for mb in (1, 2)]
+    base = build_plan(model, cluster, [StageLayout((0, 3), "FAST", (2,)), StageLayout((3, 6), "SLOW", (1, 1))],
+                      2, 3)
+    plan = rechunk(base.model_copy(update={"dtype": "fp32"}), "zb-v", 2)
+    cm = cost_model_for(plan, profiles)
+    for s, st in enumerate(plan.stages):
+        rows = st.replicas[0].samples
+        split = {k for k in plan.chunks_of_group[s] if k > 0}
+        pins = pins_for(plan, profiles, s, st.device_type, rows, split)
+        for k in plan.chunks_of_group[s]:
+            c = plan.pipeline[k]
+            fwd, bwd, wgt = pass_times_s(cm, st.device_type, c.first, c.last, rows, False, 1, k in split)
+            assert sum(pins.layer_s[i]["fwd"] for i in range(c.first, c.last)) == pytest.approx(fwd, rel=1e-12)
+            assert sum(pins.layer_s[i]["bwd"] for i in range(c.first, c.last)) == pytest.approx(bwd, rel=1e-12)
+            assert pins.weight_s.get(k, 0.0) == pytest.approx(wgt, rel=1e-12) and (wgt > 0) == (k in split)
+
+
+def test_pinned_emulation_needs_a_profile_per_emulated_type(tmp_path, monkeypatch):
+    from hethub.emulated.pinned import PROFILES_ENV, check_pin_profiles, load_pin_profiles
+    from hethub.partitioner.errors import InputError
+    monkeypatch.setenv(PROFILES_ENV, str(tmp_path))
+    with pytest.raises(InputError, match=f"^{PROFILES_ENV}: no \\*.json profile in"):
+        load_pin_profiles()
+    monkeypatch.setenv(PROFILES_ENV, "")
+    assert load_pin_profiles() is None
+    with pytest.raises(InputError, match=f"^{PROFILES_ENV}: no profile for device type 'SLOW'"):
+        check_pin_profiles([], {"SLOW"})

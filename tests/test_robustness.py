@@ -142,7 +142,7 @@ def test_error_lines_of_ranks_sharing_one_pipe_never_glue_together():
     assert len(lines) == 4000 and all(l.startswith("error: rank ") and l.count("error:") == 1 for l in lines)
 
 
-HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start)
+HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start[, HETHUB_EMULATE_PROFILES])
     "misspelt_key": ({"hetero": {"timout_s": 10}}, "", "error: config.hetero.timout_s: unknown field"),
     "negative_timeout": ({"hetero": {"timeout_s": -1}}, "", "error: config.hetero.timeout_s: must be >= 1, got -1"),
     "tiny_timeout": ({"hetero": {"timeout_s": 1e-9}}, "", "error: config.hetero.timeout_s: must be >= 1, got 1e-09"),
@@ -159,6 +159,8 @@ HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start)
     "bf16_not_a_dict": ({"bf16": True}, "", "error: config.bf16: expected an object"),
     "env_not_type_factor": ({}, "SLOW", "error: HETHUB_EMULATE_SLOWDOWN: 'SLOW' is not TYPE=FACTOR"),
     "env_factor_0": ({}, "SLOW=0", "error: HETHUB_EMULATE_SLOWDOWN: SLOW: factor must be in [1, 10000], got 0"),
+    "pin_profiles_missing": ({}, "", "error: HETHUB_EMULATE_PROFILES: no such directory '/nonexistent/profiles'",
+                             "/nonexistent/profiles"),
 }
 
 
@@ -166,8 +168,9 @@ HETERO_CASES = {  # (ds_config, HETHUB_EMULATE_SLOWDOWN, the line's start)
 def test_bad_hetero_section_is_one_line_before_anything_starts(capsys, monkeypatch, name):
     """hethub.initialize checks ds_config's "hetero" section (and the slowdown variable) before any collective."""
     import hethub
-    config, env, line = HETERO_CASES[name]
+    config, env, line, *pins = HETERO_CASES[name]
     monkeypatch.setenv("HETHUB_EMULATE_SLOWDOWN", env)
+    monkeypatch.setenv("HETHUB_EMULATE_PROFILES", pins[0] if pins else "")
     with pytest.raises(SystemExit) as exc:
         hethub.initialize(layers=[], config=config, plan=PLAN)
     err = capsys.readouterr().err

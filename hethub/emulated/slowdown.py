@@ -43,7 +43,8 @@ class _Start(torch.autograd.Function):
         # a forward of this layer from now until _End's backward is its recompute (activation checkpointing)
         ctx.state["ref"]["in_backward"] = ctx.state["input_tracked"]
         if not ctx.state["input_tracked"]:
-            time.sleep((ctx.state["factor"] - 1.0) * 2 * ctx.state["ref"]["fwd"])
+            pinned = ctx.state["ref"].get("pinned")
+            time.sleep(pinned["bwd"] if pinned else (ctx.state["factor"] - 1.0) * 2 * ctx.state["ref"]["fwd"])
         return g, None
 
 
@@ -59,6 +60,8 @@ class _End(torch.autograd.Function):
     def backward(ctx, g):
         st, ref = ctx.state, ctx.state["ref"]
         recompute_s = ref.pop("recompute_s", 0.0)  # already idled to k x as a forward
+        if "pinned" in ref:  # a pinned backward's time holds its recomputed forward, whichever way it ran
+            recompute_s = 0.0
         ref["in_backward"] = False
         took = time.perf_counter() - st.get("bwd_start", time.perf_counter()) - recompute_s
         idle_to(st["factor"], ref, "bwd", took)
@@ -68,7 +71,12 @@ class _End(torch.autograd.Function):
 def idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
     """Sleep until this phase has taken ``factor`` x its fastest time seen (the reference), updated first.
     The first call only sets the reference: it carries one-time costs (allocations, a tensor-parallel
-    layer's sharding set-up: seconds), which k x would turn into minutes of idling."""
+    layer's sharding set-up: seconds), which k x would turn into minutes of idling. A phase pinned in
+    ``ref["pinned"]`` (``hethub.emulated.pinned``) sleeps until it has taken that many seconds instead."""
+    target = ref.get("pinned", {}).get(phase)
+    if target is not None:
+        time.sleep(max(0.0, target - took_s))
+        return
     if phase not in ref:
         ref[phase] = took_s
         return
@@ -77,15 +85,18 @@ def idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
 
 
 class SlowDown(nn.Module):
-    """Runs ``module`` and then idles, so that forward and backward take ``factor`` x as long."""
+    """Runs ``module`` and then idles, so that forward and backward take ``factor`` x as long; or, ``pinned``
+    ((rows, {"fwd": s, "bwd": s})), as long as that says for inputs of that many rows."""
 
-    def __init__(self, module: nn.Module, factor: float):
+    def __init__(self, module: nn.Module, factor: float, pinned: Optional[tuple[int, dict[str, float]]] = None):
         super().__init__()
         if factor < 1:
             raise ValueError(f"emulate_slowdown: factor must be >= 1, got {factor}")
         self.module = module
         self.factor = float(factor)
         self._ref: dict[tuple, dict[str, float]] = {}  # rows -> fastest forward/backward seconds seen
+        if pinned is not None:
+            self._ref[(pinned[0],)] = {"pinned": dict(pinned[1])}
 
     def forward(self, x):
         tracked = torch.is_tensor(x) and x.is_floating_point() and torch.is_grad_enabled()

@@ -48,6 +48,7 @@ class HeteroPipelineEngine(PipelineEngine):
     def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
                  optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
                  control: Control, precision: Optional[Precision] = None, emulate_slowdown: float = 1.0,
+                 emulate_weight_s: Optional[dict[int, float]] = None,
                  ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES,
                  autosave: tuple[Optional[str], int, bool] = (None, 0, True), heartbeat=None):
         DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
@@ -74,7 +75,7 @@ class HeteroPipelineEngine(PipelineEngine):
         self.executor = Executor(grid, module, self.transport, self.gradients, self.guard, device=self.device,
                                  micro_batch_size=plan.micro_batch_size, next_batch=self._next_batch,
                                  step=self._exec_optimizer_step, autocast_dtype=self.precision.autocast_dtype,
-                                 emulate_slowdown=emulate_slowdown)
+                                 emulate_slowdown=emulate_slowdown, emulate_weight_s=emulate_weight_s)
 
     @property
     def executed(self) -> list[str]:

@@ -41,7 +41,8 @@ class Executor:
 
     def __init__(self, grid, module, transport: Transport, gradients: Gradients, guard: Guard, *,
                  device: torch.device, micro_batch_size: int, next_batch: Callable[[], Any],
-                 step: Callable[[], None], autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0):
+                 step: Callable[[], None], autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0,
+                 emulate_weight_s: Optional[dict[int, float]] = None):
         self.grid, self.module, self.transport, self.gradients, self.guard = grid, module, transport, gradients, guard
         self.device, self.micro_batch_size = device, micro_batch_size
         self._next_batch, self._step = next_batch, step
@@ -52,7 +53,8 @@ class Executor:
         self.executed_s: list[tuple[float, float, float]] = []  # (start, end, seconds waiting for data) of each
         self.total_loss: Optional[torch.Tensor] = None
         self.loss_scale = 1.0  # fp16: the loss scaler's scale, set by the engine before each iteration
-        self._emulated_w_ref: dict[str, float] = {}  # the fastest weight pass seen, per chunk
+        # the fastest weight pass seen, per chunk; or its seconds pinned (hethub.emulated.pinned)
+        self._emulated_w_ref: dict = {"pinned": {f"w{k}": s for k, s in (emulate_weight_s or {}).items()}}
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
         self._handlers = {"L": self._load, "F": self._forward, "B": self._backward, "W": self._weight,
                           "SA": self._send_activations, "RA": self._recv_activations,

@@ -24,13 +24,15 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .._version import __version__
 from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
+from ..emulated.pinned import Pins, check_pin_profiles, load_pin_profiles, pins_for
 from ..emulated.slowdown import SlowDown, parse_factors, slowdown_for
 from ..events import request_stop
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_backend
 from ..partitioner.outputs import count
-from ..partitioner.records import Plan
+from ..partitioner.records import Plan, Profile
+from ..partitioner.schedule import build_schedule
 from . import ds_seams, elastic, tp
 from .checks import (check_against_world, launched_world, load_checked_schedule, local_device_index, on_gpu,
                      resolve_plan)
@@ -59,10 +61,11 @@ class _Checked:
     """The inputs of one start, all checked (``_check_inputs``) before any collective."""
 
     def __init__(self, cfg: dict, hetero: HeteroSection, plan: Plan, rank: int, layers: list, ties: tuple,
-                 tp_plan: Optional[dict], schedule: Optional[list], precision: Precision):
+                 tp_plan: Optional[dict], schedule: Optional[list], precision: Precision,
+                 pin_profiles: Optional[list[Profile]]):
         self.cfg, self.hetero, self.plan, self.rank = cfg, hetero, plan, rank
         self.layers, self.ties, self.tp_plan, self.schedule = layers, ties, tp_plan, schedule
-        self.precision = precision
+        self.precision, self.pin_profiles = precision, pin_profiles  # HETHUB_EMULATE_PROFILES (emulation only)
 
 
 def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
@@ -72,6 +75,7 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
         hetero = hetero_section(cfg)
         precision = precision_from_config(cfg)  # takes bf16/fp16 out of cfg: hethub runs them, not DeepSpeed
         parse_factors(os.environ.get("HETHUB_EMULATE_SLOWDOWN", ""))  # a bad one is one line here, not mid-start
+        pin_profiles = load_pin_profiles()
         the_plan = resolve_plan(plan, hetero, args)
         rank, world = launched_world()
         layers = resolve_tied_specs(layers)  # TiedLayerSpec: one module per key, shared
@@ -80,10 +84,13 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
         tp_plan = tp.check_tp_plan(tp_plan)
         tp.check_layers(the_plan, layers, tp_plan)
         schedule = load_checked_schedule(the_plan, hetero.schedule, rank) if hetero.schedule else None
+        if pin_profiles is not None:
+            check_pin_profiles(pin_profiles, {t for st in the_plan.stages for t in st.types
+                                              if slowdown_for(t, hetero.emulate_slowdown) != 1.0})
         ds_seams.check()
     except InputError as exc:
         fail(str(exc))
-    return _Checked(cfg, hetero, the_plan, rank, list(layers), ties, tp_plan, schedule, precision)
+    return _Checked(cfg, hetero, the_plan, rank, list(layers), ties, tp_plan, schedule, precision, pin_profiles)
 
 
 def _fix_local_rank(plan: Plan, rank: int) -> None:
@@ -175,9 +182,20 @@ def _at_exit(control: Control) -> None:
     dist.destroy_process_group()
 
 
-def _stage_layers(run: _Checked, grid: HeteroGrid) -> list:
+def _emulation_pins(run: _Checked, grid: HeteroGrid) -> Optional[Pins]:
+    """What this rank's emulated passes take when ``HETHUB_EMULATE_PROFILES`` pins them (``hethub.emulated.pinned``):
+    its chunks whose action list has weight passes split their backward."""
+    if run.pin_profiles is None or slowdown_for(grid.device_type, run.hetero.emulate_slowdown) == 1.0:
+        return None
+    actions = run.schedule if run.schedule is not None else build_schedule(run.plan)[grid.schedule_rank]
+    split = {a.chunk if a.chunk is not None else grid.stage_id for a in actions if a.kind == "W"}
+    return pins_for(run.plan, run.pin_profiles, grid.stage_id, grid.device_type,
+                    grid.sample_stop - grid.sample_start, split)
+
+
+def _stage_layers(run: _Checked, grid: HeteroGrid, pins: Optional[Pins]) -> list:
     """The layer list with this stage's layers split over its tensor-parallel group (hethub.runtime.tp) and
-    wrapped in the emulated slowdown of its device type, where either applies."""
+    wrapped in the emulated slowdown of its device type (pinned to ``pins`` where given), where either applies."""
     layers = list(run.layers)
     slowdown = slowdown_for(grid.device_type, run.hetero.emulate_slowdown)
     for first, last in grid.stage.chunk_ranges:
@@ -187,7 +205,8 @@ def _stage_layers(run: _Checked, grid: HeteroGrid) -> list:
                     layer.to(get_accelerator().current_device_name())
             tp.parallelize(first, layers[first:last], run.tp_plan, grid.tp_mesh)
         if slowdown != 1.0:
-            layers[first:last] = [SlowDown(layer, slowdown) for layer in layers[first:last]]
+            layers[first:last] = [SlowDown(layer, slowdown, (pins.rows, pins.layer_s[i]) if pins else None)
+                                  for i, layer in enumerate(layers[first:last], start=first)]
     return layers
 
 
@@ -272,7 +291,8 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         print(note, file=sys.stderr, flush=True)
     grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name(),
                       timeout_s=run.hetero.timeout_s)
-    module = HeteroPipelineModule(_stage_layers(run, grid), loss_fn, grid)
+    pins = _emulation_pins(run, grid)
+    module = HeteroPipelineModule(_stage_layers(run, grid, pins), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]
     if callable(optimizer) and not hasattr(optimizer, "step"):
@@ -284,6 +304,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
         control=control, precision=run.precision, ties=run.ties,
         emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
+        emulate_weight_s=pins.weight_s if pins else None,
         zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20),
         autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every, run.hetero.checkpoint_background),
         heartbeat=elastic.Heartbeat(run.hetero.checkpoint_dir) if run.hetero.elastic and run.rank == 0 else None)
