@@ -22,9 +22,11 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 import hethub
+from hethub.emulated.pinned import load_pin_profiles, pins_for
 from hethub.emulated.slowdown import SlowDown, parse_factors
 from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import ModelConfig
+from hethub.partitioner.records import load_plan
 from hethub.runtime.activations import ActivationMeter
 from hethub.runtime.startup import init_distributed
 from hethub.runtime.zero import optimizer_state_bytes
@@ -36,13 +38,25 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rtype = a.rank_types.split(",")[rank]
     k = factors.get(rtype, 1.0)
-    layers = [SlowDown(layer, k) if k != 1.0 else layer for layer in layers]
-    module = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=a.stages, partition_method=a.partition)
     dp = world // a.stages
+    pinned = _vanilla_pins(a, rank // dp, rtype, a.micro_batch // dp) if k != 1.0 else {}
+    layers = [SlowDown(layer, k, pinned.get(i)) if k != 1.0 else layer for i, layer in enumerate(layers)]
+    module = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=a.stages, partition_method=a.partition)
     cfg = {"train_micro_batch_size_per_gpu": a.micro_batch // dp, "gradient_accumulation_steps": a.micro_batches,
            "train_batch_size": a.micro_batch * a.micro_batches, "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=module, config=cfg, optimizer=optimizer(module.parameters()))
     return engine, dp
+
+
+def _vanilla_pins(a: argparse.Namespace, stage: int, device_type: str, rows: int) -> dict:
+    """Vanilla DeepSpeed's layers pinned as hethub's are (``HETHUB_EMULATE_PROFILES``, ``hethub.emulated.pinned``):
+    ``--pin-plan`` is a hethub plan of the same layout (stage s = DeepSpeed's stage s, one-chunk 1F1B, no split
+    backward), whose layer times the profiles give; {layer index: (rows, {"fwd", "bwd"})}."""
+    profiles = load_pin_profiles()
+    if profiles is None or not a.pin_plan:
+        return {}
+    pins = pins_for(load_plan(a.pin_plan), profiles, stage, device_type, rows, set())
+    return {i: (rows, times) for i, times in pins.layer_s.items()}
 
 
 def _args() -> argparse.Namespace:
@@ -60,6 +74,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", required=True)
+    p.add_argument("--pin-plan", default=None, help="deepspeed mode, under HETHUB_EMULATE_PROFILES: the hethub plan "
+                                                    "of the same layout whose layer times pin the emulated layers")
     p.add_argument("--timeline", default=None, help="write each rank's per-action times (hethub mode) to FILE.RANK")
     p.add_argument("--zero1", action="store_true", help="hethub mode: ZeRO-1 within each stage")
     p.add_argument("--bucket-mb", type=float, default=None, help="hethub mode: the gradient bucket (hetero.bucket_mb)")
