@@ -32,7 +32,7 @@ def main():
         limit_s = limit[0] if limit else 60
         plan = make_plan(cluster, model, batch, opts=PlannerOptions(time_limit_s=limit_s), cost_model=cm,
                          with_homogeneous_sum=False)
-        best, tried = choose_schedule(plan, cm, "auto")
+        best, tried = choose_schedule(plan, cm, "auto", replay_all=True)  # what every variant would take
         plan_s = time.perf_counter() - t0
         homog = homogeneous_plans(cm, batch, PlannerOptions(time_limit_s=30, schedule="auto"))
         total, _ = homogeneous_totals(homog.values())

@@ -39,17 +39,30 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
     return out
 
 
-def choose_schedule(plan: Plan, cm: CostModel, schedule: str) -> tuple[Plan, list[tuple[str, int, float, bool]]]:
+def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool = False
+                    ) -> tuple[Plan, list[tuple[str, int, Optional[float], bool]]]:
     """The fastest variant (``variants``) that fits memory, with its prediction, and what each variant predicted:
     (schedule, chunks per group, iteration seconds, fits memory). None fits: the fastest, marked as not fitting,
     as ``hethub plan`` reports an over-memory plan. ``auto`` leaves out chunked variants too long to replay
-    (``evaluate.replay_fits``): their prediction would be the closed form, which only ranks chunked plans."""
-    tried: list[tuple[Plan, float, bool]] = []
+    (``evaluate.replay_fits``): their prediction would be the closed form, which only ranks chunked plans.
+
+    Where some variant fits, the ones that do not are not replayed (iteration None): none of them can be chosen,
+    and on the 768-device benchmark their replays were 19 of the 21 s ``auto`` took after the MILP's 10.
+    ``replay_all`` replays them too (the schedule benchmark lists what each would take)."""
+    kept = []
     for q in variants(plan, cm, schedule):
         if schedule == AUTO and q.schedule in CHUNKED and not replay_fits(q):
             continue
-        pred = predict(q, cm, plan.predicted.homogeneous_sum_samples_per_s if plan.predicted else None)
-        tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits_memory(q, cm)))
+        kept.append((q, fits_memory(q, cm)))
+    some_fit = any(fits for _, fits in kept)
+    homog = plan.predicted.homogeneous_sum_samples_per_s if plan.predicted else None
+    tried: list[tuple[Plan, Optional[float], bool]] = []
+    for q, fits in kept:
+        if some_fit and not fits and not replay_all:
+            tried.append((q, None, fits))
+            continue
+        pred = predict(q, cm, homog)
+        tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits))
     fitting = [t for t in tried if t[2]] or tried
     best = min(fitting, key=lambda t: t[1])[0]
     return best, [(q.schedule, q.num_chunks, it, fits) for q, it, fits in tried]
@@ -62,12 +75,16 @@ def search_schedule(opts_schedule: str) -> str:
     return opts_schedule if opts_schedule in SCHEDULES and opts_schedule not in CHUNKED else "1f1b"
 
 
-def explain_schedules(tried: list[tuple[str, int, float, bool]], chosen: Plan) -> list[str]:
-    """One line per variant tried: its predicted iteration against the chosen one's."""
+def explain_schedules(tried: list[tuple[str, int, Optional[float], bool]], chosen: Plan) -> list[str]:
+    """One line per variant tried: its predicted iteration against the chosen one's (variants not replayed, as
+    they do not fit memory, last)."""
     base: Optional[float] = chosen.predicted.iteration_s if chosen.predicted else None
     lines = []
-    for name, v, it, fits in sorted(tried, key=lambda t: t[2]):
+    for name, v, it, fits in sorted(tried, key=lambda t: (t[2] is None, t[2] or 0.0)):
         mark = "*" if (name, v) == (chosen.schedule, chosen.num_chunks) else " "
+        if it is None:
+            lines.append(f"{mark} {name:<17} v={v}  does not fit memory (not replayed)")
+            continue
         rel = f" ({it / base:.3f}x)" if base else ""
         lines.append(f"{mark} {name:<17} v={v}  {it * 1e3:9.1f} ms/iteration{rel}"
                      + ("" if fits else "  (does not fit memory)"))

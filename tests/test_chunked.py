@@ -17,7 +17,7 @@ from hethub.partitioner.ordering import check_order
 from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.records import Cluster, Plan, builtin_model
 from hethub.partitioner.schedule import Action, build_schedule
-from hethub.partitioner.schedule_search import choose_schedule
+from hethub.partitioner.schedule_search import choose_schedule, explain_schedules
 from hethub.partitioner.simulator import ScheduleError, simulate
 from cli_util import cli_error, write
 from instances import CASES, CPU_CLUSTER, STACK, stack_plan
@@ -299,6 +299,28 @@ def test_auto_keeps_the_fastest_variant_that_fits_and_reports_each():
     assert best.predicted.iteration_s == min(it for _, _, it, fits in tried if fits)
     assert (best.schedule, best.num_chunks) == min(((s, v, it) for s, v, it, fits in tried if fits),
                                                    key=lambda x: x[2])[:2]
+
+
+def test_auto_replays_no_variant_that_cannot_be_chosen(monkeypatch):
+    """Where some variant fits memory, the ones that do not are listed unreplayed (None): at 768 devices their
+    replays were most of ``auto``'s time. ``replay_all`` replays them; none fitting, every one is replayed and the
+    fastest kept, marked as not fitting."""
+    from hethub.partitioner import schedule_search
+    cm = CostModel(CPU_CLUSTER, STACK)
+    plan = BALANCED.model_copy(update={"predicted": predict(BALANCED, cm)})
+    replayed = []
+    monkeypatch.setattr(schedule_search, "predict", lambda q, *a: replayed.append(q.schedule) or predict(q, *a))
+    monkeypatch.setattr(schedule_search, "fits_memory", lambda q, cm: q.schedule != "zb-v")
+    best, tried = choose_schedule(plan, cm, "auto")
+    assert [(it, fits) for s, _, it, fits in tried if s == "zb-v"] == [(None, False)] and "zb-v" not in replayed
+    assert all(it is not None for s, _, it, _ in tried if s != "zb-v") and best.schedule != "zb-v"
+    assert any("zb-v" in line and "not replayed" in line for line in explain_schedules(tried, best))
+    replayed.clear()
+    _, tried = choose_schedule(plan, cm, "auto", replay_all=True)
+    assert "zb-v" in replayed and all(it is not None for _, _, it, _ in tried)
+    monkeypatch.setattr(schedule_search, "fits_memory", lambda q, cm: False)
+    best, tried = choose_schedule(plan, cm, "auto")
+    assert best.predicted.iteration_s == min(it for _, _, it, _ in tried)
 
 
 def test_rechunk_by_time_is_no_slower_in_its_slowest_chunk_than_by_count():
