@@ -150,5 +150,15 @@ def test_pinned_emulation_needs_a_profile_per_emulated_type(tmp_path, monkeypatc
         load_pin_profiles()
     monkeypatch.setenv(PROFILES_ENV, "")
     assert load_pin_profiles() is None
+    from hethub.cli.demo import DEMO_CLUSTER, DEMO_MODEL
+    from hethub.cli.profiler import profile_model
+    from hethub.partitioner import Cluster, ModelConfig
+    from hethub.partitioner.placement import StageLayout, build_plan
+    model, cluster = ModelConfig.model_validate(DEMO_MODEL), Cluster.model_validate(DEMO_CLUSTER)
+    plan = build_plan(model, cluster, [StageLayout((0, model.num_planner_layers), "SLOW", (1,))], 1, 2)
     with pytest.raises(InputError, match=f"^{PROFILES_ENV}: no profile for device type 'SLOW'"):
-        check_pin_profiles([], {"SLOW"})
+        check_pin_profiles(plan, [], {"SLOW"})
+    other = model.model_copy(update={"name": "other", "hidden_size": 64})
+    with pytest.raises(InputError, match=f"^{PROFILES_ENV}: profiles\\[0\\].model: profile was measured on model"):
+        check_pin_profiles(plan, [profile_model(other, "SLOW", 1, "fp32", warmup=0, reps=1, progress=False)],
+                           {"SLOW"})

@@ -34,10 +34,15 @@ def load_pin_profiles() -> Optional[list[Profile]]:
         raise InputError(PROFILES_ENV, exc.message if exc.field == "--profiles" else str(exc)) from None
 
 
-def check_pin_profiles(profiles: list[Profile], emulated_types: set[str]) -> None:
-    """Every emulated device type has a profile: its analytic times would not be an emulated CPU's."""
+def check_pin_profiles(plan: Plan, profiles: list[Profile], emulated_types: set[str]) -> None:
+    """Every emulated device type has a profile (its analytic times would not be an emulated CPU's), and the
+    profiles price the plan's model (the cost model refuses another model's): one line, before any collective."""
     for t in sorted(emulated_types - {p.device_type for p in profiles}):
         raise InputError(PROFILES_ENV, f"no profile for device type {t!r}: give one per emulated type")
+    try:
+        cost_model_for(plan, profiles)
+    except InputError as exc:
+        raise InputError(PROFILES_ENV, str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,8 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
         tp.check_layers(the_plan, layers, tp_plan)
         schedule = load_checked_schedule(the_plan, hetero.schedule, rank) if hetero.schedule else None
         if pin_profiles is not None:
-            check_pin_profiles(pin_profiles, {t for st in the_plan.stages for t in st.types
-                                              if slowdown_for(t, hetero.emulate_slowdown) != 1.0})
+            check_pin_profiles(the_plan, pin_profiles, {t for st in the_plan.stages for t in st.types
+                                                        if slowdown_for(t, hetero.emulate_slowdown) != 1.0})
         ds_seams.check()
     except InputError as exc:
         fail(str(exc))
