@@ -80,11 +80,12 @@ def split_compute_s(cm: CostModel, t: str, first: int, last: int, samples: float
     return fwd, bwd + (cm.stage_split_extra_s(t, first, last, samples, tp) if split else 0.0)
 
 
-def stage_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
+def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
+    """Per group its costs; ``orders``: the groups' compute orders (``chunk_orders``), where the caller has them."""
     if plan.schedule in CHUNKED:
-        return chunked_group_costs(plan, cm)
+        return chunked_group_costs(plan, cm, orders)
     S, M = plan.num_stages, plan.num_micro_batches
-    orders = chunk_orders(plan, M)
+    orders = orders if orders is not None else chunk_orders(plan, M)
     out = []
     for s, st in enumerate(plan.stages):
         first, last = st.layers
@@ -192,10 +193,10 @@ def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=No
     return state + peak + extra + buffers
 
 
-def chunked_group_costs(plan: Plan, cm: CostModel) -> list[StageCost]:
+def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
     """Per device group of a chunked plan, its costs summed over its chunks (compute, boundary traffic: v times a
     one-chunk group's, optimizer), its all-reduce over all of its layers, its memory from its order's peak."""
-    orders = chunk_orders(plan, plan.num_micro_batches)
+    orders = orders if orders is not None else chunk_orders(plan, plan.num_micro_batches)
     out = []
     for s, st in enumerate(plan.stages):
         tp, z = st.tensor_parallel, plan.shards_optimizer(st)
@@ -242,15 +243,17 @@ def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chun
             + max(c.optimizer_s for c in costs))
 
 
-def closed_form_s(plan: Plan, cm: CostModel) -> float:
+def closed_form_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = None) -> float:
+    """``costs``: the plan's ``stage_costs``, where the caller has them."""
+    costs = costs if costs is not None else stage_costs(plan, cm)
     if plan.schedule in CHUNKED:
-        return chunked_iteration_s(stage_costs(plan, cm), plan.num_micro_batches, plan.num_chunks)
-    return iteration_s(stage_costs(plan, cm), plan.num_micro_batches)
+        return chunked_iteration_s(costs, plan.num_micro_batches, plan.num_chunks)
+    return iteration_s(costs, plan.num_micro_batches)
 
 
-def fits_memory(plan: Plan, cm: CostModel) -> bool:
+def fits_memory(plan: Plan, cm: CostModel, orders=None) -> bool:
     """Every replica's peak (its share, its schedule's order) within its own type's memory."""
-    orders = chunk_orders(plan, plan.num_micro_batches)
+    orders = orders if orders is not None else chunk_orders(plan, plan.num_micro_batches)
     return all(group_memory_bytes(plan, cm, s, r.samples, orders[s]) <= cm.memory_limit_bytes(st.type_of(r))
                for s, st in enumerate(plan.stages) for r in st.replicas)
 
@@ -346,8 +349,9 @@ def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) ->
 
 
 def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
-    costs = stage_costs(plan, cm)
-    closed = closed_form_s(plan, cm)
+    orders = chunk_orders(plan, plan.num_micro_batches)  # once: zb-v's list scheduler takes 0.3 s at 768 devices
+    costs = stage_costs(plan, cm, orders)
+    closed = closed_form_s(plan, cm, costs)
     it = replay_iteration_s(plan, cm) if replay_fits(plan) else closed  # closed_form_s == iteration_s says so
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
@@ -358,7 +362,7 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
                      stage_s=[c.per_micro_batch_s for c in costs],
                      memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
                      allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
-                     fits_memory=fits_memory(plan, cm), closed_form_s=closed)
+                     fits_memory=fits_memory(plan, cm, orders), closed_form_s=closed)
 
 
 def with_pass_times(plan: Plan, cm: CostModel) -> Plan:
