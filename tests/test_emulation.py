@@ -110,6 +110,62 @@ def test_a_pin_shorter_than_the_work_adds_no_idle(monkeypatch):
     assert clock.now == FWD_S + BWD_S
 
 
+class HostWork(torch.autograd.Function):
+    """Host work between two layers (the runtime's own Python, a kernel launch): GAP_S each way on the clock."""
+
+    @staticmethod
+    def forward(ctx, x, clock):
+        ctx.clock = clock
+        clock.now += GAP_S
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.clock.now += GAP_S
+        return g, None
+
+
+class Gap(torch.nn.Module):
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def forward(self, x):
+        return HostWork.apply(x, self.clock)
+
+
+GAP_S = 0.5
+
+
+@pytest.mark.parametrize("pin_fwd_s,pin_bwd_s", [(PIN_FWD_S, PIN_BWD_S), (FWD_S / 2, BWD_S / 2)],
+                         ids=["device-bound", "host-bound"])
+def test_a_chunks_pinned_layers_queue_on_one_device_clock(monkeypatch, pin_fwd_s, pin_bwd_s):
+    """A chunk's pinned layers share the rank's device clock and wait for it only where a pass ends (the last
+    layer's forward, the first layer's backward): host work between them overlaps the emulated device, as kernel
+    launches overlap a GPU's kernels, and a pass takes max(its pins, its host time). Layers each with a clock of
+    their own add the host work to their pins."""
+    clock = Clock()
+    monkeypatch.setattr(emulation, "time", clock)
+    pins = (2, {"fwd": pin_fwd_s, "bwd": pin_bwd_s})
+    device = emulation.DeviceClock()
+    shared = torch.nn.Sequential(SlowDown(Layer(clock), K, pins, device, sync=(False, True)), Gap(clock),
+                                 SlowDown(Layer(clock), K, pins, device, sync=(True, False)))
+    alone = torch.nn.Sequential(SlowDown(Layer(clock), K, pins), Gap(clock), SlowDown(Layer(clock), K, pins))
+    host_fwd_s, host_bwd_s = 2 * FWD_S + GAP_S, 2 * BWD_S + GAP_S
+    for chunk, gaps_add in ((shared, False), (alone, True)):
+        x = torch.full((2, 3), 1.5, dtype=torch.float64, requires_grad=True)
+        t0 = clock.now
+        y = chunk(x)
+        t1 = clock.now
+        y.sum().backward()
+        if pin_fwd_s > FWD_S and gaps_add:
+            expected = (2 * pin_fwd_s + GAP_S, 2 * pin_bwd_s + GAP_S)
+        else:
+            expected = (max(2 * pin_fwd_s, host_fwd_s), max(2 * pin_bwd_s, host_bwd_s))
+        assert (t1 - t0, clock.now - t1) == expected
+        assert torch.equal(x.grad, 4 * 1.5 ** 3 * torch.ones_like(x))  # d/dx x^4
+
+
 def test_pins_add_up_to_what_the_simulator_replays(tmp_path):
     """Every layer's pins of a chunk sum to the chunk's passes as the simulator prices them (``pass_times_s``):
     the pinned emulated device is the cost model's, split chunks (zb-v's, but its first) included."""

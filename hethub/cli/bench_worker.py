@@ -16,14 +16,15 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import deepspeed
 import torch
 from deepspeed.pipe import PipelineModule
 
 import hethub
-from hethub.emulated.pinned import load_pin_profiles, pins_for
-from hethub.emulated.slowdown import SlowDown, parse_factors
+from hethub.emulated.pinned import Pins, load_pin_profiles, pins_for, slowed_chunk
+from hethub.emulated.slowdown import DeviceClock, SlowDown, parse_factors
 from hethub.models.builtin import build_layers, counting_batches, lm_loss
 from hethub.partitioner import ModelConfig
 from hethub.partitioner.records import load_plan
@@ -39,8 +40,11 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
     rtype = a.rank_types.split(",")[rank]
     k = factors.get(rtype, 1.0)
     dp = world // a.stages
-    pinned = _vanilla_pins(a, rank // dp, rtype, a.micro_batch // dp) if k != 1.0 else {}
-    layers = [SlowDown(layer, k, pinned.get(i)) if k != 1.0 else layer for i, layer in enumerate(layers)]
+    pins = _vanilla_pins(a, rank // dp, rtype, a.micro_batch // dp) if k != 1.0 else None
+    if k != 1.0:  # pinned: this stage's layers queue on one device clock, as hethub's ranks' do
+        first, last = (min(pins.layer_s), max(pins.layer_s) + 1) if pins else (0, 0)
+        layers = ([SlowDown(layer, k) for layer in layers[:first]] + slowed_chunk(layers[first:last], first, k, pins,
+                  DeviceClock()) + [SlowDown(layer, k) for layer in layers[last:]])
     module = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=a.stages, partition_method=a.partition)
     cfg = {"train_micro_batch_size_per_gpu": a.micro_batch // dp, "gradient_accumulation_steps": a.micro_batches,
            "train_batch_size": a.micro_batch * a.micro_batches, "steps_per_print": 10 ** 9}
@@ -48,15 +52,14 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
     return engine, dp
 
 
-def _vanilla_pins(a: argparse.Namespace, stage: int, device_type: str, rows: int) -> dict:
+def _vanilla_pins(a: argparse.Namespace, stage: int, device_type: str, rows: int) -> Optional[Pins]:
     """Vanilla DeepSpeed's layers pinned as hethub's are (``HETHUB_EMULATE_PROFILES``, ``hethub.emulated.pinned``):
     ``--pin-plan`` is a hethub plan of the same layout (stage s = DeepSpeed's stage s, one-chunk 1F1B, no split
-    backward), whose layer times the profiles give; {layer index: (rows, {"fwd", "bwd"})}."""
+    backward), whose layer times the profiles give; None where not pinned."""
     profiles = load_pin_profiles()
     if profiles is None or not a.pin_plan:
-        return {}
-    pins = pins_for(load_plan(a.pin_plan), profiles, stage, device_type, rows, set())
-    return {i: (rows, times) for i, times in pins.layer_s.items()}
+        return None
+    return pins_for(load_plan(a.pin_plan), profiles, stage, device_type, rows, set())
 
 
 def _args() -> argparse.Namespace:

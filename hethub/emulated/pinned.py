@@ -7,7 +7,9 @@ says, and a prediction from the profile looks 10-20% off for reasons no GPU has.
 its profile (``HETHUB_EMULATE_PROFILES=DIR``, the profiles ``hethub profile --emulate-slowdown`` wrote): every
 wrapped layer's forward and backward, and every weight pass, end when the cost model built from those profiles
 says they would (``costmodel.pass_times_s``, layer by layer, what ``hethub simulate`` replays), or when the real
-compute ends if that is later. What a run then measures beyond the prediction is the schedule, the transfers and
+compute ends if that is later. A rank's layers queue those times on one device clock, as a GPU's kernels queue on
+its stream, so the host's work between the layers of a pass overlaps them (``slowdown.DeviceClock``). What a run
+then measures beyond the prediction is the schedule, the transfers and
 the runtime's own overhead: what a pipeline prediction has to get right. Test and benchmark helper only.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Optional
 from ..partitioner.costmodel import cost_model_for, pass_times_s
 from ..partitioner.errors import InputError
 from ..partitioner.records import Plan, Profile, load_profiles
+from .slowdown import DeviceClock, SlowDown
 
 PROFILES_ENV = "HETHUB_EMULATE_PROFILES"
 
@@ -71,3 +74,12 @@ def pins_for(plan: Plan, profiles: list[Profile], stage: int, device_type: str, 
             layer_s[i] = {"fwd": fwd, "bwd": bwd}
             weight_s[position] = weight_s.get(position, 0.0) + wgt
     return Pins(rows, layer_s, {k: s for k, s in weight_s.items() if k in split_positions})
+
+
+def slowed_chunk(layers: list, first: int, factor: float, pins: Optional[Pins], clock: DeviceClock) -> list:
+    """One chunk's layers (planner layers ``first``, ``first + 1``, ...) wrapped in the emulated slowdown. Pinned,
+    they queue their pins on the rank's ``clock`` and wait for it where the chunk's passes end: after the last
+    layer's forward and the first layer's backward (the weight pass waits in the executor)."""
+    last = first + len(layers) - 1
+    return [SlowDown(layer, factor, (pins.rows, pins.layer_s[i]), clock, sync=(i == last, i == first))
+            if pins else SlowDown(layer, factor) for i, layer in enumerate(layers, start=first)]

@@ -15,6 +15,11 @@ recomputed layer takes k x (forward + forward + backward) either way: torch stop
 the last saved tensor by default, before the wrapper idles, so its real time falls in the measured
 backward; a whole recomputed forward (early stop off) idles itself and is kept out of that
 measurement (else it would count k x k).
+
+Pinned (``hethub.emulated.pinned``), a rank's wrapped layers queue their pinned times on one ``DeviceClock``, as a
+GPU's kernels queue on its stream, and wait for it only where a pass ends (its chunk's last layer forward, first
+backward): the host work between a pass's layers overlaps the emulated device's time, as kernel launches overlap
+a GPU's kernels, instead of adding to it.
 """
 from __future__ import annotations
 
@@ -27,6 +32,34 @@ from torch import nn
 
 from ..dsconfig import MAX_SLOWDOWN
 from ..partitioner.errors import InputError
+
+
+class DeviceClock:
+    """An emulated device's queue: work issued at ``issued_s`` starts once the device is free and takes its pinned
+    seconds, and never ends before its real compute did (``done_s``). ``sync`` waits until the queue is empty, what
+    a pass's end does (its output is sent, or the next pass reads it)."""
+
+    def __init__(self):
+        self.free_s = 0.0
+
+    def queue(self, issued_s: float, pinned_s: float, done_s: float) -> None:
+        self.free_s = max(max(issued_s, self.free_s) + pinned_s, done_s)
+
+    def sync(self) -> None:
+        time.sleep(max(0.0, self.free_s - time.perf_counter()))
+
+
+def _pinned_pass(state: dict, phase: str, issued_s: float) -> bool:
+    """Queue a pinned phase on its layer's device clock (and wait for the clock where the pass ends there); False
+    where the phase is not pinned (self-calibrated instead)."""
+    target = state["ref"].get("pinned", {}).get(phase)
+    if target is None:
+        return False
+    clock = state["clock"]
+    clock.queue(issued_s, target, time.perf_counter())
+    if state["sync"][phase]:
+        clock.sync()
+    return True
 
 
 class _Start(torch.autograd.Function):
@@ -42,9 +75,8 @@ class _Start(torch.autograd.Function):
         ctx.state["bwd_start"] = time.perf_counter()
         # a forward of this layer from now until _End's backward is its recompute (activation checkpointing)
         ctx.state["ref"]["in_backward"] = ctx.state["input_tracked"]
-        if not ctx.state["input_tracked"]:
-            pinned = ctx.state["ref"].get("pinned")
-            time.sleep(pinned["bwd"] if pinned else (ctx.state["factor"] - 1.0) * 2 * ctx.state["ref"]["fwd"])
+        if not ctx.state["input_tracked"] and not _pinned_pass(ctx.state, "bwd", ctx.state["bwd_start"]):
+            time.sleep((ctx.state["factor"] - 1.0) * 2 * ctx.state["ref"]["fwd"])
         return g, None
 
 
@@ -60,11 +92,11 @@ class _End(torch.autograd.Function):
     def backward(ctx, g):
         st, ref = ctx.state, ctx.state["ref"]
         recompute_s = ref.pop("recompute_s", 0.0)  # already idled to k x as a forward
-        if "pinned" in ref:  # a pinned backward's time holds its recomputed forward, whichever way it ran
-            recompute_s = 0.0
         ref["in_backward"] = False
-        took = time.perf_counter() - st.get("bwd_start", time.perf_counter()) - recompute_s
-        idle_to(st["factor"], ref, "bwd", took)
+        # a pinned backward's time holds its recomputed forward, whichever way it ran
+        start = st.get("bwd_start", time.perf_counter())
+        if not _pinned_pass(st, "bwd", start):
+            idle_to(st["factor"], ref, "bwd", time.perf_counter() - start - recompute_s)
         return g, None
 
 
@@ -72,7 +104,8 @@ def idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
     """Sleep until this phase has taken ``factor`` x its fastest time seen (the reference), updated first.
     The first call only sets the reference: it carries one-time costs (allocations, a tensor-parallel
     layer's sharding set-up: seconds), which k x would turn into minutes of idling. A phase pinned in
-    ``ref["pinned"]`` (``hethub.emulated.pinned``) sleeps until it has taken that many seconds instead."""
+    ``ref["pinned"]`` (``hethub.emulated.pinned``: the executor's weight pass, which ends its pass) sleeps until it
+    has taken that many seconds instead."""
     target = ref.get("pinned", {}).get(phase)
     if target is not None:
         time.sleep(max(0.0, target - took_s))
@@ -86,9 +119,13 @@ def idle_to(factor: float, ref: dict, phase: str, took_s: float) -> None:
 
 class SlowDown(nn.Module):
     """Runs ``module`` and then idles, so that forward and backward take ``factor`` x as long; or, ``pinned``
-    ((rows, {"fwd": s, "bwd": s})), as long as that says for inputs of that many rows."""
+    ((rows, {"fwd": s, "bwd": s})), as long as that says for inputs of that many rows, queued on ``clock`` (the
+    rank's device, shared by its layers) and waited for after the forward and the backward where ``sync`` says
+    (this layer ends its chunk's forward, begins it). Alone, a pinned layer has a clock of its own and waits after
+    both, so each pass of it takes its pin."""
 
-    def __init__(self, module: nn.Module, factor: float, pinned: Optional[tuple[int, dict[str, float]]] = None):
+    def __init__(self, module: nn.Module, factor: float, pinned: Optional[tuple[int, dict[str, float]]] = None,
+                 clock: Optional[DeviceClock] = None, sync: tuple[bool, bool] = (True, True)):
         super().__init__()
         if factor < 1:
             raise ValueError(f"emulate_slowdown: factor must be >= 1, got {factor}")
@@ -97,11 +134,14 @@ class SlowDown(nn.Module):
         self._ref: dict[tuple, dict[str, float]] = {}  # rows -> fastest forward/backward seconds seen
         if pinned is not None:
             self._ref[(pinned[0],)] = {"pinned": dict(pinned[1])}
+        self._clock = clock if clock is not None else DeviceClock()
+        self._sync = {"fwd": sync[0], "bwd": sync[1]}
 
     def forward(self, x):
         tracked = torch.is_tensor(x) and x.is_floating_point() and torch.is_grad_enabled()
         rows = tuple(x.shape[:1]) if torch.is_tensor(x) else ()
-        state = {"factor": self.factor, "input_tracked": tracked, "ref": self._ref.setdefault(rows, {})}
+        state = {"factor": self.factor, "input_tracked": tracked, "ref": self._ref.setdefault(rows, {}),
+                 "clock": self._clock, "sync": self._sync}
         recomputing = state["ref"].get("in_backward", False)
         if tracked:
             if not x.requires_grad:
@@ -109,7 +149,9 @@ class SlowDown(nn.Module):
             x = _End.apply(x, state)
         t0 = time.perf_counter()
         y = self.module(x)
-        idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
+        # a pinned recompute is inside its backward's pin: it queues nothing
+        if not (recomputing and "pinned" in state["ref"]) and not _pinned_pass(state, "fwd", t0):
+            idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
         if recomputing:
             state["ref"]["recompute_s"] = state["ref"].get("recompute_s", 0.0) + time.perf_counter() - t0
         if torch.is_tensor(y) and y.requires_grad:

@@ -24,8 +24,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .._version import __version__
 from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
-from ..emulated.pinned import Pins, check_pin_profiles, load_pin_profiles, pins_for
-from ..emulated.slowdown import SlowDown, parse_factors, slowdown_for
+from ..emulated.pinned import Pins, check_pin_profiles, load_pin_profiles, pins_for, slowed_chunk
+from ..emulated.slowdown import DeviceClock, parse_factors, slowdown_for
 from ..events import request_stop
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
@@ -198,6 +198,7 @@ def _stage_layers(run: _Checked, grid: HeteroGrid, pins: Optional[Pins]) -> list
     wrapped in the emulated slowdown of its device type (pinned to ``pins`` where given), where either applies."""
     layers = list(run.layers)
     slowdown = slowdown_for(grid.device_type, run.hetero.emulate_slowdown)
+    clock = DeviceClock()  # the rank's one emulated device, which all its chunks' pinned layers queue on
     for first, last in grid.stage.chunk_ranges:
         if grid.tp > 1:
             for layer in layers[first:last]:  # on the device before splitting (DeepSpeed then leaves them there)
@@ -205,8 +206,7 @@ def _stage_layers(run: _Checked, grid: HeteroGrid, pins: Optional[Pins]) -> list
                     layer.to(get_accelerator().current_device_name())
             tp.parallelize(first, layers[first:last], run.tp_plan, grid.tp_mesh)
         if slowdown != 1.0:
-            layers[first:last] = [SlowDown(layer, slowdown, (pins.rows, pins.layer_s[i]) if pins else None)
-                                  for i, layer in enumerate(layers[first:last], start=first)]
+            layers[first:last] = slowed_chunk(layers[first:last], first, slowdown, pins, clock)
     return layers
 
 
