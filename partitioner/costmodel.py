@@ -596,6 +596,18 @@ class CostModel:
             t += 2 * nbytes / (PCIE_GBPS * 1e9)
         return t
 
+    def control_syncs_s(self, plan: Plan, train: bool = True) -> float:
+        """The runtime's world-wide control all-reduces of an iteration: the loss every rank returns (after the
+        last action), and in fp16 training the vote on finite gradients each rank takes before its step. Each
+        moves one number, so only latency counts: a ring over every rank (the control channel), 2 (n - 1) hops at
+        the inter-node latency where the plan spans hosts, else the intra-node one. Gradient clipping's norm
+        all-reduce, where ds_config turns it on, is one more that a plan does not know of, and is not counted."""
+        hosts = {rep.host for st in plan.stages for rep in st.replicas}
+        net = self.cluster.network
+        latency_s = (net.inter_node_latency_us if len(hosts) > 1 else net.intra_node_latency_us) * 1e-6
+        count = 1 + (train and (plan.dtype or self.dtype) == "fp16")
+        return count * ring_allreduce(0.0, plan.world_size)[1] * latency_s
+
     def stage_sync_parts(self, plan: Plan, s: int) -> tuple[float, int, float]:
         """Stage s of a placed plan at the end of its backward: (its bucketed gradient all-reduce, the number of
         buckets, what runs after it: the ZeRO-1 all-gather and the all-reduce of a tied weight it shares with

@@ -22,7 +22,9 @@ gradient transfers of stages < s):
                     + max_s (tail_s + allreduce_s + optimizer_s - drain_s)                    (zb-h1)
 
 (The MILP's zb-h1 form leaves out the drain credit, which is not linear in the chain; the replay, which
-picks among the best, runs the plan's schedule.)
+picks among the best, runs the plan's schedule.) Neither form counts the iteration's world-wide control
+all-reduces (``CostModel.control_syncs_s``: the same for every plan of a world, latency only); the replay adds
+them after its last action, as the runtime runs them.
 
 In the steady state a stage's transfers (posted non-blocking) overlap its compute, so the slower of the
 two paces the pipeline; the fill and drain pay both. (Charging compute + transfers per micro-batch put
@@ -352,7 +354,8 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
     orders = chunk_orders(plan, plan.num_micro_batches)  # once: zb-v's list scheduler takes 0.3 s at 768 devices
     costs = stage_costs(plan, cm, orders)
     closed = closed_form_s(plan, cm, costs)
-    it = replay_iteration_s(plan, cm) if replay_fits(plan) else closed  # closed_form_s == iteration_s says so
+    # closed_form_s == iteration_s says so; the replay adds the iteration's control all-reduces, as here
+    it = replay_iteration_s(plan, cm) if replay_fits(plan) else closed + cm.control_syncs_s(plan)
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
     return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,

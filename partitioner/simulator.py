@@ -446,7 +446,9 @@ class _Replay:
         stuck = [r for r in ranks if self.pc[r] < len(self.sched[r])]
         if stuck:
             raise self.deadlock(stuck)
-        it = max(self.clock + list(self.done.values()))
+        # then every rank's control all-reduces (the loss, fp16's finite vote): one latency-bound ring each
+        train = any(a.kind == "OPT" for acts in self.sched.values() for a in acts)
+        it = max(self.clock + list(self.done.values())) + self.cm.control_syncs_s(self.plan, train)
         busy = {r: self.compute[r] / it for r in ranks}
         return SimResult(iteration_s=it, samples_per_s=self.plan.global_batch_size / it,
                          bubble_fraction=1.0 - sum(busy.values()) / len(ranks), busy=busy, events=self.events)

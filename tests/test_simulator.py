@@ -137,7 +137,7 @@ def test_closed_form_is_pessimistic_by_what_decoupled_stages_overlap():
         for M in (1, 2, 4, 8, 16):
             for _ in range(4):
                 plan = grid_plan(rng, stages, rng.choice([4, 8]), M)
-                sim = simulate(plan, cm).iteration_s
+                sim = simulate(plan, cm).iteration_s - cm.control_syncs_s(plan)  # the closed form leaves them out
                 closed = closed_form_s(plan, cm)
                 sc = stage_costs(plan, cm)
                 costs = [c.per_micro_batch_s for c in sc]
@@ -185,7 +185,7 @@ def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
         plan = grid_plan(rng, rng.randint(1, 5), rng.choice([4, 8]), rng.choice([1, 2, 3, 8, 16]))
         assert simulate(_zb(plan), one_bucket).iteration_s <= simulate(plan, one_bucket).iteration_s * (1 + 1e-12)
         base, zb = simulate(plan, cm), simulate(_zb(plan), cm)
-        assert zb.iteration_s <= closed_form_s(_zb(plan), cm) * (1 + 1e-12)
+        assert zb.iteration_s - cm.control_syncs_s(plan) <= closed_form_s(_zb(plan), cm) * (1 + 1e-12)
         dur = lambda res, kind: sum(e.end_s - e.start_s for e in res.events if e.kind == kind)  # noqa: E731
         assert dur(zb, "W") > 0 or plan.num_stages == 1
         assert abs(dur(zb, "B") + dur(zb, "W") - dur(base, "B")) <= 1e-9 * dur(base, "B")
@@ -227,6 +227,27 @@ def test_predicted_is_the_replay():
     pred = predict(plan, cm)
     assert pred.iteration_s == simulate(plan, cm).iteration_s
     assert pred.model_extra["closed_form_s"] >= pred.iteration_s
+
+
+def test_an_iteration_ends_with_the_control_all_reduces():
+    """After its last action every rank sums the loss over the world (and in fp16 training first votes on finite
+    gradients): latency-bound rings of 2 (n - 1) hops on the inter-node link where the plan spans hosts, on the
+    intra-node one where it does not. A forward-only replay has the loss's only."""
+    net = {"intra_node_gbps": 2400, "inter_node_gbps": 100, "intra_node_latency_us": 7.0,
+           "inter_node_latency_us": 900.0}
+    cluster = CLUSTER.model_copy(update={"network": type(CLUSTER.network).model_validate(net)})
+    cm = CostModel(cluster, MODEL)
+    two_hosts = build_plan(MODEL, cluster, [StageLayout((0, 6), "A100-80GB", (2, 2)),
+                                            StageLayout((6, 12), "V100-32GB", (1, 1, 1, 1))], 4, 3)
+    one_host = build_plan(MODEL, cluster, [StageLayout((0, 6), "A100-80GB", (2, 2)),
+                                           StageLayout((6, 12), "A100-80GB", (4,))], 4, 3)
+    for plan, latency_s in ((two_hosts, 900e-6), (one_host, 7e-6)):
+        for dtype, train, count in (("bf16", True, 1), ("fp16", True, 2), ("fp16", False, 1)):
+            p = plan.model_copy(update={"dtype": dtype})
+            res = simulate(p, cm, train=train)
+            syncs = count * 2 * (p.world_size - 1) * latency_s
+            assert cm.control_syncs_s(p, train) == pytest.approx(syncs, rel=1e-12)
+            assert res.iteration_s == pytest.approx(max(e.end_s for e in res.events) + syncs, rel=1e-12)
 
 
 def test_unmatched_send_and_deadlock_are_reported_with_rank_and_step():
@@ -348,7 +369,7 @@ def test_a_wide_stage_prints_its_busy_range_and_a_replay_past_the_limit_is_refus
     monkeypatch.setattr(evaluate, "MAX_REPLAY_PAIRS", plan.world_size * 4 - 1)
     assert not evaluate.replay_fits(plan)
     pred = predict(plan, cm)
-    assert pred.iteration_s == pred.closed_form_s
+    assert pred.iteration_s == pred.closed_form_s + cm.control_syncs_s(plan)  # the replay's, added as it does
     assert main(["simulate", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(r"error: plan: 2 stages on 24 ranks: a faithful replay runs at least 4 micro-batches "
