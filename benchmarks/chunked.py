@@ -78,7 +78,8 @@ def main():
         "# Chunked schedules on the emulated cluster (benchmarks/chunked.py)", "",
         f"Model {model.name} ({model.num_layers} blocks, hidden {model.hidden_size}, seq {model.seq_length}); FAST "
         f"ranks emulated {FID_FAST:g}x slower than this CPU, SLOW {FID_SLOW:g}x; profiles at micro-batch 1/2/4 "
-        f"measured in this run; fp32, Adam, gloo over the strict-order transport. Median of {steps - 3} iterations "
+        f"measured in this run; link latency {cluster.network.intra_node_latency_us:.0f} us, measured now "
+        f"(`benchmarks/link_latency.py`); fp32, Adam, gloo over the strict-order transport. Median of {steps - 3} iterations "
         f"after 3 warm-up. Each plan keeps its groups, widths and splits; chunked variants re-cut each group's layers "
         f"by time (`hethub plan --schedule`'s re-cut). Speed-up = the same plan's 1F1B ms / this schedule's ms.", "",
         PINNED_NOTE, "",
