@@ -598,14 +598,15 @@ class CostModel:
 
     def control_syncs_s(self, plan: Plan, train: bool = True) -> float:
         """The runtime's world-wide control all-reduces of an iteration: the loss every rank returns (after the
-        last action), and in fp16 training the vote on finite gradients each rank takes before its step. Each
-        moves one number, so only latency counts: a ring over every rank (the control channel), 2 (n - 1) hops at
-        the inter-node latency where the plan spans hosts, else the intra-node one. Gradient clipping's norm
-        all-reduce, where ds_config turns it on, is one more that a plan does not know of, and is not counted."""
+        last action); in training also the gradient norm each rank clips by before its step (DeepSpeed clips by
+        default, ``gradient_clipping`` 1.0; a run that sets 0 skips it, which a plan cannot know), and in fp16
+        the vote on finite gradients. Each moves one number, so only latency counts: a ring over every rank (the
+        control channel), 2 (n - 1) hops at the inter-node latency where the plan spans hosts, else the
+        intra-node one."""
         hosts = {rep.host for st in plan.stages for rep in st.replicas}
         net = self.cluster.network
         latency_s = (net.inter_node_latency_us if len(hosts) > 1 else net.intra_node_latency_us) * 1e-6
-        count = 1 + (train and (plan.dtype or self.dtype) == "fp16")
+        count = 1 + train * (1 + ((plan.dtype or self.dtype) == "fp16"))
         return count * ring_allreduce(0.0, plan.world_size)[1] * latency_s
 
     def stage_sync_parts(self, plan: Plan, s: int) -> tuple[float, int, float]:

@@ -446,7 +446,7 @@ class _Replay:
         stuck = [r for r in ranks if self.pc[r] < len(self.sched[r])]
         if stuck:
             raise self.deadlock(stuck)
-        # then every rank's control all-reduces (the loss, fp16's finite vote): one latency-bound ring each
+        # and every rank's control all-reduces (the loss, the clipped norm, fp16's vote): a latency-bound ring each
         train = any(a.kind == "OPT" for acts in self.sched.values() for a in acts)
         it = max(self.clock + list(self.done.values())) + self.cm.control_syncs_s(self.plan, train)
         busy = {r: self.compute[r] / it for r in ranks}
