@@ -24,8 +24,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runtime import (FID_FAST, FID_PLANS, FID_SLOW, PINNED_NOTE, fidelity_setup, profiles_dir, run,  # noqa: E402
-                     write_result)
+from runtime import (FID_FAST, FID_PLANS, FID_SLOW, PINNED_NOTE, fidelity_setup, measured_note,  # noqa: E402
+                     profiles_dir, run, write_result)
 from hethub.partitioner.chunked import rechunk  # noqa: E402
 from hethub.partitioner.evaluate import activation_peak_bytes, chunk_time_s, predict, with_pass_times  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan  # noqa: E402
@@ -78,8 +78,7 @@ def main():
         "# Chunked schedules on the emulated cluster (benchmarks/chunked.py)", "",
         f"Model {model.name} ({model.num_layers} blocks, hidden {model.hidden_size}, seq {model.seq_length}); FAST "
         f"ranks emulated {FID_FAST:g}x slower than this CPU, SLOW {FID_SLOW:g}x; profiles at micro-batch 1/2/4 "
-        f"measured in this run; link latency {cluster.network.intra_node_latency_us:.0f} us, measured now "
-        f"(`benchmarks/link_latency.py`); fp32, Adam, gloo over the strict-order transport. Median of {steps - 3} iterations "
+        f"measured in this run. {measured_note(cluster)} fp32, Adam, gloo over the strict-order transport. Median of {steps - 3} iterations "
         f"after 3 warm-up. Each plan keeps its groups, widths and splits; chunked variants re-cut each group's layers "
         f"by time (`hethub plan --schedule`'s re-cut). Speed-up = the same plan's 1F1B ms / this schedule's ms.", "",
         PINNED_NOTE, "",

@@ -1,15 +1,22 @@
-"""The emulated cluster's link latency, measured: what one of hethub's point-to-point transfers takes on this
-machine from the moment its send is posted until the receiving rank's main thread holds the data.
+"""What an emulated cluster's hardware does, measured on this machine, for its cluster file: link latency and the
+memory bandwidth its optimizer steps see.
 
-Why: an emulated cluster is a set of processes on one CPU box talking gloo over loopback, and its cluster file
-should say what that network costs, as a real cluster's says what its fabric costs. The default latencies (5 us
-within a node, 20 us across) describe a GPU fabric; here a transfer passes gloo's TCP loopback and the runtime's
-lane threads (``hethub.runtime.ordered``), a few hundred microseconds. Measured as a token passed around a ring of
-``world`` ranks (each receive through the runtime's ``OrderedGroups``, each rank idling a little between hops as
-an emulated device does): the median over rounds of a round's time / world. Idle ranks wake faster than ranks
-sharing the cores with others' compute, so under a benchmark's load transfers take longer than this.
+Why: an emulated cluster is a set of processes on one CPU box, and its cluster file should say what that hardware
+does, as a real cluster's says what its fabric and memory do. The cost model prices two things from the file that
+the emulation does not slow: transfer latency and the optimizer step.
 
-Run alone: python benchmarks/link_latency.py [WORLD]  (prints the median hop in microseconds)
+- Link latency: what one of hethub's point-to-point transfers takes from the moment its send is posted until the
+  receiving rank's main thread holds the data: gloo's TCP loopback and the runtime's lane threads
+  (``hethub.runtime.ordered``), a few hundred microseconds, not a GPU fabric's 5-20 us. Measured as a token passed
+  around a ring of ``world`` ranks (each receive through the runtime's ``OrderedGroups``, each rank idling a little
+  between hops as an emulated device does): the median over rounds of a round's time / world. Idle ranks wake
+  faster than ranks sharing the cores with others' compute, so under a benchmark's load transfers take longer.
+- Optimizer memory bandwidth: every rank steps its optimizer at the same time (after the last backward), at this
+  CPU's real speed, all ``world`` of them on the machine's cores. Measured so: ``world`` ranks each step Adam over
+  the same parameter count at once; the bandwidth is the cost model's bytes of that step (``state_bytes_of`` x
+  ``OPTIMIZER_PASSES``) over the median step time.
+
+Run alone: python benchmarks/emulated_cluster.py [WORLD]  (prints both)
 """
 import json
 import os
@@ -21,13 +28,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUNDS, WARMUP = 60, 10
+OPT_PARAMS, OPT_STEPS = 1 << 20, 15  # about one fidelity stage's parameters (two blocks of hidden 192)
 
 
-def _worker(out: str) -> None:
+def _hop_worker(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, ROOT)
     from hethub.runtime.errors import Guard
     from hethub.runtime.ordered import OrderedGroups
 
@@ -54,28 +61,71 @@ def _worker(out: str) -> None:
     dist.destroy_process_group()
 
 
-def measure_hop_us(world: int, port: int = 29650) -> float:
-    """Median microseconds of one transfer hop among ``world`` ranks on this machine (see the module's doc)."""
+def _adam_worker(out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    params = [torch.nn.Parameter(torch.randn(OPT_PARAMS // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.Adam(params, lr=1e-3)
+    steps = []
+    for i in range(OPT_STEPS):
+        dist.barrier()  # every rank steps at once, as after a pipeline's last backward
+        t0 = time.perf_counter()
+        opt.step()
+        if i >= 3:
+            steps.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"step_s": statistics.median(steps)}, f)
+    dist.destroy_process_group()
+
+
+def _launch(world: int, what: str, port: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "hop.json")
+        out = os.path.join(tmp, "out.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(port), os.path.abspath(__file__), "--worker", out]
+               str(port), os.path.abspath(__file__), "--worker", what, out]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
-            raise SystemExit("link latency run failed:\n" + (r.stdout + r.stderr)[-3000:])
+            raise SystemExit(f"{what} run failed:\n" + (r.stdout + r.stderr)[-3000:])
         with open(out, encoding="utf-8") as f:
-            return json.load(f)["hop_us"]
+            return json.load(f)
 
 
-def with_latency(cluster: dict, hop_us: float) -> dict:
-    """A cluster description (dict) whose links take ``hop_us`` of latency, within a node and across."""
-    return {**cluster, "network": {**cluster["network"], "intra_node_latency_us": round(hop_us, 1),
-                                   "inter_node_latency_us": round(hop_us, 1)}}
+def measure_hop_us(world: int, port: int = 29650) -> float:
+    """Median microseconds of one transfer hop among ``world`` ranks on this machine (see the module's doc)."""
+    return _launch(world, "hop", port)["hop_us"]
+
+
+def measure_optimizer_gbps(world: int, port: int = 29651) -> float:
+    """GB/s of the cost model's optimizer step (fp32 Adam) when ``world`` ranks step at once (the module's doc)."""
+    from hethub.partitioner import Cluster, ModelConfig
+    from hethub.partitioner.costmodel import OPTIMIZER_PASSES, CostModel
+    from hethub.cli.demo import DEMO_CLUSTER, DEMO_MODEL
+    cm = CostModel(Cluster.model_validate(DEMO_CLUSTER), ModelConfig.model_validate(DEMO_MODEL), dtype="fp32")
+    return cm.state_bytes_of(OPT_PARAMS) * OPTIMIZER_PASSES / _launch(world, "adam", port)["step_s"] / 1e9
+
+
+def measured(cluster: dict, world: int) -> dict:
+    """A cluster description (dict) with this machine's link latency (within a node and across) and optimizer
+    bandwidth (every device type) for ``world`` emulated ranks."""
+    hop_us, gbps = measure_hop_us(world), measure_optimizer_gbps(world)
+    types = {t: {**spec, "memory_gbps": round(gbps, 2)} for t, spec in cluster["device_types"].items()}
+    return {**cluster, "device_types": types,
+            "network": {**cluster["network"], "intra_node_latency_us": round(hop_us, 1),
+                        "inter_node_latency_us": round(hop_us, 1)}}
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        _worker(sys.argv[sys.argv.index("--worker") + 1])
+        sys.path.insert(0, ROOT)
+        what, out = sys.argv[sys.argv.index("--worker") + 1:][:2]
+        (_hop_worker if what == "hop" else _adam_worker)(out)
     else:
-        print(f"{measure_hop_us(int(sys.argv[1]) if len(sys.argv) > 1 else 6):.1f}")
+        w = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+        print(f"link latency {measure_hop_us(w):.1f} us, optimizer {measure_optimizer_gbps(w):.2f} GB/s")

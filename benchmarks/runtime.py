@@ -33,7 +33,7 @@ from hethub.partitioner.planner import PlannerOptions  # noqa: E402
 from hethub.cli.profiler import profile_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from link_latency import measure_hop_us, with_latency  # noqa: E402
+from emulated_cluster import measured  # noqa: E402
 
 WORKER = os.path.join(ROOT, "hethub", "cli", "bench_worker.py")
 EMULATE = f"FAST={FAST_SLOWDOWN:g},SLOW={FAST_SLOWDOWN * SLOWDOWN:g}"
@@ -84,6 +84,15 @@ FID_PLANS = [
 FID_WORLD = max(sum(len(shares) for *_, shares in stages) for *_, stages in FID_PLANS)  # the most ranks of one
 
 
+def measured_note(cluster) -> str:
+    """What the emulated cluster's file says that this run measured (``emulated_cluster.measured``)."""
+    gbps = {t.memory_gbps for t in cluster.device_types.values()}
+    return (f"Measured now and written in the cluster, which the predictions price (`benchmarks/emulated_cluster.py`): "
+            f"link latency {cluster.network.intra_node_latency_us:.0f} us (gloo over loopback through the runtime's lane "
+            f"threads), optimizer memory bandwidth {min(gbps):.1f} GB/s (every rank stepping Adam at once on this "
+            f"machine's cores, as after a pipeline's last backward).")
+
+
 def profiles_dir(tmp: str) -> str:
     """Where ``fidelity_setup`` writes the profiles pinned runs read."""
     return os.path.join(tmp, "profiles")
@@ -107,9 +116,9 @@ def decoupled_1f1b_s(plan, cm) -> float:
 
 def fidelity_setup(tmp: str):
     """(cluster, model, model file, cost model from profiles measured now) of the (d) plans' emulated cluster, its
-    links' latency measured now (``link_latency``); the profiles are written to ``TMP/profiles``, where pinned runs
+    link latency and optimizer bandwidth measured now (``emulated_cluster``); the profiles are written to ``TMP/profiles``, where pinned runs
     read them."""
-    cluster = Cluster.model_validate(with_latency(FID_CLUSTER, measure_hop_us(FID_WORLD)))
+    cluster = Cluster.model_validate(measured(FID_CLUSTER, FID_WORLD))
     model = ModelConfig.model_validate(FID_MODEL)
     model_json = os.path.join(tmp, "fid-model.json")
     with open(model_json, "w") as f:
@@ -159,8 +168,7 @@ def fidelity(steps: int, tmp: str) -> list[str]:
     return ["", "## (d) Schedule fidelity: measured vs decoupled 1F1B vs predicted", "",
             f"Model {model.name} ({model.num_layers} blocks, hidden {model.hidden_size}, seq {model.seq_length}); FAST "
             f"ranks emulated {FID_FAST:g}x slower than this CPU, SLOW {FID_SLOW:g}x; profiles at micro-batch 1/2/4 "
-            f"measured in this run; link latency {cluster.network.intra_node_latency_us:.0f} us, measured now among "
-            f"{FID_WORLD} idle ranks. Predicted = `hethub simulate` (the same number); closed form = the MILP's "
+            f"measured in this run. {measured_note(cluster)} Predicted = `hethub simulate` (the same number); closed form = the MILP's "
             f"objective (which leaves out the iteration's control all-reduces). "
             f"Targets: measured <= 1.15x decoupled 1F1B, predicted within 10% of measured.", "",
             PINNED_NOTE, "",
@@ -182,8 +190,7 @@ def main():
     if "--only-fidelity" in sys.argv:
         print("\n".join(fidelity(steps, tempfile.mkdtemp(prefix="hethub-bench-"))))
         return
-    demo_hop_us = measure_hop_us(sum(n["count"] for n in DEMO_CLUSTER["nodes"]))
-    cluster = Cluster.model_validate(with_latency(DEMO_CLUSTER, demo_hop_us))
+    cluster = Cluster.model_validate(measured(DEMO_CLUSTER, sum(n["count"] for n in DEMO_CLUSTER["nodes"])))
     model = ModelConfig.model_validate(DEMO_MODEL)
     tmp = tempfile.mkdtemp(prefix="hethub-bench-")
     model_json = os.path.join(tmp, "model.json")
@@ -241,9 +248,7 @@ def main():
         "# Runtime benchmark (emulated 2-type cluster on this 2-core CPU machine, gloo)", "",
         f"Model {model.name} ({model.num_layers} blocks, hidden {model.hidden_size}, seq {model.seq_length}); global "
         f"batch {G}; 2 FAST ranks (this CPU emulated {FAST_SLOWDOWN:g}x slower) + 4 SLOW ranks "
-        f"({SLOWDOWN:g}x slower than FAST). Median of {steps - 3} iterations after 3 warm-up, Adam. Link latency "
-        f"{demo_hop_us:.0f} us, measured now (`benchmarks/link_latency.py`: gloo over loopback through the runtime's "
-        f"lane threads, {cluster.num_devices} idle ranks; the cluster's latency fields, which the predictions price).",
+        f"({SLOWDOWN:g}x slower than FAST). Median of {steps - 3} iterations after 3 warm-up, Adam. {measured_note(cluster)}",
         "",
         f"hethub plan: {layout}; micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}.",
         f"DeepSpeed: PipelineModule(partition_method='parameters', num_stages={S}), boundaries {bounds}, micro-batch "
