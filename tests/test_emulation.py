@@ -41,12 +41,14 @@ class Tick(torch.autograd.Function):
 
 
 class Layer(torch.nn.Module):
-    def __init__(self, clock):
+    """``work`` (an autograd Function moving the clock) as a module: by default Tick, a layer's compute."""
+
+    def __init__(self, clock, work=Tick):
         super().__init__()
-        self.clock = clock
+        self.clock, self.work = clock, work
 
     def forward(self, x):
-        return Tick.apply(x, self.clock)
+        return self.work.apply(x, self.clock)
 
 
 @pytest.mark.parametrize("recompute,early_stop", [(False, True), (True, True), (True, False)],
@@ -125,15 +127,6 @@ class HostWork(torch.autograd.Function):
         return g, None
 
 
-class Gap(torch.nn.Module):
-    def __init__(self, clock):
-        super().__init__()
-        self.clock = clock
-
-    def forward(self, x):
-        return HostWork.apply(x, self.clock)
-
-
 GAP_S = 0.5
 
 
@@ -148,9 +141,10 @@ def test_a_chunks_pinned_layers_queue_on_one_device_clock(monkeypatch, pin_fwd_s
     monkeypatch.setattr(emulation, "time", clock)
     pins = (2, {"fwd": pin_fwd_s, "bwd": pin_bwd_s})
     device = emulation.DeviceClock()
-    shared = torch.nn.Sequential(SlowDown(Layer(clock), K, pins, device, sync=(False, True)), Gap(clock),
+    shared = torch.nn.Sequential(SlowDown(Layer(clock), K, pins, device, sync=(False, True)), Layer(clock, HostWork),
                                  SlowDown(Layer(clock), K, pins, device, sync=(True, False)))
-    alone = torch.nn.Sequential(SlowDown(Layer(clock), K, pins), Gap(clock), SlowDown(Layer(clock), K, pins))
+    alone = torch.nn.Sequential(SlowDown(Layer(clock), K, pins), Layer(clock, HostWork),
+                                SlowDown(Layer(clock), K, pins))
     host_fwd_s, host_bwd_s = 2 * FWD_S + GAP_S, 2 * BWD_S + GAP_S
     for chunk, gaps_add in ((shared, False), (alone, True)):
         x = torch.full((2, 3), 1.5, dtype=torch.float64, requires_grad=True)
