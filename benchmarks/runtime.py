@@ -84,6 +84,14 @@ FID_PLANS = [
 FID_WORLD = max(sum(len(shares) for *_, shares in stages) for *_, stages in FID_PLANS)  # the most ranks of one
 
 
+def stage_types(stage) -> str:
+    """"FAST x2 + SLOW x4": a stage's replicas by device type (a mixed stage names each of its types)."""
+    counts = {}
+    for rep in stage.replicas:
+        counts[stage.type_of(rep)] = counts.get(stage.type_of(rep), 0) + 1
+    return " + ".join(f"{t} x{n}" for t, n in counts.items())
+
+
 def measured_note(cluster) -> str:
     """What the emulated cluster's file says that this run measured (``emulated_cluster.measured``)."""
     gbps = {t.memory_gbps for t in cluster.device_types.values()}
@@ -243,7 +251,8 @@ def main():
             f"| (c') uniform layout: predicted vs measured, {mode} | {pred_uni * 1e3:.1f} ms vs "
             f"{t_uni * 1e3:.1f} ms | {pred_uni / t_uni - 1:+.1%} | |",
         ]
-    layout = "; ".join(f"{s.device_type} x{s.width} layers [{s.layers[0]},{s.layers[1]})" for s in plan.stages)
+    layout = "; ".join(f"{stage_types(s)} layers [{s.layers[0]},{s.layers[1]}) (samples "
+                       f"{'+'.join(str(r.samples) for r in s.replicas)})" for s in plan.stages)
     text = "\n".join([
         "# Runtime benchmark (emulated 2-type cluster on this 2-core CPU machine, gloo)", "",
         f"Model {model.name} ({model.num_layers} blocks, hidden {model.hidden_size}, seq {model.seq_length}); global "
