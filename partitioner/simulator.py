@@ -192,13 +192,13 @@ def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]]
         check_matching(sched)
         check_structure(plan, sched, train)
         try:
-            result = _Replay(plan, cm, sched).run()
+            result = _Replay(plan, cm, sched, train).run()
         except ScheduleError:
             _refuse_mispaired(plan, sched)  # the exact reason where one exists: messages NCCL would mis-pair
             raise
         check_order(plan, sched)  # a deadlock the timed replay's order does not meet (the plan's own pass)
         return result
-    return _Replay(plan, cm, sched).run()
+    return _Replay(plan, cm, sched, train).run()
 
 
 def _refuse_mispaired(plan: Plan, sched: dict[int, list[Action]]) -> None:
@@ -228,8 +228,8 @@ def _first_gap(busy: list[tuple[float, float]], t: float, dur: float) -> float:
 class _Replay:
     """The replay's state: per rank a program counter and clock; per transfer its posting and end times."""
 
-    def __init__(self, plan: Plan, cm: CostModel, sched: dict[int, list[Action]]):
-        self.plan, self.cm, self.sched = plan, cm, sched
+    def __init__(self, plan: Plan, cm: CostModel, sched: dict[int, list[Action]], train: bool):
+        self.plan, self.cm, self.sched, self.train = plan, cm, sched, train
         self.where = {r.rank: (st, r) for st in plan.stages for r in st.replicas}
         n = plan.world_size
         self.pc, self.clock, self.compute = [0] * n, [0.0] * n, [0.0] * n
@@ -447,8 +447,7 @@ class _Replay:
         if stuck:
             raise self.deadlock(stuck)
         # and every rank's control all-reduces (the loss, the clipped norm, fp16's vote): a latency-bound ring each
-        train = any(a.kind == "OPT" for acts in self.sched.values() for a in acts)
-        it = max(self.clock + list(self.done.values())) + self.cm.control_syncs_s(self.plan, train)
+        it = max(self.clock + list(self.done.values())) + self.cm.control_syncs_s(self.plan, self.train)
         busy = {r: self.compute[r] / it for r in ranks}
         return SimResult(iteration_s=it, samples_per_s=self.plan.global_batch_size / it,
                          bubble_fraction=1.0 - sum(busy.values()) / len(ranks), busy=busy, events=self.events)
