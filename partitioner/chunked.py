@@ -15,6 +15,8 @@ from __future__ import annotations
 import heapq
 from typing import Optional, Sequence
 
+import numpy as np
+
 from .groups import SEND_WINDOW
 from .records import CHUNKED, Plan, chunk_group
 
@@ -269,21 +271,108 @@ def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
     ``chunk_s(group, first, last)`` pricing a chunk on its group: never worse than by count, and zb-v's group 0,
     which gains the last layers (a head far heavier than a block), sheds blocks to its neighbour. (Cutting every
     chunk to an equal share of time instead, tried first, moved whole layers between groups and lost the MILP's
-    balance: +12% on the 4-type benchmark plan.)"""
+    balance: +12% on the 4-type benchmark plan.) Under zb-v the exact cut (``v_sizes``) too, kept where its
+    busiest group does less: the one-layer polish stalls where a move must shift two cuts at once."""
     p = plan.num_stages
     owner = [chunk_group(schedule, p, k) for k in range(p * v)]
-    return _polish(count_sizes(plan, schedule, v), owner, p, chunk_s)
+    by_count = _polish(count_sizes(plan, schedule, v), owner, p, chunk_s)
+    if schedule != "zb-v":
+        return by_count
+    n_layers = sum(st.layer_count() for st in plan.stages)
+    by_time = _polish(v_sizes(p, n_layers, chunk_s), owner, p, chunk_s)
+    # only a busiest group really less busy: equal loads cut by count keep the V's legs alike, which its order
+    # needs (4 groups of A100s, gpt-1.3b: a V of 1-layer first legs at the same loads predicted 7% slower)
+    if _score(by_time, owner, p, chunk_s)[0] < _score(by_count, owner, p, chunk_s)[0] * (1 - 1e-6):
+        return by_time
+    return by_count
+
+
+def _score(sizes: list[int], owner: list[int], p: int, chunk_s) -> tuple[float, float]:
+    """(the busiest group's work, the sum of squares of all groups'): what ``_polish`` lowers."""
+    total, first = [0.0] * p, 0
+    for k, n in enumerate(sizes):
+        total[owner[k]] += chunk_s(owner[k], first, first + n)
+        first += n
+    return max(total), sum(x * x for x in total)
+
+
+def v_sizes(p: int, n_layers: int, chunk_s, rounds: int = 48) -> list[int]:
+    """zb-v's 2p chunk sizes that give the busiest group the least work, whatever each group held before.
+
+    Why not cut by count: zb-v moves layers between groups (group g holds chunks g and 2p-1-g, so the head joins
+    group 0), and on the 768-device plan the greedy cut left the busiest group 36% over the idlest. Why exact is
+    cheap: the V nests. Group p-1 holds the two chunks at the turn, one interval [a, c); group p-2 the chunks on
+    either side of it, and so on out to group 0, whose chunks reach layer 0 and the last layer. So for a bound T
+    on any group's work, a sweep from the turn outwards marks which intervals [a, c) the inner groups can cover
+    within T (an (L+1)^2 table per group, each built from the last by two running minima); T is then bisected.
+    Work is priced per layer from ``chunk_s(g, 0, l)`` prefixes (exact for one device type per group;
+    ``balanced_sizes`` re-scores and polishes with ``chunk_s`` itself). The turn group's two chunks split its
+    interval where their times are closest."""
+    L = n_layers
+    if L < 2 * p:
+        raise ValueError(f"layers: {L} cannot be cut into {2 * p} zb-v chunks")
+    pre = np.array([[chunk_s(g, 0, l) for l in range(L + 1)] for g in range(p)])
+    lo, hi = 0.0, float(max(pre[:, -1]))
+    best = _v_cover(pre, hi)
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        got = _v_cover(pre, mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+        if hi - lo <= 1e-6 * hi:
+            break
+    a, c = best  # per group its chunks' edges: [a[g], a[g+1]) and [c[g+1], c[g]), group p-1 [a[p-1], c[p-1])
+    inner_a, inner_c = a[p - 1], c[p - 1]
+    P = pre[p - 1]
+    turn = inner_a + 1 + int(np.argmin([abs((P[m] - P[inner_a]) - (P[inner_c] - P[m])) for m in range(inner_a + 1, inner_c)]))
+    cuts = [a[g] for g in range(p)] + [turn] + [c[g] for g in range(p - 1, -1, -1)]
+    return [cuts[k + 1] - cuts[k] for k in range(2 * p)]
+
+
+def _v_cover(pre: np.ndarray, bound: float) -> Optional[tuple[list[int], list[int]]]:
+    """``v_sizes``' sweep for one bound: per group g its left edge a[g] and right edge c[g] (group g's chunks are
+    [a[g], a[g+1]) and [c[g+1], c[g]); group p-1's one interval [a, c)), or None when no cut keeps every group
+    within ``bound``. The state is the inner groups' whole interval (a, c): keeping only the farthest c per a is
+    not enough, as every chunk holds a layer and the layer at c may be dear to the next group. Every chunk keeps a
+    layer, and each edge leaves one layer per outer group."""
+    p, L = pre.shape[0], pre.shape[1] - 1
+    edge = np.arange(L + 1)
+    a_, c_ = edge[:, None], edge[None, :]
+    slack = bound * (1 + 1e-12)
+    P = pre[p - 1]
+    ok = (a_ >= p - 1) & (c_ <= L - (p - 1)) & (c_ >= a_ + 2) & (P[c_] - P[a_] <= slack)
+    held = [ok]  # held[i]: intervals (a, c) groups p-1-i .. p-1 can cover within the bound
+    for g in range(p - 2, -1, -1):
+        P = pre[g]
+        # the cheapest inner interval to wrap from (a', c'): min over a > a', c < c' of P[a] - P[c]
+        inner = np.where(held[-1], P[a_] - P[c_], np.inf)
+        inner = np.minimum.accumulate(inner[::-1], axis=0)[::-1]  # over a >= row
+        inner = np.minimum.accumulate(inner, axis=1)  # over c <= column
+        wrap = np.full_like(inner, np.inf)
+        wrap[:-1, 1:] = inner[1:, :-1]  # strictly a > a' and c < c'
+        ok = (a_ >= g) & (c_ <= L - g) & (wrap - P[a_] + P[c_] <= slack)
+        held.append(ok)
+    if not held[-1][0, L]:
+        return None
+    a, c = [0] * p, [L] * p
+    for g in range(1, p):
+        P, inner = pre[g - 1], held[p - 1 - g]
+        cost = P[a_] - P[a[g - 1]] + P[c[g - 1]] - P[c_]
+        fits = inner & (a_ > a[g - 1]) & (c_ < c[g - 1]) & (cost <= slack)
+        # of the cuts that fit, the one whose two chunks on group g-1 take the most alike times
+        legs = np.abs((P[a_] - P[a[g - 1]]) - (P[c[g - 1]] - P[c_]))
+        a[g], c[g] = np.unravel_index(int(np.argmin(np.where(fits, legs, np.inf))), fits.shape)
+        a[g], c[g] = int(a[g]), int(c[g])
+    return a, c
 
 
 def _polish(sizes: list[int], owner: list[int], p: int, chunk_s) -> list[int]:
     """Move single cut points by one layer while that lowers the busiest group's work (then the sum of squares):
     the greedy cut fills each chunk in turn, and a group whose chunks both ended a layer long paces the pipeline."""
     def score(sz):
-        total, first = [0.0] * p, 0
-        for k, n in enumerate(sz):
-            total[owner[k]] += chunk_s(owner[k], first, first + n)
-            first += n
-        return max(total), sum(x * x for x in total)
+        return _score(sz, owner, p, chunk_s)
 
     best, current = list(sizes), score(sizes)
     improved = True

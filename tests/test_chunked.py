@@ -333,6 +333,52 @@ def test_rechunk_by_time_is_no_slower_in_its_slowest_chunk_than_by_count():
     assert worst(by_time) <= worst(by_count) + 1e-12
 
 
+def test_zbv_cuts_give_the_busiest_group_the_least_work_any_cut_can():
+    """``chunked.v_sizes`` against brute force over every cut on random small instances: groups price layers
+    differently (a group's type, width and share), and a cheap layer for one group is dear for the next. The
+    same instances showed that keeping only the farthest right edge per left edge misses the optimum."""
+    import itertools
+    import random
+
+    from hethub.partitioner.chunked import _score, v_sizes
+    from hethub.partitioner.records import chunk_group
+    rng = random.Random(7)
+    for _ in range(150):
+        p = rng.randint(1, 3)
+        n = rng.randint(2 * p, 2 * p + 5)
+        cost = [[rng.choice([1, 2, 3, 5, 8]) * rng.uniform(0.5, 1.5) for _ in range(n)] for _ in range(p)]
+        chunk_s = lambda g, a, b: sum(cost[g][a:b])  # noqa: E731
+        owner = [chunk_group("zb-v", p, k) for k in range(2 * p)]
+        best = min(_score([b - a for a, b in zip((0, *cuts), (*cuts, n))], owner, p, chunk_s)[0]
+                   for cuts in itertools.combinations(range(1, n), 2 * p - 1))
+        sizes = v_sizes(p, n, chunk_s)
+        assert len(sizes) == 2 * p and min(sizes) >= 1 and sum(sizes) == n
+        assert _score(sizes, owner, p, chunk_s)[0] == pytest.approx(best, rel=1e-5)
+
+
+def test_rechunk_takes_the_exact_v_where_polishing_the_count_cut_stalls():
+    """FAST / SLOW / FAST / SLOW groups (SLOW at half speed) and uneven layers: cut by count and polished one layer
+    at a time, the busiest group does 8 units; the exact V (``v_sizes``) does 7, the least any cut can."""
+    from instances import two_host_cluster
+
+    from hethub.partitioner.chunked import _polish, _score, balanced_sizes, count_sizes
+    from hethub.partitioner.records import ModelConfig
+    model = ModelConfig(name="m", architecture="gpt", num_layers=10, hidden_size=64, num_attention_heads=4,
+                        ffn_hidden_size=256, vocab_size=512, seq_length=16)
+    plan = build_plan(model, two_host_cluster("f", "s"), [
+        StageLayout((0, 4), "FAST", (2,)), StageLayout((4, 6), "SLOW", (2,)), StageLayout((6, 10), "FAST", (2,)),
+        StageLayout((10, 12), "SLOW", (2,))], 2, 4)
+    layer, speed = [1, 3, 1, 1, 1, 2, 2, 2, 2, 1, 1, 2], [1.0, 2.0, 1.0, 2.0]
+    chunk_s = lambda g, a, b: speed[g] * sum(layer[a:b])  # noqa: E731
+    busiest = lambda q: max(sum(chunk_s(g, c.first, c.last) for c in q.pipeline if c.group == g)  # noqa: E731
+                            for g in range(4))
+    owner = [c.group for c in rechunk(plan, "zb-v", 2).pipeline]
+    polished = _polish(count_sizes(plan, "zb-v", 2), owner, 4, chunk_s)
+    assert _score(polished, owner, 4, chunk_s)[0] == 8.0
+    assert balanced_sizes(plan, "zb-v", 2, chunk_s) != polished
+    assert busiest(rechunk(plan, "zb-v", 2, chunk_s)) == 7.0
+
+
 def test_auto_skips_chunk_counts_a_group_cannot_hold():
     """DEEP's first group has two layers: interleaving with v = 3 or 4 cannot cut it, and auto leaves those out
     (a ValueError from the 768-device benchmark's 3-layer group at v = 4)."""
