@@ -11,6 +11,7 @@ import time
 from hethub.partitioner import Cluster, InfeasibleError, builtin_model
 from hethub.partitioner.api import BASELINES, homogeneous_plans, homogeneous_totals, make_baseline, make_plan
 from hethub.partitioner.costmodel import CostModel, natural_dtype
+from hethub.partitioner.granularity import granularity
 from hethub.partitioner.planner import PlannerOptions
 from hethub.partitioner.simulator import simulate
 
@@ -54,6 +55,12 @@ def homogeneous(cm: CostModel, batch: int, opts: PlannerOptions) -> tuple[float,
     return total, bound, ", ".join(f"{t} {p.solver.gap:.1%}" if p is not None else f"{t} -" for t, p in plans.items())
 
 
+def inside_layers(plan, cm: CostModel, homog_samples_per_s: float) -> str:
+    """vs homog. if the plan's groups could be cut inside layers (``granularity``): what whole layers cost it."""
+    got = granularity(plan, cm)
+    return f"{plan.global_batch_size / got[2] / homog_samples_per_s:.3f}" if got else "-"
+
+
 def main():
     quick = "--quick" in sys.argv
     rows, long_rows = [], []
@@ -84,7 +91,8 @@ def main():
                     f"{plan.solver.gap:.2%} | {plan.solver.status} | {plan.num_stages} | "
                     f"{sum(s.zero1 for s in plan.stages)} | {plan.world_size} | "
                     f"{p.efficiency:.3f} | {p.samples_per_s / hs:.3f} | "
-                    f"{f'{p.samples_per_s / hs_bound:.3f}' if hs_bound else '-'} | {homog_gaps} | "
+                    f"{f'{p.samples_per_s / hs_bound:.3f}' if hs_bound else '-'} | {inside_layers(plan, cm, hs)} | "
+                    f"{homog_gaps} | "
                     f"{p.iteration_s / sim - 1:+.1%} | {p.model_extra['closed_form_s'] / sim - 1:+.1%} | "
                     + " | ".join(speedups) + " |")
         print(rows[-1], flush=True)
@@ -107,7 +115,9 @@ def main():
         "(HETHUB's comparable figure, each planned for 60 s); homog. gaps: those plans' proven gaps, per type "
         "(a search stopped by its time limit lands on a different plan from run to run); vs homog. bound: "
         "samples/s / what those sub-clusters could reach by their proven gaps (each plan's samples/s / (1 - gap)): "
-        "the ratio's floor. "
+        "the ratio's floor. vs homog. inside layers: vs homog. if the plan's groups could be cut inside a layer "
+        "(`hethub plan --explain`'s layers line: the busiest group at the balance such cuts reach, pacing every "
+        "micro-batch): what cutting only between layers costs the plan. "
         "predicted vs sim: the plan's predicted iteration vs `hethub simulate`'s replay of the written plan "
         "(target within 5%); closed form vs sim: the MILP objective's view of the same plan. Speed-ups: "
         "predicted samples/s over each baseline (same cost model; DeepSpeed's partitions run 1F1B). schedule: "
@@ -115,9 +125,10 @@ def main():
         "1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state. dtype: as `hethub plan "
         "--dtype auto` (bf16 where every type has it, else fp16).", "",
         "| cluster | devices | model | dtype | global batch | schedule | solve s | gap | status | stages | ZeRO-1 stages "
-        "| devices used | efficiency | vs homog. | vs homog. bound | homog. gaps | predicted vs sim "
+        "| devices used | efficiency | vs homog. | vs homog. bound | vs homog. inside layers | homog. gaps "
+        "| predicted vs sim "
         "| closed form vs sim | vs uniform | vs parameters | vs fastest-only |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "The rows planned with a 10 s limit, planned again with 60 s (same homogeneous sum; samples/s vs the 10 s "
         "plan):", "",
         "| cluster | global batch | schedule | solve s | gap | status | efficiency | vs homog. | vs homog. bound "

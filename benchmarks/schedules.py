@@ -12,11 +12,12 @@ import time
 from hethub.partitioner import builtin_model
 from hethub.partitioner.api import homogeneous_plans, homogeneous_totals, make_plan
 from hethub.partitioner.costmodel import CostModel, natural_dtype
+from hethub.partitioner.evaluate import predict
 from hethub.partitioner.planner import PlannerOptions
 from hethub.partitioner.schedule_search import choose_schedule
 
 sys.path.insert(0, os.path.dirname(__file__))
-from planner import SUITE  # noqa: E402  (the planner benchmark's clusters)
+from planner import SUITE, inside_layers  # noqa: E402  (the planner benchmark's clusters)
 
 ROWS = [SUITE[0], SUITE[2], SUITE[3]]  # 8 A100 + 8 V100 (batch 128), four types on 64, 768 devices (batch 1536)
 
@@ -39,10 +40,12 @@ def main():
         picks = ", ".join(f"{t} {p.schedule} v={p.num_chunks}" for t, p in homog.items() if p is not None)
         for sched, v, it, fits in sorted(tried, key=lambda x: x[2]):
             sps = batch / it
+            q = plan.model_copy(update={"schedule": sched, "predicted": None}) if v == 1 else None
+            inside = inside_layers(q.model_copy(update={"predicted": predict(q, cm)}), cm, total) if q else "-"
             mark = " (chosen)" if (sched, v) == (best.schedule, best.num_chunks) else ""
             lines.append(f"| {name} | {dtype} | {batch} | {plan.num_stages} | {sched}{mark} | {v} | {it * 1e3:.1f} | {sps:.2f} | "
                          f"{sps / best.predicted.upper_bound_samples_per_s:.3f} | "
-                         f"{sps / total:.3f} | {'yes' if fits else 'no'} | {plan_s:.1f} | {plan.solver.gap:.2%} | "
+                         f"{sps / total:.3f} | {inside} | {'yes' if fits else 'no'} | {plan_s:.1f} | {plan.solver.gap:.2%} | "
                          f"{picks} |")
             print(lines[-1], flush=True)
     text = "\n".join([
@@ -52,10 +55,12 @@ def main():
         "efficiency: samples/s / pure-compute upper bound. vs homog.: samples/s / the sum of the best single-type "
         "sub-cluster plans, each with its own best schedule (listed). plan s: MILP + every variant's replay. dtype: "
         "as `hethub plan --dtype auto` (bf16 where every type has it, else fp16). zb-v's order is timed by its "
-        "chunks' passes (`chunk_pass_ms`).", "",
+        "chunks' passes (`chunk_pass_ms`). vs homog. inside layers (one-chunk schedules): vs homog. if the "
+        "groups could be cut inside a layer (`hethub plan --explain`'s layers line): what cutting only between "
+        "layers costs the plan.", "",
         "| cluster | dtype | global batch | groups | schedule | v | ms/iteration | samples/s | efficiency | vs homog. "
-        "| fits memory | plan s | MILP gap | homogeneous plans |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *lines, ""])
+        "| vs homog. inside layers | fits memory | plan s | MILP gap | homogeneous plans |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *lines, ""])
     os.makedirs("benchmarks/results", exist_ok=True)
     with open("benchmarks/results/schedules.md", "w") as f:
         f.write(text)

@@ -22,6 +22,7 @@ from typing import Optional
 
 from .costmodel import CostModel
 from .errors import InfeasibleError
+from .granularity import granularity_line
 from .planner import PlannerOptions, tensor_parallel_degrees
 from .records import Plan
 
@@ -53,7 +54,8 @@ def idle_reason(plan: Plan, cm: CostModel, t: str, idle: int) -> str:
 
 
 def explain(plan: Plan, cm: CostModel, opts: PlannerOptions, solve) -> list[str]:
-    """One line per device type: used/total, and for idle ones the reason and a what-if that brings them in.
+    """One line per device type: used/total, and for idle ones the reason and a what-if that brings them in;
+    then what cutting only between layers costs the plan (``granularity``).
     ``solve(cm, global_batch, opts)`` is the planner (passed in: this module does not import the API)."""
     used = plan.devices_by_type()
     lines = []
@@ -66,7 +68,8 @@ def explain(plan: Plan, cm: CostModel, opts: PlannerOptions, solve) -> list[str]
         line = f"{t}: {u} of {total} used; {total - u} idle — {idle_reason(plan, cm, t, total - u)}"
         hint = _bring_in(plan, cm, opts, solve, t, u, plans)
         lines.append(line + (f"; {hint}" if hint else ""))
-    return lines
+    layers = granularity_line(plan, cm)
+    return lines + ([layers] if layers else [])
 
 
 def _bring_in(plan: Plan, cm: CostModel, opts: PlannerOptions, solve, t: str, used: int,

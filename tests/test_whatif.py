@@ -94,3 +94,51 @@ def test_the_cli_prints_the_what_if_and_writes_no_plan(tmp_path):
     r = run_cli("plan", "--cluster", str(cluster), "--model", "gpt-1.3b", "--global-batch", "64", "-o", str(out),
                 "--what-if", "add 2")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: --what-if: 'add 2': expected") and not out.exists()
+
+
+def test_layer_granularity_is_the_best_balance_of_cuts_inside_layers():
+    """``granularity.fractional_pace_s``: two groups, the second at half speed, four equal layers: cut between
+    layers the busiest does 3 units (3 + 1 layers: 3 and 2); cut anywhere, 8/3 (2 2/3 layers on the first). On
+    random instances never above the best cut between layers (brute force), and equal to it where the layers
+    divide evenly over groups of one speed."""
+    import itertools
+    import random
+
+    import numpy as np
+
+    from hethub.partitioner.granularity import fractional_pace_s
+
+    def prefix(costs):
+        return np.array([np.concatenate([[0.0], np.cumsum(c)]) for c in costs])
+
+    assert fractional_pace_s(prefix([[1.0] * 4, [2.0] * 4])) == pytest.approx(8 / 3)
+    assert fractional_pace_s(prefix([[1.0] * 6] * 3)) == pytest.approx(2.0)
+    rng = random.Random(3)
+    for _ in range(100):
+        p, n = rng.randint(1, 4), rng.randint(4, 9)
+        costs = [[rng.uniform(0.2, 3.0) for _ in range(n)] for _ in range(p)]
+        pre = prefix(costs)
+        best = min(max(pre[g][b] - pre[g][a] for g, (a, b) in enumerate(zip((0, *cuts), (*cuts, n))))
+                   for cuts in itertools.combinations_with_replacement(range(n + 1), p - 1))
+        got = fractional_pace_s(pre)
+        assert got <= best * (1 + 1e-9)
+        assert got >= np.min(costs, axis=0).sum() / p * (1 - 1e-9)  # each layer at its cheapest, spread evenly
+
+
+def test_explain_says_what_whole_layers_cost_the_plan():
+    """8 A100 + 8 V100 (gpt-1.3b): the plan's busiest group and the balance its groups would reach with cuts
+    inside layers, and the samples/s that is worth; a chunked plan gets no such line."""
+    from hethub.partitioner.chunked import rechunk
+    from hethub.partitioner.granularity import granularity, granularity_line
+    from instances import TWO_TYPE
+    model = builtin_model("gpt-1.3b")
+    cm = CostModel(TWO_TYPE, model, dtype="fp16")
+    plan = make_plan(TWO_TYPE, model, 128, opts=OPTS, cost_model=cm, with_homogeneous_sum=False)
+    planned, fractional, iteration_s = granularity(plan, cm)
+    assert 0.9 * planned < fractional < planned and iteration_s < plan.predicted.iteration_s
+    line = granularity_line(plan, cm)
+    assert line in explain(plan, cm, OPTS, solve)
+    assert re.search(r"busiest group computes [\d.]+ ms per micro-batch; .* balance at [\d.]+ ms, about "
+                     r"\d+\.\d% more samples/s", line), line
+    assert granularity_line(rechunk(plan, "interleaved-1f1b", 2).model_copy(update={"predicted": plan.predicted}),
+                            cm) is None
