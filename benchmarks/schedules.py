@@ -14,7 +14,7 @@ from hethub.partitioner.api import homogeneous_plans, homogeneous_totals, make_p
 from hethub.partitioner.costmodel import CostModel, natural_dtype
 from hethub.partitioner.evaluate import predict
 from hethub.partitioner.planner import PlannerOptions
-from hethub.partitioner.schedule_search import choose_schedule
+from hethub.partitioner.schedule_search import choose_schedule, search_schedule
 
 sys.path.insert(0, os.path.dirname(__file__))
 from planner import SUITE, inside_layers  # noqa: E402  (the planner benchmark's clusters)
@@ -31,8 +31,9 @@ def main():
         cm = CostModel(cluster, model, dtype=dtype)
         t0 = time.perf_counter()
         limit_s = limit[0] if limit else 60
-        plan = make_plan(cluster, model, batch, opts=PlannerOptions(time_limit_s=limit_s), cost_model=cm,
-                         with_homogeneous_sum=False)
+        plan = make_plan(cluster, model, batch, opts=PlannerOptions(time_limit_s=limit_s,  # as --schedule auto
+                                                                    schedule=search_schedule("auto")),
+                         cost_model=cm, with_homogeneous_sum=False)
         best, tried = choose_schedule(plan, cm, "auto", replay_all=True)  # what every variant would take
         plan_s = time.perf_counter() - t0
         homog = homogeneous_plans(cm, batch, PlannerOptions(time_limit_s=30, schedule="auto"))
@@ -50,7 +51,7 @@ def main():
             print(lines[-1], flush=True)
     text = "\n".join([
         "# Schedule benchmark (this machine: 2 cores; HiGHS via PuLP; the MILP at 60 s, 10 s on the 768 row)", "",
-        "The MILP plans one chunk per group (1F1B); each schedule runs those groups, chunked schedules with the "
+        "The MILP plans one chunk per group (for zb-h1, as `hethub plan --schedule auto`); each schedule runs those groups, chunked schedules with the "
         "groups' layers re-cut into v chunks by time (`chunked.rechunk`); iteration from the event replay. "
         "efficiency: samples/s / pure-compute upper bound. vs homog.: samples/s / the sum of the best single-type "
         "sub-cluster plans, each with its own best schedule (listed). plan s: MILP + every variant's replay. dtype: "

@@ -12,7 +12,7 @@ from .evaluate import choose_by_simulation
 from .placement import build_plan
 from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
-from .schedule_search import choose_schedule, search_schedule
+from .schedule_search import AUTO, choose_schedule, search_schedule
 
 
 
@@ -25,7 +25,13 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     started = time.perf_counter()
     wanted = opts.schedule
     opts = replace(opts, schedule=search_schedule(wanted))
-    sol, stats = search(cm, global_batch, opts, progress)
+    try:
+        sol, stats = search(cm, global_batch, opts, progress)
+    except InfeasibleError:
+        if wanted != AUTO or opts.schedule == "1f1b":
+            raise
+        opts = replace(opts, schedule="1f1b")  # zb-h1's extra micro-batch on the last stage left no plan
+        sol, stats = search(cm, global_batch, opts, progress)
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)
     plans = []

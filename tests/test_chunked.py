@@ -301,6 +301,34 @@ def test_auto_keeps_the_fastest_variant_that_fits_and_reports_each():
                                                    key=lambda x: x[2])[:2]
 
 
+def test_auto_is_the_default_and_plans_its_groups_for_zb_h1_falling_back_to_1f1b(monkeypatch):
+    """``hethub plan`` without --schedule means auto; auto's MILP plans for zb-h1 (its groups fit 1F1B too, which
+    is replayed beside it), and where zb-h1's memory leaves no plan, for 1F1B."""
+    from hethub.cli.parser import build_parser
+    from hethub.partitioner import api
+    from hethub.partitioner.errors import InfeasibleError
+    from hethub.partitioner.planner import PlannerOptions
+    args = build_parser().parse_args(["plan", "--cluster", "c.yaml", "--model", "m", "--global-batch", "8"])
+    assert args.schedule == "auto"
+    searched = []
+    real = api.search
+
+    def search(cm, batch, opts, progress=None):
+        searched.append(opts.schedule)
+        if opts.schedule == "zb-h1" and refuse:
+            raise InfeasibleError("memory", "no plan fits (a test)")
+        return real(cm, batch, opts, progress)
+    monkeypatch.setattr(api, "search", search)
+    cm = CostModel(CPU_CLUSTER, STACK)
+    for refuse, expect in ((False, ["zb-h1"]), (True, ["zb-h1", "1f1b"])):
+        searched.clear()
+        plan = api.solve(cm, 8, PlannerOptions(time_limit_s=5, schedule="auto"))
+        assert searched == expect
+        assert {t["schedule"] for t in plan.solver.schedules} >= {"1f1b", "zb-h1"}
+    with pytest.raises(InfeasibleError):  # a schedule asked for by name does not fall back
+        api.solve(cm, 8, PlannerOptions(time_limit_s=5, schedule="zb-h1"))
+
+
 def test_auto_replays_no_variant_that_cannot_be_chosen(monkeypatch):
     """Where some variant fits memory, the ones that do not are listed unreplayed (None): at 768 devices their
     replays were most of ``auto``'s time. ``replay_all`` replays them; none fitting, every one is replayed and the

@@ -99,11 +99,12 @@ def _add_plan(sub) -> None:
     sp.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                     help="training precision the plan is priced in and records (default auto: bf16 where every "
                          "device type has it, else fp16 with dynamic loss scaling, else fp32)")
-    sp.add_argument("--schedule", choices=[*SCHEDULES, "auto"], default="1f1b",
-                    help="pipeline schedule the plan runs: 1f1b (default); zb-h1, which sends each input gradient "
-                         "before computing the weights' (1F1B's memory but one micro-batch more on the last stage); "
+    sp.add_argument("--schedule", choices=[*SCHEDULES, "auto"], default="auto",
+                    help="pipeline schedule the plan runs: auto (default: the fastest of all of them that fits "
+                         "memory, groups planned for zb-h1); 1f1b; zb-h1, which sends each input gradient before "
+                         "computing the weights' (1F1B's memory but one micro-batch more on the last stage); "
                          "interleaved-1f1b (each group holds v = 2..4 chunks, the fastest kept) or zb-v (two chunks "
-                         "in a V, the backward split as zb-h1's); auto: the fastest that fits")
+                         "in a V, the backward split as zb-h1's)")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "
