@@ -22,6 +22,9 @@ from .records import CHUNKED, Plan, chunk_group
 
 Order = list[tuple[str, int, int]]  # (F|B|W, micro-batch, chunk position)
 TIME_STEPS = 100  # zb-v's list scheduler counts a pass's time in steps of 1/TIME_STEPS of the longest pass
+# ``v_sizes`` keeps a table of (L+1)^2 cells per group: past this many in all, zb-v is cut by count and polished
+# (the 768-device plan, 29 groups of a 162-layer model: 0.8M cells, 0.25 s; a 10,000-block model would need GBs)
+EXACT_V_CELLS = 5_000_000
 
 
 def interleaved_sequences(p: int, v: int, g: int, M: int) -> tuple[Order, Order]:
@@ -272,13 +275,16 @@ def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
     which gains the last layers (a head far heavier than a block), sheds blocks to its neighbour. (Cutting every
     chunk to an equal share of time instead, tried first, moved whole layers between groups and lost the MILP's
     balance: +12% on the 4-type benchmark plan.) Under zb-v the exact cut (``v_sizes``) too, kept where its
-    busiest group does less: the one-layer polish stalls where a move must shift two cuts at once."""
+    busiest group does less: the one-layer polish stalls where a move must shift two cuts at once (not past
+    ``EXACT_V_CELLS``)."""
     p = plan.num_stages
     owner = [chunk_group(schedule, p, k) for k in range(p * v)]
     by_count = _polish(count_sizes(plan, schedule, v), owner, p, chunk_s)
     if schedule != "zb-v":
         return by_count
     n_layers = sum(st.layer_count() for st in plan.stages)
+    if p * (n_layers + 1) ** 2 > EXACT_V_CELLS:
+        return by_count
     by_time = _polish(v_sizes(p, n_layers, chunk_s), owner, p, chunk_s)
     # only a busiest group really less busy: equal loads cut by count keep the V's legs alike, which its order
     # needs (4 groups of A100s, gpt-1.3b: a V of 1-layer first legs at the same loads predicted 7% slower)

@@ -49,11 +49,20 @@ def fractional_pace_s(prefix_s: np.ndarray) -> float:
 
 
 def group_prefix_s(plan: Plan, cm: CostModel) -> np.ndarray:
-    """Per group of a one-chunk plan, its forward + backward seconds of layers [0, l) per micro-batch on its
-    slowest replica (its share, its type), for l = 0..L: what ``chunked.rechunk`` prices a chunk with."""
-    chunk_s = chunk_time_s(plan, cm)
-    n = sum(st.layer_count() for st in plan.stages)
-    return np.array([[chunk_s(g, 0, l) for l in range(n + 1)] for g in range(plan.num_stages)])
+    """Per group of a one-chunk plan, its forward + backward seconds of layers [0, l) per micro-batch, l = 0..L,
+    as ``CostModel.stage_compute_s`` prices a range (a recomputed forward counted twice), on its slowest replica:
+    for a group of two types, the larger of the two types' prefixes at each l (exact for one type; a mixed
+    group's shares are split by speed, so its types' prefixes nearly agree). Cumulative sums, so one pass over
+    the layers per group however long the model."""
+    out = []
+    for st in plan.stages:
+        shares = []
+        for t, n in {(st.type_of(r), r.samples) for r in st.replicas}:
+            fwd_s, bwd_s, fwd_c, bwd_c = cm.layer_times(t, st.tensor_parallel)
+            fwd = fwd_c + fwd_s * n
+            shares.append(np.cumsum(fwd * (2.0 if st.recompute else 1.0) + bwd_c + bwd_s * n))
+        out.append(np.concatenate([[0.0], np.max(shares, axis=0)]))
+    return np.array(out)
 
 
 def granularity(plan: Plan, cm: CostModel) -> Optional[tuple[float, float, float]]:
@@ -63,9 +72,9 @@ def granularity(plan: Plan, cm: CostModel) -> Optional[tuple[float, float, float
     busiest group as pacing all M micro-batches, as it does in the closed form."""
     if plan.schedule in CHUNKED or plan.predicted is None:
         return None
-    prefix = group_prefix_s(plan, cm)
-    planned = max(float(prefix[g][st.layers[1]] - prefix[g][st.layers[0]]) for g, st in enumerate(plan.stages))
-    fractional = min(planned, fractional_pace_s(prefix))
+    chunk_s = chunk_time_s(plan, cm)
+    planned = max(chunk_s(g, *st.layers) for g, st in enumerate(plan.stages))
+    fractional = min(planned, fractional_pace_s(group_prefix_s(plan, cm)))
     return planned, fractional, plan.predicted.iteration_s - plan.num_micro_batches * (planned - fractional)
 
 

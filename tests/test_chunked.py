@@ -384,11 +384,13 @@ def test_zbv_cuts_give_the_busiest_group_the_least_work_any_cut_can():
         assert _score(sizes, owner, p, chunk_s)[0] == pytest.approx(best, rel=1e-5)
 
 
-def test_rechunk_takes_the_exact_v_where_polishing_the_count_cut_stalls():
+def test_rechunk_takes_the_exact_v_where_polishing_the_count_cut_stalls(monkeypatch):
     """FAST / SLOW / FAST / SLOW groups (SLOW at half speed) and uneven layers: cut by count and polished one layer
-    at a time, the busiest group does 8 units; the exact V (``v_sizes``) does 7, the least any cut can."""
+    at a time, the busiest group does 8 units; the exact V (``v_sizes``) does 7, the least any cut can. Past its
+    table's budget the count cut stays."""
     from instances import two_host_cluster
 
+    from hethub.partitioner import chunked
     from hethub.partitioner.chunked import _polish, _score, balanced_sizes, count_sizes
     from hethub.partitioner.records import ModelConfig
     model = ModelConfig(name="m", architecture="gpt", num_layers=10, hidden_size=64, num_attention_heads=4,
@@ -405,6 +407,8 @@ def test_rechunk_takes_the_exact_v_where_polishing_the_count_cut_stalls():
     assert _score(polished, owner, 4, chunk_s)[0] == 8.0
     assert balanced_sizes(plan, "zb-v", 2, chunk_s) != polished
     assert busiest(rechunk(plan, "zb-v", 2, chunk_s)) == 7.0
+    monkeypatch.setattr(chunked, "EXACT_V_CELLS", 4 * 13 ** 2 - 1)  # past the table's budget: by count, polished
+    assert busiest(rechunk(plan, "zb-v", 2, chunk_s)) == 8.0
 
 
 def test_auto_skips_chunk_counts_a_group_cannot_hold():

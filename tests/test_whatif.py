@@ -129,11 +129,16 @@ def test_explain_says_what_whole_layers_cost_the_plan():
     """8 A100 + 8 V100 (gpt-1.3b): the plan's busiest group and the balance its groups would reach with cuts
     inside layers, and the samples/s that is worth; a chunked plan gets no such line."""
     from hethub.partitioner.chunked import rechunk
-    from hethub.partitioner.granularity import granularity, granularity_line
+    from hethub.partitioner.evaluate import chunk_time_s
+    from hethub.partitioner.granularity import granularity, granularity_line, group_prefix_s
     from instances import TWO_TYPE
     model = builtin_model("gpt-1.3b")
     cm = CostModel(TWO_TYPE, model, dtype="fp16")
     plan = make_plan(TWO_TYPE, model, 128, opts=OPTS, cost_model=cm, with_homogeneous_sum=False)
+    chunk_s = chunk_time_s(plan, cm)  # the vectorized prefixes price a range as the planner does
+    n = cm.model.num_planner_layers
+    assert group_prefix_s(plan, cm).ravel() == pytest.approx(
+        [chunk_s(g, 0, k) for g in range(plan.num_stages) for k in range(n + 1)], rel=1e-12)
     planned, fractional, iteration_s = granularity(plan, cm)
     assert 0.9 * planned < fractional < planned and iteration_s < plan.predicted.iteration_s
     line = granularity_line(plan, cm)
