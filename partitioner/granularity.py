@@ -67,10 +67,10 @@ def group_prefix_s(plan: Plan, cm: CostModel) -> np.ndarray:
 
 def granularity(plan: Plan, cm: CostModel) -> Optional[tuple[float, float, float]]:
     """(the busiest group's seconds per micro-batch as planned, the same groups' busiest with cuts anywhere, the
-    plan's predicted iteration seconds at that pace), or None for a chunked plan (its groups hold several
-    ranges, which the same sweep does not cover) or one without a prediction. The iteration estimate takes the
-    busiest group as pacing all M micro-batches, as it does in the closed form."""
-    if plan.schedule in CHUNKED or plan.predicted is None:
+    plan's predicted iteration seconds at that pace), or None for a one-stage plan (no cut to move), a chunked
+    plan (its groups hold several ranges, which the same sweep does not cover) or one without a prediction. The
+    iteration estimate takes the busiest group as pacing all M micro-batches, as it does in the closed form."""
+    if plan.num_stages == 1 or plan.schedule in CHUNKED or plan.predicted is None:
         return None
     chunk_s = chunk_time_s(plan, cm)
     planned = max(chunk_s(g, *st.layers) for g, st in enumerate(plan.stages))

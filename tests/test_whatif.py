@@ -127,7 +127,7 @@ def test_layer_granularity_is_the_best_balance_of_cuts_inside_layers():
 
 def test_explain_says_what_whole_layers_cost_the_plan():
     """8 A100 + 8 V100 (gpt-1.3b): the plan's busiest group and the balance its groups would reach with cuts
-    inside layers, and the samples/s that is worth; a chunked plan gets no such line."""
+    inside layers, and the samples/s that is worth; a chunked plan and a one-stage plan get no such line."""
     from hethub.partitioner.chunked import rechunk
     from hethub.partitioner.evaluate import chunk_time_s
     from hethub.partitioner.granularity import granularity, granularity_line, group_prefix_s
@@ -147,3 +147,6 @@ def test_explain_says_what_whole_layers_cost_the_plan():
                      r"\d+\.\d% more samples/s", line), line
     assert granularity_line(rechunk(plan, "interleaved-1f1b", 2).model_copy(update={"predicted": plan.predicted}),
                             cm) is None
+    one = make_plan(TWO_TYPE, model, 128, opts=PlannerOptions(**{**OPTS.__dict__, "device_types": ("A100-80GB",)}),
+                    cost_model=cm, with_homogeneous_sum=False)
+    assert one.num_stages == 1 and granularity_line(one, cm) is None
