@@ -22,9 +22,12 @@ MAX_CHUNKS_SEARCHED = 4  # v of interleaved-1f1b tried: 2..4 (the fill shrinks ~
 
 
 def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
-    """The plan under ``schedule`` (``auto``: under every schedule), chunked where the schedule is, v from 2 to
-    MAX_CHUNKS_SEARCHED for interleaved-1f1b (no group cut into more chunks than it has layers)."""
+    """The plan under ``schedule`` (``auto``: under every schedule, but only one-chunk ones for a one-stage plan),
+    chunked where the schedule is, v from 2 to MAX_CHUNKS_SEARCHED for interleaved-1f1b (no group cut into more
+    chunks than it has layers)."""
     names = list(SCHEDULES) if schedule == AUTO else [schedule]
+    if schedule == AUTO and plan.num_stages == 1:  # no pipeline: chunks of one group only add transfers to itself
+        names = [n for n in names if n not in CHUNKED]
     chunk_s = chunk_time_s(plan, cm)
     out = []
     for name in names:
@@ -92,6 +95,6 @@ def explain_schedules(tried: list[tuple[str, int, Optional[float], bool]], chose
             lines.append(f"{mark} {name:<17} v={v}  does not fit memory (not replayed)")
             continue
         rel = f" ({it / base:.3f}x)" if base else ""
-        lines.append(f"{mark} {name:<17} v={v}  {it * 1e3:9.1f} ms/iteration{rel}"
+        lines.append(f"{mark} {name:<17} v={v}  {it * 1e3:9.4g} ms/iteration{rel}"
                      + ("" if fits else "  (does not fit memory)"))
     return lines

@@ -329,6 +329,19 @@ def test_auto_is_the_default_and_plans_its_groups_for_zb_h1_falling_back_to_1f1b
         api.solve(cm, 8, PlannerOptions(time_limit_s=5, schedule="zb-h1"))
 
 
+def test_auto_leaves_chunks_out_of_a_one_stage_plan_and_prints_short_iterations():
+    """One group has no pipeline to fill: cutting it into chunks only hands activations to itself, so auto tries
+    1f1b and zb-h1 only; a tiny model's iteration (10 us) prints in significant digits, not as 0.0 ms."""
+    from hethub.partitioner.schedule_search import variants
+    cm = CostModel(CPU_CLUSTER, STACK)
+    one = stack_plan([], [[4]], 4, 3)
+    assert [q.schedule for q in variants(one, cm, "auto")] == ["1f1b", "zb-h1"]
+    assert {q.schedule for q in variants(BALANCED, cm, "auto")} >= {"interleaved-1f1b", "zb-v"}
+    chosen = one.model_copy(update={"predicted": predict(one, cm)})
+    line = explain_schedules([("1f1b", 1, 1.02e-5, True)], chosen)[0]
+    assert "0.0102 ms/iteration" in line
+
+
 def test_auto_replays_no_variant_that_cannot_be_chosen(monkeypatch):
     """Where some variant fits memory, the ones that do not are listed unreplayed (None): at 768 devices their
     replays were most of ``auto``'s time. ``replay_all`` replays them; none fitting, every one is replayed and the
