@@ -122,7 +122,7 @@ def main():
         "(target within 5%); closed form vs sim: the MILP objective's view of the same plan. Speed-ups: "
         "predicted samples/s over each baseline (same cost model; DeepSpeed's partitions run 1F1B). schedule: "
         "what the plan (and its homogeneous sub-cluster plans) is planned for and replayed under (`--schedule`; "
-        "1f1b is the default). ZeRO-1 stages: stages that shard their optimizer state. dtype: as `hethub plan "
+        "`hethub plan` plans for `auto` by default, which plans zb-h1's groups). ZeRO-1 stages: stages that shard their optimizer state. dtype: as `hethub plan "
         "--dtype auto` (bf16 where every type has it, else fp16).", "",
         "| cluster | devices | model | dtype | global batch | schedule | solve s | gap | status | stages | ZeRO-1 stages "
         "| devices used | efficiency | vs homog. | vs homog. bound | vs homog. inside layers | homog. gaps "

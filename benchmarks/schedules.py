@@ -12,7 +12,6 @@ import time
 from hethub.partitioner import builtin_model
 from hethub.partitioner.api import homogeneous_plans, homogeneous_totals, make_plan
 from hethub.partitioner.costmodel import CostModel, natural_dtype
-from hethub.partitioner.evaluate import predict
 from hethub.partitioner.planner import PlannerOptions
 from hethub.partitioner.schedule_search import choose_schedule, search_schedule
 
@@ -41,8 +40,9 @@ def main():
         picks = ", ".join(f"{t} {p.schedule} v={p.num_chunks}" for t, p in homog.items() if p is not None)
         for sched, v, it, fits in sorted(tried, key=lambda x: x[2]):
             sps = batch / it
-            q = plan.model_copy(update={"schedule": sched, "predicted": None}) if v == 1 else None
-            inside = inside_layers(q.model_copy(update={"predicted": predict(q, cm)}), cm, total) if q else "-"
+            replayed = plan.predicted.model_copy(update={"iteration_s": it})  # the variant's replay, above
+            q = plan.model_copy(update={"schedule": sched, "predicted": replayed}) if v == 1 else None
+            inside = inside_layers(q, cm, total) if q else "-"
             mark = " (chosen)" if (sched, v) == (best.schedule, best.num_chunks) else ""
             lines.append(f"| {name} | {dtype} | {batch} | {plan.num_stages} | {sched}{mark} | {v} | {it * 1e3:.1f} | {sps:.2f} | "
                          f"{sps / best.predicted.upper_bound_samples_per_s:.3f} | "

@@ -49,19 +49,16 @@ def fractional_pace_s(prefix_s: np.ndarray) -> float:
 
 
 def group_prefix_s(plan: Plan, cm: CostModel) -> np.ndarray:
-    """Per group of a one-chunk plan, its forward + backward seconds of layers [0, l) per micro-batch, l = 0..L,
-    as ``CostModel.stage_compute_s`` prices a range (a recomputed forward counted twice), on its slowest replica:
-    for a group of two types, the larger of the two types' prefixes at each l (exact for one type; a mixed
-    group's shares are split by speed, so its types' prefixes nearly agree). Cumulative sums, so one pass over
-    the layers per group however long the model."""
+    """Per group of a one-chunk plan, its forward + backward seconds of layers [0, l) per micro-batch, l = 0..L
+    (``CostModel.prefix`` per sample plus ``prefix_fixed`` per call, as the planner prices a range), on its
+    slowest replica: for a group of two types, the larger of the two types' prefixes at each l (exact for one
+    type; a mixed group's shares are split by speed, so its types' prefixes nearly agree)."""
     out = []
     for st in plan.stages:
-        shares = []
-        for t, n in {(st.type_of(r), r.samples) for r in st.replicas}:
-            fwd_s, bwd_s, fwd_c, bwd_c = cm.layer_times(t, st.tensor_parallel)
-            fwd = fwd_c + fwd_s * n
-            shares.append(np.cumsum(fwd * (2.0 if st.recompute else 1.0) + bwd_c + bwd_s * n))
-        out.append(np.concatenate([[0.0], np.max(shares, axis=0)]))
+        tp, rc = st.tensor_parallel, st.recompute
+        shares = [cm.prefix(t, rc, tp) * n + cm.prefix_fixed(t, rc, tp)
+                  for t, n in {(st.type_of(r), r.samples) for r in st.replicas}]
+        out.append(np.max(shares, axis=0))
     return np.array(out)
 
 
