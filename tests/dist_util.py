@@ -4,6 +4,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from conftest import ROOT
@@ -59,7 +60,25 @@ def _context():
 
 
 def _rank_main(argv: list[str], env: dict, out_path: str, err_path: str) -> None:
-    """A rank in a forked child: the environment, argv and stdout/stderr a fresh ``python argv`` would have."""
+    """A rank in a forked child: the environment, argv and stdout/stderr a fresh ``python argv`` would have, and
+    its end too: an interpreter runs the ``atexit`` hooks (hethub's exit barrier, a checkpoint finishing its
+    write) after the script or its uncaught exception, which a multiprocessing child skips (it leaves through
+    ``os._exit``)."""
+    import atexit
+    try:
+        _run_script(argv, env, out_path, err_path)
+    except SystemExit:
+        atexit._run_exitfuncs()
+        raise
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # printed before the hooks run, as an interpreter does
+        atexit._run_exitfuncs()
+        sys.stderr.flush()
+        os._exit(1)
+    atexit._run_exitfuncs()
+
+
+def _run_script(argv: list[str], env: dict, out_path: str, err_path: str) -> None:
     import runpy
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -82,6 +101,20 @@ def _rank_main(argv: list[str], env: dict, out_path: str, err_path: str) -> None
         runpy.run_path(argv[0], run_name="__main__")
 
 
+# Reading a forkserver child's exit code consumes it: a second reader gets EOF and sets the code to 255. Every
+# Process.start() polls all live children, so tests that spawn from several threads (the shutdown test) must
+# read exit codes one thread at a time (CPython gh-130895).
+_REAP = threading.Lock()
+
+
+def _join(p, timeout: float | None) -> None:
+    """``p.join(timeout)`` safe beside other threads' spawns: wait on the sentinel unlocked, read the code locked."""
+    from multiprocessing.connection import wait
+    wait([p.sentinel], timeout)
+    with _REAP:
+        p.join(0)
+
+
 def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | None = None):
     """Start ``world`` ranks of ``python argv``; returns [(returncode, stdout, stderr)] per rank."""
     if os.environ.get("HETHUB_TEST_EXEC") == "1":
@@ -93,16 +126,19 @@ def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | No
     paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world)]
     procs = [ctx.Process(target=_rank_main, args=(argv, rank_env(r, world, port, extra_env), *paths[r]))
              for r in range(world)]
-    for p in procs:
-        p.start()
+    with _REAP:
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = any(p.exitcode is None for p in procs)
+        _join(p, max(0.0, deadline - time.monotonic()))
+    with _REAP:
+        hung = any(p.exitcode is None for p in procs)
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
     for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+        _join(p, None)
     results = []
     for p, (out, err) in zip(procs, paths):
         with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
