@@ -29,6 +29,20 @@ def test_finished_runs_exit_0_on_every_rank_six_times(tmp_path):
             assert [rc for rc, _, _ in results] == [0, 0], (run, [e[-1500:] for _, _, e in results])
 
 
+def test_forked_ranks_end_as_interpreters_do(tmp_path):
+    """The ranks these tests fork run the script's atexit hooks, after its end or its uncaught exception, as
+    ``python script.py`` does: hethub's exit barrier and a checkpoint's last write live there, and a forked
+    multiprocessing child skips them unless told (then every test above passed without ever running them)."""
+    script = ("import atexit, os, sys\n"
+              "atexit.register(lambda: open(os.environ['MARK'] + os.environ['RANK'], 'w').write('ran'))\n"
+              "if os.environ['RANK'] == '1':\n"
+              "    raise RuntimeError('a user bug')\n")
+    results = spawn(2, ["-c", script], timeout=60, extra_env={"MARK": str(tmp_path / "hook")})
+    assert [rc for rc, _, _ in results] == [0, 1], results
+    assert "RuntimeError: a user bug" in results[1][2]
+    assert all((tmp_path / f"hook{r}").read_text() == "ran" for r in range(2))
+
+
 def test_a_users_error_shows_its_traceback_and_peers_name_its_rank(tmp_path):
     path = write_plan(tmp_path, stack_plan(*CASES["1to2"]))
     t0 = time.monotonic()
