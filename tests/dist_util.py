@@ -68,14 +68,12 @@ def _rank_main(argv: list[str], env: dict, out_path: str, err_path: str) -> None
     try:
         _run_script(argv, env, out_path, err_path)
     except SystemExit:
-        atexit._run_exitfuncs()
         raise
     except BaseException:
         sys.excepthook(*sys.exc_info())  # printed before the hooks run, as an interpreter does
+        raise SystemExit(1) from None
+    finally:
         atexit._run_exitfuncs()
-        sys.stderr.flush()
-        os._exit(1)
-    atexit._run_exitfuncs()
 
 
 def _run_script(argv: list[str], env: dict, out_path: str, err_path: str) -> None:
