@@ -70,6 +70,33 @@ def world_backend(plan: Plan) -> str:
     return GLOO if spans_vendors(plan) else ACCEL
 
 
+@dataclass(frozen=True)
+class WorldStart:
+    """How every rank creates the world group: its backend and whether it binds the rank's device.
+
+    Why it is decided here and created by hethub (before DeepSpeed's ``init_distributed``, which then finds it):
+    binding a device (``device_id``, which DeepSpeed passes whenever the accelerator is CUDA) makes torch build
+    every later NCCL group by splitting the world's communicator. A gloo world has none to split (torch raises a
+    TypeError on the members of the first NCCL subgroup, the others wait), and in a bound NCCL world a gloo subgroup
+    of some ranks makes the others run a split its members never join. So a bound world is NCCL/RCCL with no gloo
+    subgroup but the all-ranks control channel; every other world is created unbound, and each NCCL/RCCL group
+    then starts its own communicator from the store, the same way on every rank."""
+    backend: str  # GLOO or ACCEL
+    bind_device: bool
+    why: str
+
+
+def world_start(plan: Optional[Plan], on_cpu: bool) -> WorldStart:
+    """The world of a run of ``plan`` (None: a run without one, e.g. a benchmark's ranks)."""
+    if on_cpu:
+        return WorldStart(GLOO, False, "CPU ranks: every group is gloo")
+    if plan is not None and spans_vendors(plan):
+        return WorldStart(GLOO, False, "the plan spans vendors: the world is gloo, NCCL/RCCL groups stay inside one")
+    if plan is not None and any(s.on_host for s in group_specs(plan)):
+        return WorldStart(ACCEL, False, "a host boundary inside one vendor: gloo subgroups of some ranks")
+    return WorldStart(ACCEL, True, "one vendor, no gloo subgroup: groups split from the world's communicator")
+
+
 def _backend(ranks: Sequence[int], vendors: dict[int, str], host: bool = False) -> str:
     return GLOO if host or len({vendors[r] for r in ranks}) > 1 else ACCEL
 

@@ -9,9 +9,11 @@ The model (conservative: rendezvous for every message, so a schedule that passes
 buffered sends either):
 
 - Each transfer action posts, per tensor, one operation per peer, in the action's peer order, on its group
-  (``groups.transfer_group``: activations on the boundary's forward group, gradients on its backward group). The
-  first ``SA`` of a rank sends a metadata message to each peer first; the first ``RA`` receives them and waits for
-  them before posting its data receives (the runtime does exactly this).
+  (``groups.transfer_group``: activations on the boundary's forward group, gradients on its backward group). Every
+  ``SA`` sends a metadata message to each peer first (shapes may change between micro-batches); an ``RA`` posts
+  the metadata receives only, and its data receives follow once that metadata is read: at the next ``RA`` on the
+  same group, or at the forward that needs them, which wait for it there (the runtime does exactly this; it may
+  also post them sooner, between actions, when the metadata has arrived, which only lets messages match earlier).
 - Per (rank, group), operations run one at a time in posting order; the head send of rank a to b and the head
   receive of b from a run together, and must be the same message (else the data would land in the wrong buffer).
 - **Bounded sends.** A rank keeps at most ``SEND_WINDOW`` (2) unfinished sends per (direction, peer): an ``SA`` or
@@ -66,8 +68,7 @@ class _Rank:
     actions: list[Action]
     pc: int = 0  # the next action
     posted: dict = field(default_factory=dict)  # (kind, mb, chunk) -> its ops
-    meta_sent: set = field(default_factory=set)  # groups this rank sent its metadata on
-    meta_recvd: set = field(default_factory=set)
+    pending: dict = field(default_factory=dict)  # group -> (RA action, its metadata receives) not yet read
     ops: list = field(default_factory=list)
     sends: dict = field(default_factory=dict)  # (direction, peer) -> ops of each send not yet finished, oldest first
 
@@ -97,7 +98,7 @@ class _Replay:
         two consecutive chunks) moves them locally, with no operation."""
         group = self._group(st, a)
         send = a.kind in ("SA", "SG")
-        messages = ([("meta", None, 0)] if meta else
+        messages = ([("meta", a.mb, 0)] if meta else
                     [(a.kind[1], a.mb, k) for k in range(self.n_tensors)])
         ops = [_Op(send, st.rank, t.peer, m, str(a)) for m in messages for t in a.transfers if t.peer != st.rank]
         for op in ops:
@@ -125,30 +126,39 @@ class _Replay:
         if k in ("SA", "SG") and self._window_full(st, a):
             return False
         if k == "SA":
-            meta = []
-            if group not in st.meta_sent:
-                meta = self._post(st, a, meta=True)
-                st.meta_sent.add(group)
+            meta = self._post(st, a, meta=True)
             st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
             self._hold(st, a, meta + st.posted[("A", a.mb, a.chunk)])
         elif k == "RA":
-            if group not in st.meta_recvd:
-                if ("meta", group) not in st.posted:
-                    st.posted[("meta", group)] = self._post(st, a, meta=True)
-                if not all(op.done for op in st.posted[("meta", group)]):
-                    return False
-                st.meta_recvd.add(group)
-            st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
+            if not self._resolve(st, group):
+                return False
+            st.pending[group] = (a, self._post(st, a, meta=True))
         elif k in ("SG", "RG"):
             st.posted[("G", a.mb, a.chunk)] = self._post(st, a)
             if k == "SG":
                 self._hold(st, a, st.posted[("G", a.mb, a.chunk)])
         elif k == "F" and vstage(self.plan, st.rank, a) > 0:
+            group = self.group_of("RA", vstage(self.plan, st.rank, a))
+            ra = st.pending.get(group)
+            if ra is not None and ra[0].mb == a.mb and not self._resolve(st, group):
+                return False
             return all(op.done for op in st.posted.get(("A", a.mb, a.chunk), ()))
         elif k == "B" and vstage(self.plan, st.rank, a) < len(self.plan.pipeline) - 1:
             return all(op.done for op in st.posted.get(("G", a.mb, a.chunk), ()))
         elif k in ("AR", "OPT"):
             return self._barrier(st, k)
+        return True
+
+    def _resolve(self, st: _Rank, group) -> bool:
+        """Post the data receives of the group's pending ``RA`` once its metadata has arrived (True), else False:
+        the rank waits for it."""
+        if group not in st.pending:
+            return True
+        a, metas = st.pending[group]
+        if not all(op.done for op in metas):
+            return False
+        del st.pending[group]
+        st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
         return True
 
     def _barrier(self, st: _Rank, kind: str) -> bool:
@@ -209,7 +219,7 @@ class _Replay:
 
 def _text(message: tuple) -> str:
     kind, mb, tensor = message
-    return "metadata" if kind == "meta" else f"{kind}{mb}" + (f" tensor {tensor}" if tensor else "")
+    return f"metadata of A{mb}" if kind == "meta" else f"{kind}{mb}" + (f" tensor {tensor}" if tensor else "")
 
 
 def _group_text(group) -> str:

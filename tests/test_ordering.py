@@ -87,7 +87,7 @@ def test_receives_posted_out_of_order_are_refused_naming_both_ranks():
     plan = with_micro_batches(SHAPES["1to1"], 3)
     sched, r = _swap_receives(plan)
     with pytest.raises(OrderError, match=rf"rank 0 at SA0>r{r}\[0:4\] and rank {r} at RA1<r0\[0:4\] pair different "
-                                         r"messages \(A0 vs A1\) on the fwd group of the boundary after stage 0"):
+                                         r"messages \(metadata of A0 vs metadata of A1\) on the fwd group of the boundary after stage 0"):
         check_order(plan, sched)
 
 

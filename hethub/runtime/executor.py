@@ -56,6 +56,8 @@ class Executor:
         # the fastest weight pass seen, per chunk; or its seconds pinned (hethub.emulated.pinned)
         self._emulated_w_ref: dict = {"pinned": {f"w{k}": s for k, s in (emulate_weight_s or {}).items()}}
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
+        self._writes_inputs: dict[int, bool] = {}  # chunk -> whether its forward writes into its inputs (probed once)
+        self._probe: dict[int, list] = {}  # chunk -> (clone, its version before the forward) while probing
         self._handlers = {"L": self._load, "F": self._forward, "B": self._backward, "W": self._weight,
                           "SA": self._send_activations, "RA": self._recv_activations,
                           "SG": self._send_grads, "RG": self._recv_grads,
@@ -116,6 +118,7 @@ class Executor:
             self._handlers[a.kind](a)  # a user's layer or loss raising here shows its own traceback
         self.gradients.arm(frozenset())
         self.transport.release_sends()
+        self.transport.progress()
         self.executed.append(str(a))
         self.executed_s.append((t0, time.perf_counter(), self.transport.waited_s))
 
@@ -167,12 +170,8 @@ class Executor:
         key, last = (a.mb, k), k == self.last_position
         if k > 0:
             received = self.transport.take("A", a.mb, k)
-            for t, (_, _, req) in zip(received, self.transport.recv_meta[k]):
-                t.requires_grad_(req and torch.is_grad_enabled())
             self._inputs[key] = tuple(received) if len(received) > 1 else received[0]
-        inputs = self._inputs[key]
-        if isinstance(inputs, tuple):
-            inputs = tuple(t.clone() if not t.is_floating_point() else t for t in inputs)
+        inputs = self._guard_inplace(k, self._inputs[key])
         capture = (self._linears.capturing() if key in self._split and torch.is_grad_enabled()
                    else contextlib.nullcontext())
         with capture as calls:  # under the iteration's autocast (_precision)
@@ -182,12 +181,32 @@ class Executor:
             if last:
                 labels = self._labels.pop(a.mb)
                 loss = self.module.loss_fn(outputs, labels) if self.module.loss_fn is not None else outputs
+        if k in self._probe:  # the chunk's first forward with gradients: did it write into its inputs?
+            self._writes_inputs[k] = any(c._version != v for c, v in self._probe.pop(k))
         if k == 0 or not torch.is_grad_enabled():
             self._inputs.pop(key)  # nothing to send upstream: no need to keep the input
         if last:
             self._keep_loss(key, loss)
         else:
             self._outputs[key] = outputs
+
+    def _guard_inplace(self, k: int, inputs):
+        """What a chunk's forward is given: its inputs, or clones of them where the chunk writes into what it is
+        given (a stage starting with ``nn.ReLU(inplace=True)``, as DeepSpeed's tutorial cuts). A received
+        activation is an autograd leaf the input gradient is read from, which an in-place op must not touch
+        (DeepSpeed clones every received activation). Clones are made only while they are needed: the first
+        forward of each chunk with gradients runs on clones and looks whether their version counters moved; a chunk
+        that wrote into none gets its inputs as they are from then on. Integer inputs (ids, masks) are always
+        cloned: cheap, and a layer may fill them in place."""
+        wrote = self._writes_inputs.get(k)
+        grads = torch.is_grad_enabled()
+        if wrote is False or not grads:
+            clones = [t.clone() if torch.is_tensor(t) and not t.is_floating_point() else t for t in as_tuple(inputs)]
+        else:
+            clones = [t.clone() if torch.is_tensor(t) else t for t in as_tuple(inputs)]
+        if wrote is None and grads:
+            self._probe[k] = [(c, c._version) for c in clones if torch.is_tensor(c) and c.is_floating_point()]
+        return tuple(clones) if isinstance(inputs, tuple) else clones[0]
 
     def _keep_loss(self, key: tuple[int, int], loss) -> None:
         if not (torch.is_tensor(loss) and loss.numel() == 1):
@@ -204,15 +223,23 @@ class Executor:
         key = (a.mb, k)
         if k == self.last_position:  # the scaled loss: every gradient upstream, boundaries included, carries it
             loss = self._losses.pop(key)
-            roots, grads = [loss * self.loss_scale if self.loss_scale != 1.0 else loss], None
+            roots = [loss * self.loss_scale if self.loss_scale != 1.0 else loss] if loss.requires_grad else []
+            grads = None
         else:
             roots = [o for o in as_tuple(self._outputs.pop(key)) if _wants_grad(o)]
-            grads = self.transport.take("G", a.mb, k, like=roots)
+            grads = self.transport.take("G", a.mb, k, like=roots) if roots else None
+        if not roots:  # frozen up to here: no weight of this chunk or before it wants a gradient
+            if key in self._split:
+                self._wgrad[key] = None  # its W has nothing to do
+            return
         if key not in self._split:
             torch.autograd.backward(tensors=roots, grad_tensors=grads)
             return
         # zb-h1, zb-v: the input gradients now (SG sends them next), the weights' at this micro-batch's W
         inputs = [t for t in as_tuple(self._inputs[key]) if _wants_grad(t)]
+        if not inputs:  # frozen upstream: no input gradient to send, the whole backward is weight work, at W
+            self._wgrad[key] = (roots, grads)
+            return
         weights = self.module.chunk_parameters(self.grid.local_chunk(k))
         try:
             self._wgrad[key] = split_backward.backward_input(roots, grads, inputs, weights, self.grid.stage_id,
@@ -224,7 +251,11 @@ class Executor:
     def _weight(self, a: Action) -> None:
         t0 = time.perf_counter()
         weights = self.module.chunk_parameters(self.grid.local_chunk(self._at(a)))
-        split_backward.backward_weight(weights, self._wgrad.pop((a.mb, self._at(a))), on_ready=self.gradients.ready)
+        pending = self._wgrad.pop((a.mb, self._at(a)))
+        if isinstance(pending, tuple):  # a backward deferred whole (no input wanted a gradient)
+            torch.autograd.backward(tensors=pending[0], grad_tensors=pending[1])
+        elif pending is not None:
+            split_backward.backward_weight(weights, pending, on_ready=self.gradients.ready)
         if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
             idle_to(self.emulate_slowdown, self._emulated_w_ref, f"w{self._at(a)}", time.perf_counter() - t0)
 

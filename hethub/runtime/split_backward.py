@@ -97,7 +97,14 @@ class LinearCalls:
                 or not torch.is_tensor(out) or not out.requires_grad):
             return
         call = _Call(module, args[0])
-        out.register_hook(call.record)
+        base = out._base if out._is_view() else None
+        if base is not None and base.grad_fn is not None and base.numel() == out.numel():
+            # a Linear over 3-D inputs returns a view of its 2-D product: a later in-place op on that view (a
+            # block starting with ReLU(inplace=True)) rebases its history, and a hook on the view never fires.
+            # The product's node still receives dY (flattened, as the weight pass uses it).
+            base.grad_fn.register_prehook(lambda grads: call.record(grads[0]))
+        else:
+            out.register_hook(call.record)
         self._calls.append(call)
 
     @contextmanager

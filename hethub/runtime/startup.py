@@ -29,7 +29,7 @@ from ..emulated.slowdown import DeviceClock, parse_factors, slowdown_for
 from ..events import request_stop
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
-from ..partitioner.groups import GLOO, world_backend
+from ..partitioner.groups import GLOO, world_start
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan, Profile
 from ..partitioner.schedule import build_schedule
@@ -107,20 +107,29 @@ def _fix_local_rank(plan: Plan, rank: int) -> None:
         torch.cuda.set_device(local)
 
 
-def init_distributed(timeout_s: float, gloo_world: bool = False) -> None:
-    """``deepspeed.init_distributed``, once; shared with the adapters that start ranks themselves. The world is
-    gloo on CPU and where ``gloo_world`` (a plan spanning vendors: no NCCL/RCCL group may span them), else the
-    accelerator's backend."""
+def init_distributed(timeout_s: float, plan: Optional[Plan] = None) -> None:
+    """Create the world group, once, as ``partitioner.groups.world_start`` says for ``plan`` (gloo on CPU and
+    where the plan spans vendors; the device bound only where no gloo subgroup of some ranks exists), then hand it
+    to ``deepspeed.init_distributed``, which finds it. Shared with the adapters that start ranks themselves."""
     if dist.is_initialized():
         return
-    cpu = get_accelerator().device_name() == "cpu"
+    accel = get_accelerator()
+    cpu = accel.device_name() == "cpu"
     if cpu:
         # deepspeed.comm's TorchBackend JIT-compiles a shared-memory all-reduce op (~40 s) that
         # pipeline training never uses. `deepspeed.comm.torch` must be reached through importlib:
         # `deepspeed.comm.torch` as an attribute is the torch package (deepspeed.comm re-exports it).
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo" if cpu or gloo_world else None,
-                               timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+    start = world_start(plan, cpu)
+    backend = "gloo" if start.backend == GLOO else accel.communication_backend_name()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if start.bind_device:
+            kwargs["device_id"] = accel.device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, **kwargs)
+    # else DeepSpeed discovers the world (MPI) and creates it, binding CUDA devices as it does
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
 
 
 def _digest(text: str) -> int:
@@ -219,10 +228,18 @@ def _set_batch_keys(cfg: dict, plan: Plan, grid) -> None:
     cfg.setdefault("steps_per_print", 10 ** 9)
 
 
+def _no_parameters_optimizer() -> torch.optim.Optimizer:
+    """The optimizer of a stage with no trainable parameter (frozen embeddings and first blocks, fine-tuning): one
+    empty parameter group, so that DeepSpeed's step, its learning-rate schedule and checkpoints run as on every
+    other stage while nothing changes. The user's optimizer (a callable, or the ds_config's section) would refuse
+    an empty parameter list."""
+    return torch.optim.SGD([{"params": []}], lr=0.0)
+
+
 def _zero1_factory(run: _Checked, grid: HeteroGrid, params: list, zero1: bool) -> Optional[Callable]:
     """ZeRO-1 for this replica, made from DeepSpeed's optimizer once it exists (a bad optimizer is one line)."""
     zero1 = zero1 or run.plan.shards_optimizer(grid.stage)  # a stage the plan shards (its memory assumes it)
-    if not zero1 or grid.data_parallel_size == 1:
+    if not zero1 or grid.data_parallel_size == 1 or not params:  # a frozen stage has no state to shard
         return None
 
     def make(optimizer):
@@ -247,7 +264,7 @@ def _elastic_start(config, plan, args) -> tuple[Any, Optional[Control]]:
         elastic.this_host(base)  # before any collective: a worker that cannot say where it runs ends here
     except InputError as exc:
         fail(str(exc))
-    init_distributed(hetero.timeout_s, gloo_world=world_backend(base) == GLOO)
+    init_distributed(hetero.timeout_s, base)
     control = Control(hetero.timeout_s)
     try:
         return elastic.elastic_plan(base, control, hetero.checkpoint_dir), control
@@ -279,7 +296,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         check_device_dtype(run.precision, torch.device(get_accelerator().current_device_name()))
     except InputError as exc:
         fail(str(exc))
-    init_distributed(run.hetero.timeout_s, gloo_world=world_backend(run.plan) == GLOO)
+    init_distributed(run.hetero.timeout_s, run.plan)
     control = control or Control(run.hetero.timeout_s)  # the elastic start has one already
     _register_clean_shutdown(control)
     _check_every_rank_agrees(run.plan, control)
@@ -295,6 +312,9 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     module = HeteroPipelineModule(_stage_layers(run, grid, pins), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]
+    if not params:  # every layer of this stage is frozen: it steps nothing, yet takes part in every collective
+        optimizer, model_parameters = _no_parameters_optimizer(), None
+        cfg.pop("optimizer", None)
     if callable(optimizer) and not hasattr(optimizer, "step"):
         optimizer = optimizer(params)
     if model_parameters is None and optimizer is None:

@@ -6,9 +6,14 @@ A replica owns rows ``[sample_start, sample_stop)`` of every micro-batch; a tran
 only when the forward or backward needs their rows. A boundary whose ``transport`` is ``"host"`` (vendors differ)
 goes through gloo groups of its own (one per direction) on pinned host buffers, copied without blocking the host.
 
-The first activations a stage sends carry a metadata message (dtype, requires-grad, trailing shape of each
-tensor), once; in a tensor-parallel group the lead alone talks to the neighbouring stages and broadcasts what it
-received to the group.
+Every activation send is preceded by a metadata message (dtype, requires-grad, trailing shape of each tensor), as
+Megatron's variable-length pipeline does: what crosses may change between micro-batches (bucketed sequence
+lengths), between steps, and between evaluation (nothing requires grad) and training. The receiver posts the
+metadata's receive at ``RA`` and its data receives once the metadata has arrived: at the next ``RA`` of the same
+boundary, at the forward that needs it, or as soon as a check between actions (``progress``) finds it arrived.
+A group's operations stay in posting order on both sides (metadata, then the data it describes), the order
+``partitioner.ordering`` replays. In a tensor-parallel group the lead alone talks to the neighbouring stages and
+broadcasts what it received (metadata, then tensors) to the group.
 """
 from __future__ import annotations
 
@@ -54,6 +59,14 @@ def decode_meta(meta: torch.Tensor) -> Meta:
     return out
 
 
+class _MetaPending:
+    """A posted activation receive whose metadata has not been read yet: its metadata receives (one per peer), the
+    action's peers and route; its data receives are posted once the metadata is read."""
+
+    def __init__(self, ops: list, metas: list, transfers, route: "_Route"):
+        self.ops, self.metas, self.transfers, self.route = ops, metas, transfers, route
+
+
 class _Posted:
     """A posted receive: its operations, one buffer per tensor (each peer fills its slice), what they hold, and
     the rows they go to."""
@@ -86,21 +99,19 @@ class Transport:
         self.ops = OrderedGroups(guard, strict=grid.on_host)
         self.peak_sends: dict[tuple[str, int], int] = {}  # (direction, peer) -> most sends held at once
         self._send_id = 0  # one per send action: its messages to a peer (metadata, every tensor) are one send
-        self.reset_shapes()
+        self._metas: dict[tuple, torch.Tensor] = {}  # (device, what is sent) -> its metadata message, made once
         self.reset()
 
     def reset(self) -> None:
         self._recvs: dict[tuple[str, int, int], _Posted] = {}  # ("A"|"G", mb, chunk) -> posted receive
+        # chunk -> (mb, its receive whose metadata is not read yet): at most one per chunk, the last operation
+        # posted on that boundary's forward group, so its data receives may follow it there
+        self._meta_pending: dict[int, tuple[int, _MetaPending]] = {}
+        self._recv_meta: dict[tuple[int, int], Meta] = {}  # (mb, chunk) -> what its posted receive will hold
         # (operation, direction, peer, send id, buffer) of each message in flight, oldest first
         self._sends: list[tuple[Op, str, int, int, torch.Tensor]] = []
         # ("A"|"G", mb, chunk) -> tensors a rank handed to its own next (or previous) chunk: zb-v's turn
         self._handed: dict[tuple[str, int, int], list[torch.Tensor]] = {}
-
-    def reset_shapes(self) -> None:
-        """The next activations carry metadata again (shapes changed between iterations)."""
-        self.recv_meta: dict[int, Meta] = {}  # chunk -> what this rank receives from the chunk before it
-        self._recv_meta_lead: dict[int, Meta] = {}  # ... as the lead received it (shared with a TP group once)
-        self._meta_sent: set[int] = set()  # chunks whose activations' metadata has left
 
     # ------------------------------------------------------------------ the four transfers of a schedule
     # ``k`` is the pipeline chunk (``Plan.pipeline`` position) the action belongs to: activations leave chunk k
@@ -108,24 +119,46 @@ class Transport:
     def send_activations(self, mb: int, outputs: tuple, transfers, k: int) -> None:
         if self._local(transfers):
             self._hand("A", mb, k + 1, outputs)
-            self.recv_meta.setdefault(k + 1, _meta_of(outputs))
             return
         if not self.is_lead:
             return  # the group's lead sends the (replicated) output once
         route = self._route("fwd", k)
         self._make_room(route.direction, transfers)
-        if k not in self._meta_sent:
-            self._send_meta(outputs, transfers, route)
-            self._meta_sent.add(k)
+        self._send_meta(outputs, transfers, route)
         self._post_sends(outputs, transfers, route)
 
     def recv_activations(self, mb: int, transfers, k: int) -> None:
+        """Post the metadata receives of micro-batch ``mb``'s activations; the previous receive on this boundary
+        first gets its data receives (its metadata is waited for here: they must precede these on the group)."""
         if not self.is_lead or self._local(transfers):
             return  # the lead receives and shares at the forward (take); a rank's own rows are handed over
+        self._resolve(k)
         route = self._route("fwd", k - 1)
-        if k not in self._recv_meta_lead:
-            self._recv_meta_from(transfers, route, k)
-        self._post_recvs("A", mb, k, [(d, s) for d, s, _ in self._recv_meta_lead[k]], transfers, route)
+        metas = [torch.zeros(META_LEN, dtype=torch.int64, device=route.device) for _ in transfers]
+        ops = [self.ops.issue(route.group, lambda m=m, p=p: dist.irecv(m, p.peer, group=route.group))
+               for m, p in zip(metas, transfers)]
+        self._meta_pending[k] = (mb, _MetaPending(ops, metas, transfers, route))
+
+    def progress(self) -> None:
+        """Between actions: post the data receives of every activation receive whose metadata has arrived (earlier
+        than the next ``RA`` or forward would, so that the data can flow while this rank computes)."""
+        for k in [k for k, (_, p) in self._meta_pending.items() if all(self.ops.is_done(op) for op in p.ops)]:
+            self._resolve(k)
+
+    def _resolve(self, k: int) -> None:
+        """Read the pending metadata of chunk ``k``'s receive (waiting for it) and post its data receives."""
+        if k not in self._meta_pending:
+            return
+        mb, pending = self._meta_pending.pop(k)
+        t0 = time.perf_counter()
+        for op in pending.ops:
+            self.ops.wait(op)
+        self.waited_s += time.perf_counter() - t0
+        metas = [m.cpu() for m in pending.metas]
+        if any(not torch.equal(m, metas[0]) for m in metas):
+            raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
+        meta = self._recv_meta[(mb, k)] = decode_meta(metas[0])
+        self._post_recvs("A", mb, k, [(d, s) for d, s, _ in meta], pending.transfers, pending.route)
 
     def send_grads(self, mb: int, grads: Sequence[torch.Tensor], transfers, k: int) -> None:
         if self._local(transfers):
@@ -143,12 +176,24 @@ class Transport:
     def take(self, kind: str, mb: int, k: int, like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         """This replica's full tensors of a posted receive (or of what the rank handed itself). In a
         tensor-parallel group the lead received them and broadcasts them to the others (``like``: tensors of the
-        shapes to expect, for gradients)."""
+        shapes to expect, for gradients). Received activations require grad where the sender's did and gradients
+        are enabled here (evaluation sends none that do; a frozen stage's may not)."""
         if (kind, mb, k) in self._handed:
-            return self._handed.pop((kind, mb, k))
-        out = self._take_own(kind, mb, k) if self.is_lead else None
-        if self.grid.tp > 1:
-            out = self._tp_share(kind, k, out, like)
+            out, meta = self._handed.pop((kind, mb, k))
+        else:
+            meta = None
+            if self.is_lead:
+                if kind == "A" and self._meta_pending.get(k, (None,))[0] == mb:
+                    self._resolve(k)
+                meta = self._recv_meta.pop((mb, k), None)
+                out = self._take_own(kind, mb, k)
+            else:
+                out = None
+            if self.grid.tp > 1:
+                out, meta = self._tp_share(kind, out, meta, like)
+        if kind == "A":
+            for t, (_, _, req) in zip(out, meta):
+                t.requires_grad_(req and torch.is_grad_enabled())
         return out
 
     def _local(self, transfers) -> bool:
@@ -160,7 +205,7 @@ class Transport:
         """Rows a rank passes to its own chunk ``k``: the tensors themselves, cut from the graph that made them
         (chunk k's backward stops at them, as at a received tensor), no copy, no cast, no group operation. Every
         rank of a tensor-parallel group holds them already (replicated), so none is shared."""
-        self._handed[(kind, mb, k)] = [t.detach() for t in tensors]
+        self._handed[(kind, mb, k)] = ([t.detach() for t in tensors], _meta_of(tensors))
 
     def release_sends(self) -> None:
         """Drop the buffers of sends that have completed (called after every action)."""
@@ -199,23 +244,18 @@ class Transport:
 
     # ------------------------------------------------------------------ metadata
     def _send_meta(self, outputs: tuple, peers, route) -> None:
-        meta = encode_meta([(t, t.is_floating_point() and t.requires_grad) for t in outputs]).to(route.device)
+        """The metadata message before each activation send. Its tensor is made (and copied to the group's
+        device) once per distinct signature, not per send: every send of the same shapes posts the same tensor."""
+        signature = (route.device, tuple(_meta_of(outputs)))
+        meta = self._metas.get(signature)
+        if meta is None:
+            if len(self._metas) >= 64:  # lengths that keep changing: keep the cache small
+                self._metas.clear()
+            meta = self._metas[signature] = encode_meta([(t, req) for t, (_, _, req) in
+                                                         zip(outputs, signature[1])]).to(route.device)
         for p in peers:
             op = self.ops.issue(route.group, lambda p=p: dist.isend(meta, p.peer, group=route.group))
             self._sends.append((op, route.direction, p.peer, self._send_id, meta))
-
-    def _recv_meta_from(self, peers, route, k: int) -> None:
-        metas = [torch.zeros(META_LEN, dtype=torch.int64, device=route.device) for _ in peers]
-        ops = [self.ops.issue(route.group, lambda m=m, p=p: dist.irecv(m, p.peer, group=route.group))
-               for m, p in zip(metas, peers)]
-        for op in ops:
-            self.ops.wait(op)
-        metas = [m.cpu() for m in metas]
-        if any(not torch.equal(m, metas[0]) for m in metas):
-            raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
-        self._recv_meta_lead[k] = decode_meta(metas[0])
-        if self.grid.tp == 1:
-            self.recv_meta[k] = self._recv_meta_lead[k]
 
     # ------------------------------------------------------------------ row slices
     def _route(self, direction: str, after: int) -> "_Route":
@@ -287,26 +327,27 @@ class Transport:
             out.append(full)
         return out
 
-    def _tp_share(self, kind: str, k: int, tensors: Optional[list], like: Sequence[torch.Tensor]
-                  ) -> list[torch.Tensor]:
-        """Broadcast the lead's received tensors over the tensor-parallel group (shapes of activations from
-        the lead's meta, shared once; gradients are shaped like this rank's own outputs)."""
+    def _tp_share(self, kind: str, tensors: Optional[list], meta: Optional[Meta], like: Sequence[torch.Tensor]
+                  ) -> tuple[list[torch.Tensor], Optional[Meta]]:
+        """Broadcast the lead's received tensors over the tensor-parallel group: activations after their
+        metadata (it may change from one micro-batch to the next); gradients are shaped like this rank's own
+        outputs."""
         group, lead = self.grid.tp_group, self.grid.tp_lead
         self.guard.peers = tuple(self.grid.tp_ranks)
         what = "the tensor-parallel broadcast"
-        if kind == "A" and k not in self.recv_meta:  # the lead has it from the previous stage
+        if kind == "A":
             where = "cpu" if self.grid.on_host(group) else self.device
-            meta = torch.zeros(META_LEN, dtype=torch.int64, device=where)
+            message = torch.zeros(META_LEN, dtype=torch.int64, device=where)
             if self.is_lead:
-                meta = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, self._recv_meta_lead[k])]).to(where)
-            self.guard(lambda: dist.broadcast(meta, src=lead, group=group), what)
-            self.recv_meta[k] = decode_meta(meta.cpu())
+                message = encode_meta([(t, req) for t, (_, _, req) in zip(tensors, meta)]).to(where)
+            self.guard(lambda: dist.broadcast(message, src=lead, group=group), what)
+            meta = decode_meta(message.cpu())
         if tensors is None:
-            tensors = ([torch.empty((self.rows, *shape), dtype=d, device=self.device) for d, shape, _ in self.recv_meta[k]]
+            tensors = ([torch.empty((self.rows, *shape), dtype=d, device=self.device) for d, shape, _ in meta]
                        if kind == "A" else [torch.empty_like(t) for t in like])
         for t in tensors:
             self.guard(lambda: dist.broadcast(t, src=lead, group=group), what)
-        return tensors
+        return tensors, meta
 
 
 def _meta_of(tensors: Sequence[torch.Tensor]) -> Meta:

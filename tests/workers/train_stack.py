@@ -139,11 +139,12 @@ def main():
             if arg.startswith("bucket_mb="):
                 config["hetero"]["bucket_mb"] = float(arg.split("=", 1)[1])
         import hethub.runtime.transport as transport
-        wire, plain_pack = set(), transport.pack
+        wire, pack_devices, plain_pack = set(), set(), transport.pack
 
-        def recorded_pack(x, ranges, dtype=None):  # the dtypes boundary buffers cross in
+        def recorded_pack(x, ranges, dtype=None):  # the dtypes boundary buffers cross in, and where they are packed
             buf = plain_pack(x, ranges, dtype)
             wire.add(str(buf.dtype))
+            pack_devices.add(buf.device.type)
             return buf
         transport.pack = recorded_pack
         engine, _, _, _ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
@@ -184,7 +185,9 @@ def main():
     torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
                 "eval_loss": torch.tensor(eval_loss, dtype=torch.float64), "trace": trace,
                 "forwards": 0 if single else forwards[0], "weight_casts": weight_casts,
-                "wire": [] if single else sorted(wire), "loss_scale": scaler["scale"] if scaler else 0.0, "skipped": scaler["skipped"] if scaler else 0,
+                "wire": [] if single else sorted(wire),
+                "param_devices": [] if single else sorted({p.device.type for p in engine.module.parameters()}),
+                "pack_devices": [] if single else sorted(pack_devices), "loss_scale": scaler["scale"] if scaler else 0.0, "skipped": scaler["skipped"] if scaler else 0,
                 "device_type": "" if single else engine.grid.device_type,
                 "sends_held": 0 if single else max(engine.transport.peak_sends.values(), default=0),
                 "stage_bridge": False if single else engine.grid.dp_bridged,
