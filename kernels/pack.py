@@ -95,7 +95,17 @@ def fp8_supported(t: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
+def fp8_aligned(shape) -> bool:
+    """Whether the compiled fp8 kernels may run on a tensor of ``shape``: each row's scales (float32) are stored
+    after its T * H codes, at 4-byte alignment only where T * H is a multiple of 4 (a misaligned store is an
+    asynchronous device fault no ``try`` catches). Other shapes use the reference, which writes bytes."""
+    T, H = fp8_shape(tuple(shape))
+    return (T * H) % 4 == 0
+
+
 def _use_triton(t: torch.Tensor, backend: Optional[str], fp8: bool) -> bool:
+    if fp8 and not fp8_aligned(t.shape):
+        return False
     if backend == "reference":
         return False
     if backend == "triton":

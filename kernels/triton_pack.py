@@ -43,7 +43,10 @@ def _cast(x, OUT_ID: tl.constexpr):
         return x.to(tl.float32)
 
 
-@triton.jit
+# Row offsets change with every transfer (a replica's first row, a peer's slice): specialised, as Triton does for
+# integer arguments equal to 1 or divisible by 16, they would compile a kernel per class of offset in the first
+# iteration; not specialised, one compile serves every offset.
+@triton.jit(do_not_specialize=["src_row0", "dst_row0"])
 def _copy_rows(src, dst, src_row0, dst_row0, D, NCB, OUT_ID: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     r = pid // NCB
@@ -66,7 +69,7 @@ def _round_e4m3(v):
     return tl.where(v < 0, -q, q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_row0", "dst_row0"])
 def _pack_fp8(src, dst, src_row0, dst_row0, T, H, ROW_BYTES, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     r, t = pid // T, pid % T
@@ -83,7 +86,7 @@ def _pack_fp8(src, dst, src_row0, dst_row0, T, H, ROW_BYTES, BLOCK_H: tl.constex
     tl.store((row + T * H).to(tl.pointer_type(tl.float32)) + t, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_row0", "dst_row0"])
 def _unpack_fp8(src, dst, src_row0, dst_row0, T, H, ROW_BYTES, OUT_ID: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     r, t = pid // T, pid % T

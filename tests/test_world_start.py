@@ -74,3 +74,28 @@ def test_without_a_launcher_environment_deepspeed_discovers_the_world(monkeypatc
     monkeypatch.setattr(startup.deepspeed, "init_distributed", lambda dist_backend, **kw: calls.append(("ds", dist_backend)))
     startup.init_distributed(30, plan)
     assert calls == [("ds", "gloo")]
+
+
+def test_a_small_cuda_device_max_connections_is_warned_about_on_gpus_only():
+    from hethub.runtime.checks import connections_note
+    note = connections_note(4, True, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert note.startswith("hethub: warning: CUDA_DEVICE_MAX_CONNECTIONS=1 is below the 4 NCCL/RCCL groups")
+    assert connections_note(4, True, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
+    assert connections_note(4, True, {}) is None and connections_note(4, False, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None
+
+
+def test_the_watchdog_ends_a_rank_stuck_in_an_action_with_the_lost_peer_line():
+    """On NCCL a receive whose peer died never raises: hethub's watchdog ends the rank with one line instead,
+    naming the peers and the action; a rank back in the user's code (idle) is never ended."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import time\nfrom hethub.runtime.errors import Guard\n"
+            "g = Guard(3, 1, 4, lambda: 7)\ng.start_watchdog(0.5)\n"
+            "g.watch([0, 2], 'idle user code')\ng.idle()\ntime.sleep(1.5)\n"
+            "g.watch([0, 2], 'RA3<r0[0:2]')\ntime.sleep(5)\nprint('not ended')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 3 and len(lines) == 1 and "not ended" not in r.stdout, r.stderr
+    assert lines[0].startswith("error: rank 3 (stage 1) lost rank(s) 0, 2 during RA3<r0[0:2] at step 7: no progress "
+                               "for 0.5 s"), lines

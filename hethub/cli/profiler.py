@@ -91,11 +91,11 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
     """Median forward and backward milliseconds of one layer, activation bytes it keeps, and peak memory.
     ``agree`` makes the ranks of a tensor-parallel group run the same number of repetitions (the largest)."""
     fwd, bwd = [], []
-    saved = 0
     peak = None
     it = 0
     target = warmup + reps
     clock = Clock(device)
+    saved = _activation_bytes(module, make_input, device)  # its own pass: no hook runs inside a timed one
     while it < target:
         agree(0)  # tensor parallel: start each repetition together, so no rank's time holds another's idling
         x = make_input()
@@ -103,20 +103,16 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
             p.grad = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        meter = ActivationMeter(module.parameters())
         _sync(device)
         t0 = clock.mark()
-        with meter:
-            y = module(x)
+        y = module(x)
         t1 = clock.mark()
-        kept = meter.held  # what the forward left for the backward
         with torch.autocast(device.type, enabled=False):  # backward outside autocast, as the runtime runs it
             y.backward(torch.ones_like(y))
         t2 = clock.mark()
         if it >= warmup:
             fwd.append(clock.ms(t0, t1))
             bwd.append(clock.ms(t1, t2))
-            saved = kept
             if device.type == "cuda":
                 peak = int(torch.cuda.max_memory_allocated(device))
         elif it == warmup - 1:
@@ -127,6 +123,20 @@ def measure_layer(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
     return {"forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd),
             "activation_bytes": saved, "peak_memory_bytes": peak,
             "spread": spread([f + b for f, b in zip(fwd, bwd)])}
+
+
+def _activation_bytes(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device) -> int:
+    """What one forward of ``module`` leaves for its backward (``ActivationMeter``: autograd's saved-tensor hooks,
+    Python per saved tensor), measured in a pass of its own so that no timed pass runs the hooks."""
+    for p in module.parameters():
+        p.grad = None
+    meter = ActivationMeter(module.parameters())
+    with meter:
+        y = module(make_input())
+    held = meter.held
+    with torch.autocast(device.type, enabled=False):
+        y.backward(torch.ones_like(y))
+    return int(held)
 
 
 def measure_split(module: nn.Module, make_input: Callable[[], torch.Tensor], device: torch.device,
@@ -140,11 +150,11 @@ def measure_split(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
     clock, w_ref = Clock(device), {}
     inp, wgt, waiting = [], [], 0
     try:
-        for it in range(warmup + reps):
+        for it in range(-1, warmup + reps):  # -1: the untimed pass that measures what the weight pass waits with
             x = make_input()
             for p in weights:
                 p.grad = None
-            meter = ActivationMeter(module.parameters())
+            meter = ActivationMeter(module.parameters()) if it < 0 else contextlib.nullcontext()
             with meter:  # what the weight pass waits with: the graph kept for it, the tensors pinned for it
                 with calls.capturing() as recorded:
                     y = module(x)
@@ -153,7 +163,8 @@ def measure_split(module: nn.Module, make_input: Callable[[], torch.Tensor], dev
                     t0 = clock.mark()
                     pending = split_backward.backward_input([y], [torch.ones_like(y)], [x], weights, 1, recorded)
                     t1, w0 = clock.mark(), time.perf_counter()
-                    waiting = max(waiting, meter.held)
+                    if it < 0:
+                        waiting = meter.held
                     split_backward.backward_weight(weights, pending)
                     if slowdown != 1.0:
                         idle_to(slowdown, w_ref, "w", time.perf_counter() - w0)

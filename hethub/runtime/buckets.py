@@ -13,10 +13,13 @@ Order: a communicator runs collectives in issue order, so buckets start strictly
 (a bucket ready early waits for its predecessors); the index order is the parameter order, the same on every
 replica of a stage. A tensor-parallel parameter (a DTensor) cannot take a view of a plain buffer as its
 gradient: it is its own one-tensor member of its bucket, reduced in place on its shard. Where the replicas
-span vendors each bucket crosses the host bridge (a host copy, gloo, copied back), as before.
+span vendors each bucket crosses the host bridge: copied into a pinned host buffer without blocking the host (the
+autograd hook returns at once, the backward keeps launching), and a bridge thread waits for that copy's event,
+then runs the gloo all-reduce; ``AR`` copies the sum back.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -69,6 +72,8 @@ class Buckets:
     def __init__(self, params: Sequence[torch.nn.Parameter], bucket_bytes: int, group, bridged: bool,
                  run: Callable):
         self.group, self.bridged, self._run = group, bridged, run
+        self._host: dict[int, torch.Tensor] = {}  # bridged: each reduced tensor's pinned host buffer
+        self._pool: Optional[ThreadPoolExecutor] = None  # bridged: the thread running the gloo all-reduces
         self.buckets = [_Bucket(ps) for ps in bucket_params(params, bucket_bytes)]
         self.where = {id(p): k for k, b in enumerate(self.buckets) for p in b.params}
         self.armed: frozenset = frozenset()  # parameters whose gradients the running action finishes
@@ -115,10 +120,30 @@ class Buckets:
     def _launch(self, b: _Bucket) -> None:
         tensors = ([b.flat] if b.flat is not None else []) + [self._alone_grad(p) for p in b.alone]
         for t in tensors:
-            wire = t.to("cpu") if self.bridged and t.device.type != "cpu" else t
-            work = self._run(lambda: dist.all_reduce(wire, group=self.group, async_op=True), "AR")
+            if self.bridged and t.device.type != "cpu":
+                wire, work = self._bridge(t)
+            else:
+                wire, work = t, self._run(lambda: dist.all_reduce(t, group=self.group, async_op=True), "AR")
             b.works.append((t, wire, work))
         self.next_launch += 1
+
+    def _bridge(self, t: torch.Tensor):
+        """``t`` copied into its pinned host buffer (kept from step to step) without waiting, and its all-reduce
+        handed to the bridge thread (one: buckets start in index order), which waits for the copy first. The
+        buffer is reused safely: the next step's copy into it is stream-ordered after this step's copy out."""
+        host = self._host.get(id(t))
+        if host is None or host.shape != t.shape:
+            host = self._host[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hethub-bridge")
+
+        def reduce():
+            copied.synchronize()
+            dist.all_reduce(host, group=self.group)
+        return host, self._pool.submit(reduce)
 
     @staticmethod
     def _alone_grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -133,9 +158,9 @@ class Buckets:
             self._launch(self.buckets[self.next_launch])
         for b in self.buckets:
             for t, wire, work in b.works:
-                self._run(work.wait, "AR")
+                self._run(work.wait if hasattr(work, "wait") else work.result, "AR")
                 if wire is not t:
-                    t.copy_(wire)
+                    t.copy_(wire, non_blocking=True)
             b.works = []
         for b in self.buckets:
             for p in b.params:

@@ -123,3 +123,17 @@ def plan_local_index(plan: Plan, rank: int) -> int:
     slots = sorted(slot for s in plan.stages for r in s.replicas if r.host == me.host
                    for slot in r.group_slots(s.tensor_parallel))
     return slots.index(mine)
+
+
+def connections_note(accelerator_groups: int, on_device: bool, env: Optional[dict] = None) -> Optional[str]:
+    """A warning where ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron set-ups use 1) is below the accelerator groups this
+    rank talks on: each NCCL group is a stream of its own, streams then share hardware queues, and an operation
+    queued behind a receive still waiting for its peer blocks the queue (a gradient receive posted right after a
+    forward can hold up the next stage's activations). None where there is nothing to say."""
+    env = os.environ if env is None else env
+    value = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if not on_device or value is None or not value.strip().isdigit() or int(value) >= accelerator_groups:
+        return None
+    return (f"hethub: warning: CUDA_DEVICE_MAX_CONNECTIONS={value} is below the {accelerator_groups} NCCL/RCCL "
+            f"groups this rank uses (one stream each): queued behind a waiting receive, transfers can stall; unset "
+            f"it or set it to at least {accelerator_groups}")

@@ -69,6 +69,10 @@ class HeteroPipelineEngine(PipelineEngine):
         # This rank's training actions: the plan's schedule or a hand-edited one (checked before launch).
         self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
+        if self.device.type != "cpu" and any(not grid.on_host(g) for g in grid.my_groups()):
+            # NCCL/RCCL report a lost peer only through their watchdog, at the groups' timeout, with a C++ trace:
+            # hethub's own watchdog says it in one line a little before (errors.Guard.start_watchdog)
+            self.guard.start_watchdog(max(0.9 * control.timeout_s, control.timeout_s - 15.0))
         self.zero1 = zero1(self.optimizer) if zero1 is not None else None
         self.transport = Transport(grid, self.device, self.guard, default_wire=self.precision.wire)
         self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1, bucket_bytes)
@@ -155,6 +159,7 @@ class HeteroPipelineEngine(PipelineEngine):
 
     def _exec_optimizer_step(self, lr_kwargs=None):
         samples = self.global_samples
+        self.gradients.step_sums(self.executor.total_loss, self.executor.loss_scale)
         if self.loss_scaler is not None:
             finite = self.gradients.unscale(self.executor.loss_scale)
             self.loss_scaler.update_scale(not finite)

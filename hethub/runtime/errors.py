@@ -6,7 +6,9 @@ must end the rank the same way, so peers see it gone within seconds rather than 
 from __future__ import annotations
 
 import os
-from typing import Callable, NoReturn, Sequence, TypeVar
+import threading
+import time
+from typing import Callable, NoReturn, Optional, Sequence, TypeVar
 
 from ..partitioner.errors import print_error
 
@@ -58,9 +60,35 @@ class Guard:
         self._step = step
         self.peers: tuple[int, ...] = ()
         self.what = "start-up"
+        self._since: Optional[float] = None  # when the watched work began (None: user code runs, not watched)
+        self._watchdog: Optional[threading.Thread] = None
 
     def watch(self, peers: Sequence[int], what: str) -> None:
         self.peers, self.what = tuple(peers), what
+        self._since = time.monotonic()
+
+    def idle(self) -> None:
+        """hethub's work is done for now (the user's code runs: it may take as long as it likes)."""
+        self._since = None
+
+    def start_watchdog(self, deadline_s: float) -> None:
+        """On NCCL/RCCL, errors are asynchronous: ``work.wait()`` returns at once, a receive whose peer died never
+        raises here, and NCCL's own watchdog ends the process after the groups' timeout with a C++ trace. This
+        thread watches hethub's own work instead: one action (or collective) that has not finished after
+        ``deadline_s`` (set a little before the groups' timeout) ends the rank with the lost-peer line (exit 3),
+        naming the peers it waited for, the action and the step."""
+        if self._watchdog is not None:
+            return
+
+        def run():
+            while True:
+                time.sleep(min(1.0, deadline_s / 10))
+                since = self._since
+                if since is not None and time.monotonic() - since > deadline_s:
+                    self.lost(self.what, TimeoutError(f"no progress for {deadline_s:g} s (the device's "
+                                                      "collectives report no error of their own)"))
+        self._watchdog = threading.Thread(target=run, daemon=True, name="hethub-watchdog")
+        self._watchdog.start()
 
     def __call__(self, fn: Callable[[], T], what: str = "") -> T:
         try:

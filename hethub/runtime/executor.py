@@ -58,6 +58,8 @@ class Executor:
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
         self._writes_inputs: dict[int, bool] = {}  # chunk -> whether its forward writes into its inputs (probed once)
         self._probe: dict[int, list] = {}  # chunk -> (clone, its version before the forward) while probing
+        self._loads: list[int] = []  # the micro-batches this iteration loads, in order
+        self._ahead: dict[int, tuple] = {}  # micro-batch -> its rows, copied ahead (GPU)
         self._handlers = {"L": self._load, "F": self._forward, "B": self._backward, "W": self._weight,
                           "SA": self._send_activations, "RA": self._recv_activations,
                           "SG": self._send_grads, "RG": self._recv_grads,
@@ -81,6 +83,7 @@ class Executor:
     def run(self, actions: Sequence[Action], loss_denominator: int) -> None:
         """Execute one iteration's actions in order; every send has landed when this returns."""
         self._reset()
+        self._loads, self._ahead = sorted(a.mb for a in actions if a.kind == "L"), {}
         self.total_loss, self._loss_denominator = None, loss_denominator
         self.executed, self.executed_s = [], []
         self._split = {(a.mb, self._at(a)) for a in actions if a.kind == "W"}  # their B: input gradients only
@@ -94,6 +97,7 @@ class Executor:
                 self._run_action(a, armed=finals.get(i, frozenset()))
         self.guard.watch((), "the iteration's last sends")
         self.transport.wait_sends()
+        self.guard.idle()
 
     def _precision(self, kind: Optional[str]):
         """Autocast for the whole iteration (``kind`` None), then per action: on for forwards only.
@@ -143,17 +147,29 @@ class Executor:
 
     # ------------------------------------------------------------------ data
     def _load(self, a: Action) -> None:
+        """This rank's rows of the next micro-batch. On a GPU they were copied ahead: each load reads the
+        micro-batch after it (when this iteration loads one more) and issues its host -> device copies from
+        pinned memory without waiting, so the copy overlaps the compute between the two loads."""
+        rows = self._ahead.pop(a.mb) if a.mb in self._ahead else self._read_rows()
+        if self.grid.holds_first:
+            self._inputs[(a.mb, 0)] = rows[0]
+        if self.grid.holds_last:
+            self._labels[a.mb] = rows[1]
+        later = [mb for mb in self._loads if mb > a.mb]
+        if self.device.type != "cpu" and later:
+            self._ahead[later[0]] = self._read_rows()
+
+    def _read_rows(self) -> tuple:
         batch = self._next_batch()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("hethub: data_iter must yield (inputs, labels) per micro-batch")
         inputs, labels = batch
-        if self.grid.holds_first:
-            self._inputs[(a.mb, 0)] = self._rows(inputs, "inputs")
-        if self.grid.holds_last:
-            self._labels[a.mb] = self._rows(labels, "labels")
+        return (self._rows(inputs, "inputs") if self.grid.holds_first else None,
+                self._rows(labels, "labels") if self.grid.holds_last else None)
 
     def _rows(self, x, what: str):
-        """This replica's rows of a whole micro-batch (a tensor or a tuple of tensors), on the device."""
+        """This replica's rows of a whole micro-batch (a tensor or a tuple of tensors), on the device (from
+        pinned host memory, not waited for, on a GPU)."""
         lo, hi = self.grid.sample_start, self.grid.sample_stop
         for t in as_tuple(x):
             if not torch.is_tensor(t):
@@ -161,7 +177,10 @@ class Executor:
             if t.shape[0] != self.micro_batch_size:
                 raise ValueError(f"hethub: {what} has {t.shape[0]} rows; the plan's micro_batch_size is "
                                  f"{self.micro_batch_size}")
-        mine = tuple(t[lo:hi].to(self.device) for t in as_tuple(x))
+        pin = self.device.type == "cuda"
+        mine = tuple((t[lo:hi].pin_memory() if pin and t.device.type == "cpu" else t[lo:hi]).to(self.device,
+                                                                                               non_blocking=pin)
+                     for t in as_tuple(x))
         return mine if isinstance(x, tuple) else mine[0]
 
     # ------------------------------------------------------------------ compute

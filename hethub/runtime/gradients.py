@@ -34,6 +34,7 @@ class Gradients:
         layers = dict(module.indexed_layers())
         self.tied = [(tie, group, _tied_parameter(tie, layers)) for tie, group in grid.tie_groups]
         self.global_norm: Optional[float] = None  # of the last clip
+        self._sums: Optional[tuple] = None  # (loss, squared norm, all finite, scale in it) of this step (step_sums)
         group = grid.get_data_parallel_group() if grid.data_parallel_size > 1 else None
         self.buckets = maybe_buckets(module.parameters(), bucket_bytes, group,
                                      group is not None and grid.on_host(group) and device.type != "cpu",
@@ -98,33 +99,49 @@ class Gradients:
                 if not any(a <= tie.owner[0] < b for a, b in self.grid.stage.chunk_ranges)}
         return [p for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
 
-    def clip(self, max_norm: float) -> float:
-        """Clip by the global norm: each stage's squared norm once (replica 0 contributes), summed over stages.
-        In a tensor-parallel group a split parameter's shards add up on every rank; a whole one counts once."""
+    def step_sums(self, total_loss: Optional[torch.Tensor], scale: Optional[float]) -> None:
+        """At the optimizer step, before it: this rank's share of the loss, its share of the squared gradient norm
+        and its vote on finite gradients, summed over the world in one control all-reduce (three latency-bound
+        rings per step were one each). Norms come from ``torch._foreach_norm`` (one kernel per dtype, one device
+        sync for the three numbers). ``scale``: fp16's loss scale the gradients still carry (a power of two: the
+        norm of the unscaled gradients is exactly this one divided by it)."""
         grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        counted = [local(p.grad) for p in self._norm_parameters() if is_sharded(p) or self.grid.tp_rank == 0]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.grid.replica_id == 0 and counted:
-            sq += sum(g.detach().double().pow(2).sum() for g in counted)
+        counted = {id(local(p.grad)) for p in self._norm_parameters() if is_sharded(p) or self.grid.tp_rank == 0}
+        shards = self.zero1.shard_grads() if self.zero1 is not None else []
+        mine = torch.zeros(3, dtype=torch.float64)
+        if self.grid.holds_last and self.grid.tp_rank == 0 and total_loss is not None:
+            mine[0] = total_loss.detach().double().reshape(())
+        if grads or shards:
+            norms = torch._foreach_norm(grads + shards)
+            sq = torch.stack([n.double() for n in norms]).pow(2)
+            mask = torch.tensor([id(g) in counted for g in grads] + [False] * len(shards), device=sq.device)
+            counted_sq = sq[mask].sum() if self.grid.replica_id == 0 else sq.new_zeros(())
+            mine[1:] = torch.stack([counted_sq, (~torch.isfinite(sq)).sum().double()]).cpu()
         self.guard.peers = ()
-        sq = self.guard(lambda: self.control.sum(sq), "the gradient norm's all-reduce")
-        total = float(sq.sqrt())
+        total = self.guard(lambda: self.control.sum(mine), "the step's all-reduce (loss, gradient norm, fp16 vote)")
+        self._sums = (total[0], float(total[1]), float(total[2]) == 0.0, scale or 1.0)
+
+    def clip(self, max_norm: float) -> float:
+        """Clip by the global norm (``step_sums``): each stage's squared norm once (replica 0 contributes), summed
+        over stages; in a tensor-parallel group a split parameter's shards add up on every rank, a whole one
+        counts once."""
+        _loss, sq, _finite, scale = self._sums
+        total = sq ** 0.5 / scale
         self.global_norm = total
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in grads + (self.zero1.shard_grads() if self.zero1 is not None else []):
-                g.mul_(coef)
+            grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads + (self.zero1.shard_grads() if self.zero1 is not None else []), coef)
         return total
 
     def unscale(self, scale: float) -> bool:
-        """fp16: divide the step's gradients by the loss scale; True when every rank's are finite (agreed over
-        the control channel, so that every rank skips the same steps and the stages never diverge)."""
+        """fp16: divide the step's gradients by the loss scale; True when every rank's are finite (the vote of
+        ``step_sums``, so that every rank skips the same steps and the stages never diverge)."""
         grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
         shards = self.zero1.shard_grads() if self.zero1 is not None else []
-        finite = precision.unscale(grads, scale)
-        precision.unscale(shards, scale)
-        self.guard.peers = ()
-        return self.guard(lambda: self.control.min([int(finite)]), "the loss-scale overflow check")[0] == 1
+        precision.unscale(grads + shards, scale)
+        self._sums = (*self._sums[:3], 1.0)  # the norm below is of the unscaled gradients
+        return self._sums[2]
 
     def after_step(self) -> None:
         """ZeRO-1: every replica gathers the updated parameters from the shards."""
@@ -143,6 +160,9 @@ class Gradients:
         """Sum of every replica's sample-weighted loss (already divided by the batch), on every rank: the last
         stage's replicas (their tensor-parallel leads) give theirs, every other rank 0, over the control channel
         in float64 (no rounding on the way)."""
+        if self._sums is not None:  # a training step summed its loss with the norm and the vote
+            loss, self._sums = self._sums[0], None
+            return loss.to(self.device)
         grid = self.grid
         self.guard.peers = ()
         with torch.no_grad():

@@ -92,6 +92,10 @@ class HeteroGrid:
                                                      for spec in specs if spec.purpose == "tie"
                                                      and ("tie", None, spec.index) in mine]
 
+    def my_groups(self) -> list:
+        """Every group this rank belongs to (the world's own excepted)."""
+        return list(self._spec_of)
+
     def local_chunk(self, position: int) -> int:
         """Which of this group's chunks (0, 1, ...) pipeline chunk ``position`` is."""
         return self.positions.index(position)

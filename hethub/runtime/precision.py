@@ -79,11 +79,11 @@ def check_device_dtype(precision: Precision, device: torch.device) -> None:
                                                 f"(\"fp16\": {{\"enabled\": true}}; plan with --dtype fp16)")
 
 
-def unscale(grads: list, scale: float) -> bool:
-    """Divide gradients by the loss scale in place; whether all of them are finite (one device sync)."""
-    for g in grads:
-        g.mul_(1.0 / scale)
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+def unscale(grads: list, scale: float) -> None:
+    """Divide gradients by the loss scale in place (one foreach kernel per dtype; whether they are finite was
+    voted on before, ``Gradients.step_sums``)."""
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / scale)
 
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")  # DeepSpeed's, by name

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -247,17 +247,21 @@ def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
     opt = engine.optimizer
     out: dict[int, dict[str, Any]] = {}
     owners = tie_owners(engine)
+    # Only the writer (replica 0's lead) copies to the host: the others take part in the gathers and drop the result
+    writes = engine.grid.replica_id == 0 and engine.grid.tp_rank == 0
+    to_host = _host_copy if writes else (lambda t: t)
 
     def put(p, st):
         idx, name = names[id(p)]
         if (idx, name) in owners:
             return  # a tied weight's state is stored with its first layer, by the stage holding that
-        out.setdefault(idx, {})[name] = {k: (_host_copy(_whole_state(p, v)) if torch.is_tensor(v) else v)
-                                         for k, v in st.items()}
+        whole = {k: (to_host(_whole_state(p, v)) if torch.is_tensor(v) else v) for k, v in st.items()}
+        if writes:
+            out.setdefault(idx, {})[name] = whole
 
     if engine.zero1 is not None:
         for shard in engine.zero1.shards:
-            for p, st in zip(shard.params, _gathered_state(engine, shard)):
+            for p, st in zip(shard.params, _gathered_state(engine, shard, to_host)):
                 put(p, st)
         return out
     for group in opt.param_groups:
@@ -278,7 +282,7 @@ def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return gather_like(v, p)
 
 
-def _gathered_state(engine, shard) -> list[dict]:
+def _gathered_state(engine, shard, to_host: Callable) -> list[dict]:
     """ZeRO-1: the full per-parameter state of one flat shard, every replica's elements all-gathered (tensors
     only, in hethub's own collectives: nothing is pickled). Per-element state (shaped like the shard) is
     gathered; 0-d state such as Adam's step is the same on every replica and copied to each parameter."""
@@ -289,7 +293,7 @@ def _gathered_state(engine, shard) -> list[dict]:
     for k in keys:
         padded = torch.zeros(shard.chunk, dtype=st[k].dtype, device=st[k].device)
         padded[:st[k].numel()].copy_(st[k].reshape(-1))
-        gathered[k] = engine.gradients.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total].cpu()
+        gathered[k] = to_host(engine.gradients.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total])
     scalars = {k: v for k, v in st.items() if k not in gathered}
     return shard.split_state(gathered, scalars) if st else []
 

@@ -34,8 +34,8 @@ from ..partitioner.outputs import count
 from ..partitioner.records import Plan, Profile
 from ..partitioner.schedule import build_schedule
 from . import ds_seams, elastic, tp
-from .checks import (check_against_world, launched_world, load_checked_schedule, local_device_index, on_gpu,
-                     resolve_plan)
+from .checks import (check_against_world, connections_note, launched_world, load_checked_schedule,
+                     local_device_index, on_gpu, resolve_plan)
 from .control import Control
 from .precision import Precision, check_device_dtype, plan_dtype_note, precision_from_config
 from .engine import HeteroPipelineEngine
@@ -308,6 +308,9 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         print(note, file=sys.stderr, flush=True)
     grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name(),
                       timeout_s=run.hetero.timeout_s)
+    note = connections_note(sum(1 for g in grid.my_groups() if not grid.on_host(g)), on_gpu())
+    if note:
+        print(note, file=sys.stderr, flush=True)
     pins = _emulation_pins(run, grid)
     module = HeteroPipelineModule(_stage_layers(run, grid, pins), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
