@@ -33,15 +33,24 @@ def worker(plan_path: str, out_path: str, steps: int) -> None:
                                    config={"gradient_clipping": 1.0},
                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
     M, mb = engine.plan.num_micro_batches, engine.plan.micro_batch_size
-    per_mb = []
+    per_mb, by_kind, step_ms = [], {}, []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         batches = [(torch.randn(mb, 16, generator=g), torch.randn(mb, 4, generator=g)) for _ in range(M)]
+        t0 = time.perf_counter()
         engine.train_batch(iter(batches))
-        host = sum(end - start - wait for start, end, wait in engine.executed_s)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        # the micro-batches' own actions (the step's AR and OPT are per step, reported in step_ms)
+        host = sum(end - start - wait for text, (start, end, wait) in zip(engine.executed, engine.executed_s)
+                   if text not in ("AR", "OPT"))
         per_mb.append(host / M * 1e3)
+        if step >= 2:
+            for text, (start, end, wait) in zip(engine.executed, engine.executed_s):
+                kind = text.rstrip("0123456789").split("<")[0].split(">")[0].rstrip("0123456789@")
+                by_kind.setdefault(kind, []).append((end - start - wait) * 1e3)
     with open(out_path.replace("{rank}", os.environ["RANK"]), "w") as f:
-        json.dump({"stage": engine.grid.stage_id, "host_ms_per_micro_batch": per_mb[2:]}, f)
+        json.dump({"stage": engine.grid.stage_id, "host_ms_per_micro_batch": per_mb[2:], "step_ms": step_ms[2:],
+                   "by_kind": {k: statistics.median(v) for k, v in by_kind.items()}}, f)
 
 
 def run_plan(steps: int) -> dict:
@@ -59,11 +68,16 @@ def run_plan(steps: int) -> dict:
         if rc != 0:
             raise SystemExit(f"rank {r} failed:\n{err[-2000:]}")
     per_stage: dict[int, list[float]] = {}
+    kinds: dict[str, dict] = {}
+    steps_ms: list[float] = []
     for r in range(plan.world_size):
         with open(out.replace("{rank}", str(r))) as f:
             got = json.load(f)
         per_stage.setdefault(got["stage"], []).extend(got["host_ms_per_micro_batch"])
-    return {f"stage {s}": round(statistics.median(v), 4) for s, v in sorted(per_stage.items())}
+        steps_ms += got["step_ms"]
+        kinds.setdefault(f"stage {got['stage']} by action (ms)", {k: round(v, 4) for k, v in got["by_kind"].items()})
+    return {**{f"stage {s}": round(statistics.median(v), 4) for s, v in sorted(per_stage.items())},
+            "step_ms": round(statistics.median(steps_ms), 3), **kinds}
 
 
 def profiler_hooks(reps: int = 30) -> dict:

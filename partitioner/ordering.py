@@ -10,7 +10,8 @@ buffered sends either):
 
 - Each transfer action posts, per tensor, one operation per peer, in the action's peer order, on its group
   (``groups.transfer_group``: activations on the boundary's forward group, gradients on its backward group). Every
-  ``SA`` sends a metadata message to each peer first (shapes may change between micro-batches); an ``RA`` posts
+  ``SA`` sends each peer a metadata message just before its rows of the first tensor (shapes may change between
+  micro-batches); an ``RA`` posts
   the metadata receives only, and its data receives follow once that metadata is read: at the next ``RA`` on the
   same group, or at the forward that needs them, which wait for it there (the runtime does exactly this; it may
   also post them sooner, between actions, when the metadata has arrived, which only lets messages match earlier).
@@ -98,9 +99,16 @@ class _Replay:
         two consecutive chunks) moves them locally, with no operation."""
         group = self._group(st, a)
         send = a.kind in ("SA", "SG")
-        messages = ([("meta", a.mb, 0)] if meta else
-                    [(a.kind[1], a.mb, k) for k in range(self.n_tensors)])
-        ops = [_Op(send, st.rank, t.peer, m, str(a)) for m in messages for t in a.transfers if t.peer != st.rank]
+        peers = [t.peer for t in a.transfers if t.peer != st.rank]
+        data = [(a.kind[1], a.mb, k) for k in range(self.n_tensors)]
+        if not meta:
+            order = [(m, p) for m in data for p in peers]
+        elif send:  # an activation send: to each peer its metadata, then its rows of the first tensor; the rest
+            order = [(m, p) for p in peers for m in (("meta", a.mb, 0), data[0])] + [(m, p) for m in data[1:]
+                                                                                      for p in peers]
+        else:  # a receive's metadata, from each peer (its data receives follow once they are read)
+            order = [(("meta", a.mb, 0), p) for p in peers]
+        ops = [_Op(send, st.rank, p, m, str(a)) for m, p in order]
         for op in ops:
             self.queues.setdefault((st.rank, group), deque()).append(op)
         st.ops += ops
@@ -126,9 +134,9 @@ class _Replay:
         if k in ("SA", "SG") and self._window_full(st, a):
             return False
         if k == "SA":
-            meta = self._post(st, a, meta=True)
-            st.posted[("A", a.mb, a.chunk)] = self._post(st, a)
-            self._hold(st, a, meta + st.posted[("A", a.mb, a.chunk)])
+            ops = self._post(st, a, meta=True)
+            st.posted[("A", a.mb, a.chunk)] = ops
+            self._hold(st, a, ops)
         elif k == "RA":
             if not self._resolve(st, group):
                 return False

@@ -129,9 +129,10 @@ class Gradients:
         total = sq ** 0.5 / scale
         self.global_norm = total
         coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads + (self.zero1.shard_grads() if self.zero1 is not None else []), coef)
+        grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        grads += self.zero1.shard_grads() if self.zero1 is not None else []
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
         return total
 
     def unscale(self, scale: float) -> bool:

@@ -124,8 +124,7 @@ class Transport:
             return  # the group's lead sends the (replicated) output once
         route = self._route("fwd", k)
         self._make_room(route.direction, transfers)
-        self._send_meta(outputs, transfers, route)
-        self._post_sends(outputs, transfers, route)
+        self._post_sends(outputs, transfers, route, meta=self._meta_message(outputs, route))
 
     def recv_activations(self, mb: int, transfers, k: int) -> None:
         """Post the metadata receives of micro-batch ``mb``'s activations; the previous receive on this boundary
@@ -243,7 +242,7 @@ class Transport:
         self.ops.wait_all()
 
     # ------------------------------------------------------------------ metadata
-    def _send_meta(self, outputs: tuple, peers, route) -> None:
+    def _meta_message(self, outputs: tuple, route) -> torch.Tensor:
         """The metadata message before each activation send. Its tensor is made (and copied to the group's
         device) once per distinct signature, not per send: every send of the same shapes posts the same tensor."""
         signature = (route.device, tuple(_meta_of(outputs)))
@@ -253,9 +252,7 @@ class Transport:
                 self._metas.clear()
             meta = self._metas[signature] = encode_meta([(t, req) for t, (_, _, req) in
                                                          zip(outputs, signature[1])]).to(route.device)
-        for p in peers:
-            op = self.ops.issue(route.group, lambda p=p: dist.isend(meta, p.peer, group=route.group))
-            self._sends.append((op, route.direction, p.peer, self._send_id, meta))
+        return meta
 
     # ------------------------------------------------------------------ row slices
     def _route(self, direction: str, after: int) -> "_Route":
@@ -265,11 +262,14 @@ class Transport:
         return _Route(direction, group, torch.device("cpu") if host else self.device,
                       boundary.dtype if boundary is not None and boundary.dtype else self.default_wire)
 
-    def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, route: "_Route") -> None:
-        """isend each peer its rows of every tensor, packed (and cast to the boundary's wire dtype)."""
+    def _post_sends(self, tensors: Sequence[torch.Tensor], transfers, route: "_Route",
+                    meta: Optional[torch.Tensor] = None) -> None:
+        """isend each peer its rows of every tensor, packed (and cast to the boundary's wire dtype); ``meta``, the
+        metadata message, goes to each peer in one operation with its rows of the first tensor, just before them
+        (one lane hand-off per peer, not two: the order each peer sees is the same)."""
         base = self.grid.sample_start
         ranges = [(t.start - base, t.stop - base) for t in transfers]
-        for x in tensors:
+        for i, x in enumerate(tensors):
             x = x.detach()
             if x.dtype in WIRE_DTYPES:
                 buf = pack(x, ranges, wire_dtype_for(x.dtype, route.wire))
@@ -278,10 +278,10 @@ class Transport:
             buf, ready = _to_host(buf) if route.device.type == "cpu" and buf.device.type != "cpu" else (buf, None)
             off = 0
             for (a, b), t in zip(ranges, transfers):
-                piece = buf[off:off + b - a]
-                op = self.ops.issue(route.group, lambda piece=piece, t=t: dist.isend(piece, t.peer, group=route.group),
-                                    ready)
-                self._sends.append((op, route.direction, t.peer, self._send_id, piece))
+                pieces = [meta, buf[off:off + b - a]] if meta is not None and i == 0 else [buf[off:off + b - a]]
+                op = self.ops.issue(route.group, lambda pieces=pieces, t=t: _Works(
+                    [dist.isend(piece, t.peer, group=route.group) for piece in pieces]), ready)
+                self._sends += [(op, route.direction, t.peer, self._send_id, piece) for piece in pieces]
                 off += b - a
 
     def _post_recvs(self, kind: str, mb: int, k: int, specs: Sequence[tuple[torch.dtype, tuple]], transfers,
@@ -353,6 +353,21 @@ class Transport:
 def _meta_of(tensors: Sequence[torch.Tensor]) -> Meta:
     """What a metadata message would say of ``tensors`` (for rows a rank hands itself)."""
     return [(t.dtype, tuple(t.shape[1:]), t.is_floating_point() and t.requires_grad) for t in tensors]
+
+
+class _Works:
+    """Several works of one operation (a metadata message and the rows after it, to one peer) as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 class _Route:
