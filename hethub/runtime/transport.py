@@ -73,6 +73,7 @@ class _Posted:
 
     def __init__(self, ops: list, pieces: list, specs: Sequence[tuple[torch.dtype, tuple]], ranges: list):
         self.ops, self.pieces, self.specs, self.ranges = ops, pieces, specs, ranges
+        self.mismatch = False  # the peers' metadata differed (read on a lane thread, raised at the take)
 
 
 class Transport:
@@ -133,10 +134,33 @@ class Transport:
             return  # the lead receives and shares at the forward (take); a rank's own rows are handed over
         self._resolve(k)
         route = self._route("fwd", k - 1)
+        if self.ops.strict(route.group):  # a lane serves the group: it posts the data receives itself, at once
+            self._recv_on_lane(mb, k, transfers, route)
+            return
         metas = [torch.zeros(META_LEN, dtype=torch.int64, device=route.device) for _ in transfers]
         ops = [self.ops.issue(route.group, lambda m=m, p=p: dist.irecv(m, p.peer, group=route.group))
                for m, p in zip(metas, transfers)]
         self._meta_pending[k] = (mb, _MetaPending(ops, metas, transfers, route))
+
+    def _recv_on_lane(self, mb: int, k: int, transfers, route: "_Route") -> None:
+        """An activation receive on a gloo group as one lane operation: the metadata from each peer, then, read on
+        the lane thread as soon as it is in, the data receives it describes, posted right behind it (the same
+        order on the group as on NCCL, where the main thread must read the metadata first)."""
+        posted = _Posted([], [], [], [])
+        metas = [torch.zeros(META_LEN, dtype=torch.int64) for _ in transfers]
+
+        def receive() -> "_Works":
+            for m, t in zip(metas, transfers):
+                dist.irecv(m, t.peer, group=route.group).wait()
+            if any(not torch.equal(m, metas[0]) for m in metas):
+                posted.mismatch = True
+                return _Works([])
+            meta = self._recv_meta[(mb, k)] = decode_meta(metas[0])
+            posted.specs = [(d, sh) for d, sh, _ in meta]
+            posted.pieces, pieces, posted.ranges = self._recv_buffers(posted.specs, transfers, route)
+            return _Works([dist.irecv(piece, peer, group=route.group) for piece, peer in pieces])
+        posted.ops = [self.ops.issue(route.group, receive)]
+        self._recvs[("A", mb, k)] = posted
 
     def progress(self) -> None:
         """Between actions: post the data receives of every activation receive whose metadata has arrived (earlier
@@ -184,8 +208,8 @@ class Transport:
             if self.is_lead:
                 if kind == "A" and self._meta_pending.get(k, (None,))[0] == mb:
                     self._resolve(k)
-                meta = self._recv_meta.pop((mb, k), None)
                 out = self._take_own(kind, mb, k)
+                meta = self._recv_meta.pop((mb, k), None)  # after the wait: a lane may have read it
             else:
                 out = None
             if self.grid.tp > 1:
@@ -288,9 +312,17 @@ class Transport:
                     route: "_Route") -> None:
         """irecv this replica's rows of each tensor (dtype, trailing shape) from the action's peers, each peer's
         rows straight into its slice of one buffer per tensor (no concatenation afterwards)."""
+        buffers, pieces, ranges = self._recv_buffers(specs, transfers, route)
+        ops = [self.ops.issue(route.group, lambda piece=piece, peer=peer: dist.irecv(piece, peer, group=route.group))
+               for piece, peer in pieces]
+        self._recvs[(kind, mb, k)] = _Posted(ops, buffers, specs, ranges)
+
+    def _recv_buffers(self, specs: Sequence[tuple[torch.dtype, tuple]], transfers, route: "_Route"):
+        """One buffer per tensor for this replica's rows of it; the (slice, peer) each receive fills, in posting
+        order (tensor by tensor, the action's peers in order); the rows' ranges."""
         base = self.grid.sample_start
         ranges = [(t.start - base, t.stop - base) for t in transfers]
-        ops, buffers = [], []
+        buffers, pieces = [], []
         pin = route.device.type == "cpu" and self.device.type != "cpu"  # the host bridge: pinned, copied async
         for dtype, shape in specs:
             wdt = wire_dtype_for(dtype, route.wire) if dtype in WIRE_DTYPES else None
@@ -299,12 +331,10 @@ class Transport:
                                 pin_memory=pin)
             off = 0
             for (a, b), t in zip(ranges, transfers):
-                piece = whole[off:off + b - a]
-                ops.append(self.ops.issue(route.group, lambda piece=piece, t=t: dist.irecv(piece, t.peer,
-                                                                                            group=route.group)))
+                pieces.append((whole[off:off + b - a], t.peer))
                 off += b - a
             buffers.append(whole)
-        self._recvs[(kind, mb, k)] = _Posted(ops, buffers, specs, ranges)
+        return buffers, pieces, ranges
 
     def _take_own(self, kind: str, mb: int, k: int) -> list[torch.Tensor]:
         """Wait for a posted receive; unpack and up-cast its buffers into this replica's full tensors."""
@@ -313,6 +343,8 @@ class Transport:
         for op in posted.ops:
             self.ops.wait(op)
         self.waited_s += time.perf_counter() - t0
+        if posted.mismatch:
+            raise RuntimeError("hethub: replicas of the previous stage send tensors of different shapes")
         out = []
         for (dtype, shape), whole in zip(posted.specs, posted.pieces):
             buf = whole.to(self.device, non_blocking=True)
