@@ -112,10 +112,9 @@ class Gradients:
         if self.grid.holds_last and self.grid.tp_rank == 0 and total_loss is not None:
             mine[0] = total_loss.detach().double().reshape(())
         if grads or shards:
-            norms = torch._foreach_norm(grads + shards)
-            sq = torch.stack([n.double() for n in norms]).pow(2)
-            mask = torch.tensor([id(g) in counted for g in grads] + [False] * len(shards), device=sq.device)
-            counted_sq = sq[mask].sum() if self.grid.replica_id == 0 else sq.new_zeros(())
+            sq = torch.stack(torch._foreach_norm(grads + shards)).double().pow(2)
+            picked = [i for i, g in enumerate(grads) if id(g) in counted] if self.grid.replica_id == 0 else []
+            counted_sq = sq[picked].sum() if picked else sq.new_zeros(())
             mine[1:] = torch.stack([counted_sq, (~torch.isfinite(sq)).sum().double()]).cpu()
         self.guard.peers = ()
         total = self.guard(lambda: self.control.sum(mine), "the step's all-reduce (loss, gradient norm, fp16 vote)")
