@@ -121,11 +121,15 @@ def check_batch_keys(plan: Plan, config: dict, ranks) -> None:
     for rank in ranks:
         stage_id, rep = plan.locate(rank)
         samples = plan.stages[stage_id].replicas[rep].samples
+        # DeepSpeed's meaning: the micro-batch one pipeline step takes (the plan's, whatever the split), the
+        # micro-batches per step, the global batch
         expected = {"train_batch_size": plan.global_batch_size, "gradient_accumulation_steps": plan.num_micro_batches,
-                    "train_micro_batch_size_per_gpu": samples}
+                    "train_micro_batch_size_per_gpu": plan.micro_batch_size}
         for key, want in expected.items():
             if key in config and config[key] != want:
-                raise InputError(f"config.{key}", f"must agree with the plan ({want} on rank {rank}), "
+                hint = (": the plan's micro-batch, not one replica's share of it" if key == "train_micro_batch_size_per_gpu"
+                        and config[key] == samples else "")
+                raise InputError(f"config.{key}", f"must agree with the plan ({want}{hint}), "
                                                   f"got {str(config[key])[:60]}")
 
 

@@ -597,17 +597,16 @@ class CostModel:
         return t
 
     def control_syncs_s(self, plan: Plan, train: bool = True) -> float:
-        """The runtime's world-wide control all-reduces of an iteration: the loss every rank returns (after the
-        last action); in training also the gradient norm each rank clips by before its step (DeepSpeed clips by
-        default, ``gradient_clipping`` 1.0; a run that sets 0 skips it, which a plan cannot know), and in fp16
-        the vote on finite gradients. Each moves one number, so only latency counts: a ring over every rank (the
-        control channel), 2 (n - 1) hops at the inter-node latency where the plan spans hosts, else the
-        intra-node one."""
+        """The runtime's world-wide control all-reduce of an iteration: one, in training and in evaluation. In
+        training it sums the loss every rank returns with the gradient norm each rank clips by and fp16's vote on
+        finite gradients (``Gradients.step_sums``, at the step); in evaluation the loss alone, after the last
+        action. A few numbers move, so only latency counts: a ring over every rank (the control channel),
+        2 (n - 1) hops at the inter-node latency where the plan spans hosts, else the intra-node one.
+        ``train`` is kept for the callers: both cost the same."""
         hosts = {rep.host for st in plan.stages for rep in st.replicas}
         net = self.cluster.network
         latency_s = (net.inter_node_latency_us if len(hosts) > 1 else net.intra_node_latency_us) * 1e-6
-        count = 1 + train * (1 + ((plan.dtype or self.dtype) == "fp16"))
-        return count * ring_allreduce(0.0, plan.world_size)[1] * latency_s
+        return ring_allreduce(0.0, plan.world_size)[1] * latency_s
 
     def stage_sync_parts(self, plan: Plan, s: int) -> tuple[float, int, float]:
         """Stage s of a placed plan at the end of its backward: (its bucketed gradient all-reduce, the number of

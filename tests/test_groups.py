@@ -12,27 +12,7 @@ from hethub.partitioner.groups import (ACCEL, GLOO, group_specs, spans_vendors, 
                                        world_backend)
 from hethub.partitioner.placement import StageLayout, build_plan
 from hethub.partitioner.schedule import build_schedule
-from instances import CASES, stack_plan
-
-TWO = Cluster.model_validate({
-    "name": "two-vendors",
-    "device_types": {"NV": {"vendor": "nvidia", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20},
-                     "AM": {"vendor": "amd", "peak_tflops": {"fp32": 1}, "memory_gib": 16, "memory_gbps": 20}},
-    "nodes": [{"host": "nv", "device_type": "NV", "count": 4}, {"host": "am", "device_type": "AM", "count": 4}]})
-MODEL = ModelConfig(name="m", architecture="gpt", num_layers=5, hidden_size=16, num_attention_heads=2,
-                    ffn_hidden_size=32, vocab_size=8, seq_length=1)
-
-
-def mixed_vendor_plan() -> Plan:
-    """Stage 0 on NVIDIA (width 2), stage 1 spanning vendors (one NV and one AM replica), stage 2 on AMD; both
-    boundaries go through the host."""
-    base = build_plan(MODEL, TWO, [StageLayout((0, 2), "NV", (2, 2)), StageLayout((2, 4), "NV", (3, 1)),
-                                   StageLayout((4, 7), "AM", (2, 2))], 4, 3)
-    data = json.loads(base.to_json())
-    data["stages"][1]["replicas"][1].update({"host": "am", "slot": 2, "device_type": "AM"})
-    data["boundaries"] = [{"after_stage": 0, "transport": "host"}, {"after_stage": 1, "transport": "host"}]
-    return Plan.model_validate(data)
-
+from instances import CASES, mixed_vendor_plan, stack_plan
 
 def test_no_group_but_gloo_spans_vendors_on_a_mixed_vendor_plan():
     plan = mixed_vendor_plan()

@@ -64,8 +64,8 @@ def test_launch_dry_run_passes_flags_through(tmp_path):
     assert cmd[cmd.index("--master_port") + 1] == "29600"
     from hethub.cli.launch import include_arg
     assert cmd[cmd.index("--include") + 1] == include_arg(unequal_plan()) == "small:0,1@big:0,1,2"
-    i = cmd.index(script)
-    assert cmd[i + 1:] == ["--hetero-plan", str(path), "--lr", "1"]
+    i = cmd.index(script)  # each rank starts through hethub's entry, which takes the plan; the script's args as given
+    assert cmd[i - 4:] == ["--module", "hethub.cli.rank_entry", "--hetero-plan", str(path), script, "--lr", "1"]
     r = run_cli("launch", "--hetero-plan", str(path), "--include", "big:0", script)
     assert r.returncode == 2 and r.stderr.startswith("error: --include: the plan places every rank")
 
@@ -76,8 +76,9 @@ MULTI_HOST_CASES = {  # plan on hosts small (node 0) and big (node 1); flags aft
                     "error: --node_rank: must be in 0..1 (node ranks: 0 = 'small', 1 = 'big'), got 2"),
     "unknown_host": (["--no_ssh", "--master_addr", "10.0.0.1"], "error: --node_rank: this machine ("),
     "no_pdsh": ([], "error: launch: the plan spans 2 hosts and DeepSpeed's pdsh launcher is not installed"),
-    "misplaced_dry_run": (["--no_ssh", "--dry-run"], "error: launch: deepspeed's launcher: unrecognized arguments: "
-                                                     "--dry-run (hethub launch's own flags"),
+    # hethub's own flags may come anywhere before the script: --dry-run is hethub's, the missing address is said
+    "dry_run_after_deepspeeds": (["--no_ssh", "--dry-run"], "error: --master_addr: --no_ssh needs the address of "
+                                                            "node 0, host 'small'"),
 }
 
 
@@ -200,9 +201,10 @@ def test_a_missing_training_script_is_one_line_before_the_launcher_starts(dry):
 
 
 CONFIG_CASES = {  # ds_config given to the script -> the launcher's one line (was: each rank's, after start-up)
-    "batch": ({"train_batch_size": 7}, "error: config.train_batch_size: must agree with the plan (8 on rank 0), got 7"),
-    "micro": ({"train_micro_batch_size_per_gpu": 2},
-              "error: config.train_micro_batch_size_per_gpu: must agree with the plan (1 on rank 3), got 2"),
+    "batch": ({"train_batch_size": 7}, "error: config.train_batch_size: must agree with the plan (8), got 7"),
+    "micro": ({"train_micro_batch_size_per_gpu": 2},  # a replica's rows: DeepSpeed's key means the whole micro-batch
+              "error: config.train_micro_batch_size_per_gpu: must agree with the plan (4: the plan's micro-batch, "
+              "not one replica's share of it), got 2"),
     "zero3": ({"zero_optimization": {"stage": 3}}, "error: config.zero_optimization.stage: hethub runs ZeRO stage 0"),
     "zero_list": ({"zero_optimization": [1]}, "error: config.zero_optimization: expected an object"),
     "hetero_typo": ({"hetero": {"timout_s": 5}}, "error: config.hetero.timout_s: unknown field"),

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hethub.partitioner import InputError
-from hethub.runtime.precision import (load_scaler_state, plan_dtype_note, precision_from_config, scaler_state,
-                                      unscale)
+from hethub.runtime.precision import (load_scaler_state, norm_and_vote, plan_dtype_note, precision_from_config,
+                                      scaler_state, unscale)
 from plans import CASES, stack_plan
 
 
@@ -34,10 +34,13 @@ def test_the_scalers_state_round_trips_and_a_bad_one_is_refused():
             load_scaler_state(b, bad, "ckpt")
 
 
-def test_unscale_divides_in_place_and_reports_non_finite():
-    g = [torch.full((3,), 8.0), torch.tensor([2.0, float("inf")])]
-    assert unscale(g[:1], 4.0) and torch.equal(g[0], torch.full((3,), 2.0))
-    assert not unscale(g, 2.0)
+def test_unscale_divides_in_place_and_the_vote_counts_non_finite_tensors():
+    g = [torch.full((3,), 8.0), torch.tensor([2.0, float("inf")]), torch.tensor([3.0, 4.0], dtype=torch.float64)]
+    unscale(g[:1], 4.0)
+    assert torch.equal(g[0], torch.full((3,), 2.0))
+    sq, bad = norm_and_vote(g, [0, 2]).tolist()
+    assert sq == pytest.approx(12.0 + 25.0) and bad == 1  # only the counted tensors' squared norms; every tensor votes
+    assert norm_and_vote(g[::2], []).tolist() == [0.0, 0.0] and norm_and_vote([], [0]).tolist() == [0.0, 0.0]
 
 
 def test_a_run_in_another_dtype_than_its_plan_says_so_once():

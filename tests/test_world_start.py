@@ -13,8 +13,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hethub.partitioner.groups import ACCEL, GLOO, group_specs, world_start  # noqa: E402
 from hethub.runtime import startup  # noqa: E402
-from instances import CASES, stack_plan  # noqa: E402
-from test_groups import mixed_vendor_plan  # noqa: E402
+from instances import CASES, mixed_vendor_plan, stack_plan  # noqa: E402
 
 
 class FakeCuda:
@@ -32,6 +31,7 @@ def record_world_start(monkeypatch, plan, rank: int) -> list:
     calls = []
     monkeypatch.setattr(startup, "get_accelerator", lambda: FakeCuda())
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(startup.deepspeed.comm, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
     monkeypatch.setattr(startup.deepspeed, "init_distributed",
                         lambda dist_backend, **kw: calls.append(("deepspeed", dist_backend, "device_id" in kw)))
@@ -70,6 +70,7 @@ def test_without_a_launcher_environment_deepspeed_discovers_the_world(monkeypatc
     calls = []
     monkeypatch.setattr(startup, "get_accelerator", lambda: FakeCuda())
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(startup.deepspeed.comm, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
     monkeypatch.setattr(startup.deepspeed, "init_distributed", lambda dist_backend, **kw: calls.append(("ds", dist_backend)))
     startup.init_distributed(30, plan)

@@ -114,8 +114,17 @@ def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, 
         if not dry_run:  # a dry run writes nothing: it prints the hostfile's lines instead
             with open(hostfile_path, "w", encoding="utf-8") as f:
                 f.write(hostfile_text(plan))
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *flags, *placement, script,
-           "--hetero-plan", plan_path, *script_args]
+    # every rank starts through hethub's entry point, which takes the plan and routes deepspeed.initialize to
+    # hethub before running the script unchanged (its own arguments untouched)
+    names = [f.split("=")[0] for f in flags]
+    if "--no_python" in names or "--no-python" in names:
+        raise InputError("--no_python", "hethub launch starts each rank through a Python entry point that routes "
+                                        "DeepSpeed to the plan; run a Python script or module")
+    module = "--module" in names or "-m" in names
+    flags = [f for f in flags if f.split("=")[0] not in ("--module", "-m")]
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *flags, *placement, "--module",
+           "hethub.cli.rank_entry", "--hetero-plan", plan_path, *(["--module"] if module else []), script,
+           *script_args]
     return cmd, env
 
 
@@ -183,11 +192,31 @@ def _free_port() -> int:
 OWN_FLAGS = ("--hetero-plan", "--local", "--dry-run", "--resume", "--verbose", "--elastic")  # hethub launch's; the rest is DeepSpeed's
 
 
+def _own_flags_first(argv: list[str]) -> list[str]:
+    """hethub launch's own flags moved before the others, wherever they stand before the script (the first
+    ``.py`` token): ``--elastic --min-nodes 1 --hetero-plan P train.py`` is ``--hetero-plan P --elastic ...``."""
+    end = next((k for k, tok in enumerate(argv) if tok.endswith(".py")), len(argv))
+    own, other, i = [], [], 0
+    while i < end:
+        tok = argv[i]
+        if tok in ("--hetero-plan", "--hetero_plan", "--resume"):
+            own += argv[i:i + 2]
+            i += 2
+        elif tok.split("=")[0] in ("--hetero-plan", "--hetero_plan") or tok in OWN_FLAGS or tok in ("-h", "--help"):
+            own.append(tok)
+            i += 1
+        else:
+            other.append(tok)
+            i += 1
+    return own + other + argv[max(end, i):]
+
+
 def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str], bool]:
-    """hethub's own flags come first: --hetero-plan P [--local] [--dry-run] [--elastic]; the rest goes to
-    DeepSpeed's launcher (to torch's elastic agent with --elastic: ``elastic_launch``)."""
+    """hethub's own flags (--hetero-plan P, --local, --dry-run, --resume DIR, --verbose, --elastic), in any order
+    before the script; the rest goes to DeepSpeed's launcher (to torch's elastic agent with --elastic:
+    ``elastic_launch``)."""
     plan, local, dry, resume, verbose, elastic, i = None, False, False, None, False, False, 0
-    argv = list(argv)
+    argv = _own_flags_first(list(argv))
     while i < len(argv):
         tok = argv[i]
         if tok in ("--hetero-plan", "--hetero_plan"):

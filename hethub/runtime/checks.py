@@ -20,13 +20,23 @@ from ..partitioner.simulator import simulate
 
 
 def resolve_plan(plan: Union[Plan, str, None], section: HeteroSection, args: Any = None) -> Plan:
-    """The plan argument wins over ``--hetero-plan``, which wins over ``config['hetero']['plan']``."""
-    if plan is None and args is not None:
-        plan = getattr(args, "hetero_plan", None)
-    if plan is None:
-        plan = section.plan
-    if plan is None:
+    """The plan: the ``plan`` argument (it overrides the others); else ``--hetero-plan`` (the script's argument, or
+    what ``hethub launch`` exported as ``HETHUB_PLAN``) and ``config['hetero']['plan']``, which must be the same
+    plan where both are given (one would otherwise win in silence)."""
+    if plan is not None:
+        return _read_plan(plan)
+    launched = getattr(args, "hetero_plan", None) if args is not None else None
+    launched = launched or os.environ.get("HETHUB_PLAN") or None
+    if launched is None and section.plan is None:
         raise InputError("plan", "no plan given: pass plan=..., --hetero-plan, or ds_config['hetero']['plan']")
+    found = [_read_plan(p) for p in (launched, section.plan) if p is not None]
+    if len(found) == 2 and found[0].to_json() != found[1].to_json():
+        raise InputError("plan", f"--hetero-plan {str(launched)[:100]!r} and the ds_config's hetero.plan "
+                                 f"{str(section.plan)[:100]!r} are different plans: give one, or the same file")
+    return found[0]
+
+
+def _read_plan(plan: Union[Plan, dict, str]) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):

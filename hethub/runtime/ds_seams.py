@@ -44,6 +44,11 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
      "bypassed: dense-grid asserts and a blocking warm-up send; pipeline_engine_attrs stands in for it"),
     ("deepspeed.runtime.pipe.module", "PipelineModule.__init__",
      "bypassed: a dense grid and its own partition; pipeline_module_attrs stands in for it"),
+    ("deepspeed", "initialize", "routed under a plan (hethub.runtime.routing): returns hethub's engine"),
+    ("deepspeed", "init_distributed", "routed under a plan: the world hethub's plan needs (routing)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__",
+     "guarded under a plan: any engine but hethub's is refused (routing)"),
+    ("deepspeed.runtime.dataloader", "RepeatingLoader", "built: training_data= read in passes (frontdoor)"),
     ("deepspeed.comm.torch", "build_shm_op",
      "replaced on CPU: a ~40 s JIT build of a shared-memory op pipeline training never uses"),
     ("deepspeed.launcher.runner", "parse_args", "called: hethub launch splits DeepSpeed's flags from the script"),
@@ -96,7 +101,7 @@ def _resolve(module: str, path: str) -> object:
 def _assigned(constructor, names) -> list[str]:
     """Of ``names``, those the constructor's source no longer assigns (none where the source is unreadable)."""
     try:
-        src = inspect.getsource(constructor)
+        src = inspect.getsource(inspect.unwrap(constructor))  # DeepSpeed's own, where routing replaced it
     except (OSError, TypeError):
         return []
     return [n for n in names if n not in _SET_ELSEWHERE and not re.search(rf"self\.{re.escape(n)}\s*=", src)]

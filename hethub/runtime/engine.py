@@ -196,6 +196,22 @@ class HeteroPipelineEngine(PipelineEngine):
         tag, client = checkpoint.load(self, load_dir, tag, load_optimizer_states)
         return os.path.join(load_dir, tag), client
 
+    # ------------------------------------------------------------------ DeepSpeed's batch keys, as DeepSpeed means them
+    # While DeepSpeed's constructor runs (no plan yet) they give its own per-rank bookkeeping.
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """The plan's micro-batch (each pipeline step's samples, however the plan splits them over a stage's
+        replicas), as in a DeepSpeed pipeline; DeepSpeed's own accounting inside this rank uses its rows."""
+        plan = self.__dict__.get("plan")
+        return plan.micro_batch_size if plan is not None else super().train_micro_batch_size_per_gpu()
+
+    def gradient_accumulation_steps(self) -> int:
+        plan = self.__dict__.get("plan")
+        return plan.num_micro_batches if plan is not None else super().gradient_accumulation_steps()
+
+    def train_batch_size(self) -> int:
+        plan = self.__dict__.get("plan")
+        return plan.global_batch_size if plan is not None else super().train_batch_size()
+
     # ------------------------------------------------------------------ inherited calls a plan cannot honour
     def set_train_batch_size(self, train_batch_size):
         raise NotImplementedError("hethub: the plan fixes the batch (global_batch_size = micro_batch_size x "

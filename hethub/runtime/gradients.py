@@ -111,11 +111,8 @@ class Gradients:
         mine = torch.zeros(3, dtype=torch.float64)
         if self.grid.holds_last and self.grid.tp_rank == 0 and total_loss is not None:
             mine[0] = total_loss.detach().double().reshape(())
-        if grads or shards:
-            sq = torch.stack(torch._foreach_norm(grads + shards)).double().pow(2)
-            picked = [i for i, g in enumerate(grads) if id(g) in counted] if self.grid.replica_id == 0 else []
-            counted_sq = sq[picked].sum() if picked else sq.new_zeros(())
-            mine[1:] = torch.stack([counted_sq, (~torch.isfinite(sq)).sum().double()]).cpu()
+        picked = [i for i, g in enumerate(grads) if id(g) in counted] if self.grid.replica_id == 0 else []
+        mine[1:] = precision.norm_and_vote(grads + shards, picked)
         self.guard.peers = ()
         total = self.guard(lambda: self.control.sum(mine), "the step's all-reduce (loss, gradient norm, fp16 vote)")
         self._sums = (total[0], float(total[1]), float(total[2]) == 0.0, scale or 1.0)

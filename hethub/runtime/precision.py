@@ -79,6 +79,18 @@ def check_device_dtype(precision: Precision, device: torch.device) -> None:
                                                 f"(\"fp16\": {{\"enabled\": true}}; plan with --dtype fp16)")
 
 
+def norm_and_vote(tensors: list, counted: list[int]) -> torch.Tensor:
+    """[sum of the squared norms of ``tensors[i]`` for i in ``counted``, how many of all ``tensors`` hold a
+    non-finite value] in float64 on the host: a rank's share of the global gradient norm and its fp16 vote, from
+    ``torch._foreach_norm`` (one kernel per dtype) and one device -> host copy. A tensor holding inf or nan has a
+    non-finite norm, so the norms are the finiteness check too."""
+    if not tensors:
+        return torch.zeros(2, dtype=torch.float64)
+    sq = torch.stack(torch._foreach_norm(tensors)).double().pow(2)
+    counted_sq = sq[counted].sum() if counted else sq.new_zeros(())
+    return torch.stack([counted_sq, (~torch.isfinite(sq)).sum().double()]).cpu()
+
+
 def unscale(grads: list, scale: float) -> None:
     """Divide gradients by the loss scale in place (one foreach kernel per dtype; whether they are finite was
     voted on before, ``Gradients.step_sums``)."""

@@ -12,6 +12,7 @@ import atexit
 import datetime
 import hashlib
 import importlib
+import inspect
 import os
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
@@ -33,7 +34,7 @@ from ..partitioner.groups import GLOO, world_start
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan, Profile
 from ..partitioner.schedule import build_schedule
-from . import ds_seams, elastic, tp
+from . import ds_seams, elastic, frontdoor, tp
 from .checks import (check_against_world, connections_note, launched_world, load_checked_schedule,
                      local_device_index, on_gpu, resolve_plan)
 from .control import Control
@@ -50,8 +51,9 @@ __all__ = ["initialize", "add_config_arguments", "DEFAULT_TIMEOUT_S"]
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--hetero-plan`` the way ``deepspeed.add_config_arguments`` adds ``--deepspeed_config``."""
     group = parser.add_argument_group("hethub", "heterogeneous pipeline plan")
-    group.add_argument("--hetero-plan", "--hetero_plan", dest="hetero_plan", default=None,
-                       help="plan.json written by `hethub plan` (overrides ds_config['hetero']['plan'])")
+    group.add_argument("--hetero-plan", "--hetero_plan", dest="hetero_plan", default=os.environ.get("HETHUB_PLAN"),
+                       help="plan.json written by `hethub plan` (hethub launch --hetero-plan gives it; it must "
+                            "agree with ds_config['hetero']['plan'] where both are given)")
     group.add_argument("--hetero-resume", "--hetero_resume", dest="hetero_resume", default=None, metavar="DIR",
                        help="load the newest complete checkpoint in DIR at initialize (any plan's checkpoint)")
     return parser
@@ -110,26 +112,27 @@ def _fix_local_rank(plan: Plan, rank: int) -> None:
 def init_distributed(timeout_s: float, plan: Optional[Plan] = None) -> None:
     """Create the world group, once, as ``partitioner.groups.world_start`` says for ``plan`` (gloo on CPU and
     where the plan spans vendors; the device bound only where no gloo subgroup of some ranks exists), then hand it
-    to ``deepspeed.init_distributed``, which finds it. Shared with the adapters that start ranks themselves."""
-    if dist.is_initialized():
-        return
+    to DeepSpeed's ``init_distributed`` (its own, where ``routing`` replaced it), which finds it. Shared with the
+    adapters that start ranks themselves."""
     accel = get_accelerator()
     cpu = accel.device_name() == "cpu"
+    start = world_start(plan, cpu)
+    backend = "gloo" if start.backend == GLOO else accel.communication_backend_name()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if cpu:
         # deepspeed.comm's TorchBackend JIT-compiles a shared-memory all-reduce op (~40 s) that
         # pipeline training never uses. `deepspeed.comm.torch` must be reached through importlib:
         # `deepspeed.comm.torch` as an attribute is the torch package (deepspeed.comm re-exports it).
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    start = world_start(plan, cpu)
-    backend = "gloo" if start.backend == GLOO else accel.communication_backend_name()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    if not dist.is_initialized() and all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                    "MASTER_PORT")):
         kwargs: dict[str, Any] = {"timeout": timeout}
         if start.bind_device:
             kwargs["device_id"] = accel.device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, **kwargs)
     # else DeepSpeed discovers the world (MPI) and creates it, binding CUDA devices as it does
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    if not deepspeed.comm.is_initialized():
+        inspect.unwrap(deepspeed.init_distributed)(dist_backend=backend, timeout=timeout, verbose=False)
 
 
 def _digest(text: str) -> int:
@@ -228,6 +231,19 @@ def _set_batch_keys(cfg: dict, plan: Plan, grid) -> None:
     cfg.setdefault("steps_per_print", 10 ** 9)
 
 
+def _stage_optimizer(params: list, optimizer: Any, model_parameters: Any, cfg: dict) -> tuple[Any, Any]:
+    """(optimizer, model_parameters) for DeepSpeed's engine: a callable optimizer is given this stage's trainable
+    parameters; a stage with none gets an empty one (and the ds_config's section is dropped for it)."""
+    if not params:  # every layer of this stage is frozen: it steps nothing, yet takes part in every collective
+        cfg.pop("optimizer", None)
+        return _no_parameters_optimizer(), None
+    if callable(optimizer) and not hasattr(optimizer, "step"):
+        optimizer = optimizer(params)
+    if model_parameters is None and optimizer is None:
+        model_parameters = params
+    return optimizer, model_parameters
+
+
 def _no_parameters_optimizer() -> torch.optim.Optimizer:
     """The optimizer of a stage with no trainable parameter (frozen embeddings and first blocks, fine-tuning): one
     empty parameter group, so that DeepSpeed's step, its learning-rate schedule and checkpoints run as on every
@@ -272,19 +288,35 @@ def _elastic_start(config, plan, args) -> tuple[Any, Optional[Control]]:
         fail(str(exc))
 
 
-def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config: Union[dict, str, None] = None,
-               plan: Union[Plan, str, None] = None, optimizer: Any = None, model_parameters: Any = None,
-               lr_scheduler: Any = None, args: Any = None, tp_plan: Optional[dict] = None):
-    """Build the stage of ``layers`` this rank runs under ``plan``; returns (engine, optimizer, None, lr_scheduler).
+def initialize(layers: Optional[Sequence[Any]] = None, loss_fn: Optional[Callable] = None,
+               config: Union[dict, str, None] = None, plan: Union[Plan, str, None] = None, optimizer: Any = None,
+               model_parameters: Any = None, lr_scheduler: Any = None, args: Any = None,
+               tp_plan: Optional[dict] = None, *, model: Any = None, training_data: Any = None,
+               collate_fn: Optional[Callable] = None):
+    """Build the stage of the model this rank runs under ``plan``; returns (engine, optimizer, training data
+    loader or None, lr_scheduler), as ``deepspeed.initialize`` does.
 
-    ``layers`` is the full model in pipeline order (layer i = planner layer i of the plan's model);
-    ``loss_fn(outputs, labels)`` returns the mean loss over the samples it is given. ``optimizer``
-    may be a callable ``params -> torch.optim.Optimizer`` (it then sees only this stage's
-    parameters), an optimizer already built, or left to the ds_config's "optimizer" section. With
-    ZeRO-1 hethub then replaces each of its parameter groups by this replica's flat shard (hethub.runtime.zero).
+    The model: ``layers`` (the full model in pipeline order: layer i = planner layer i of the plan's model) or
+    DeepSpeed's ``model=`` (a ``PipelineModule``, whose specs and ``loss_fn`` are used and whose own partition the
+    plan replaces; an ``nn.Sequential``; a list). ``loss_fn(outputs, labels)`` returns the mean loss over the
+    samples it is given. ``optimizer`` may be a callable ``params -> torch.optim.Optimizer`` (it then sees only
+    this stage's parameters), an optimizer already built, or left to the ds_config's "optimizer" section (over
+    this stage's trainable parameters: with ``model=`` they replace ``model_parameters``). With ZeRO-1 hethub
+    then replaces each of its parameter groups by this replica's flat shard (hethub.runtime.zero).
+    ``training_data`` (a dataset): ``train_batch()`` without an iterator reads it (``frontdoor``).
     ``tp_plan`` ({fnmatch pattern over "{layer index}.{submodule}": "colwise" | "rowwise"}) splits a user's
     layers in stages with tensor_parallel > 1; hethub's own blocks need none (hethub.runtime.tp).
     """
+    layers, loss_fn, note = frontdoor.model_layers(layers, model, loss_fn)
+    if model is not None:
+        model_parameters = None  # another module's (or none, under a plan): this stage's own are used
+    engine = _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note)
+    loader = frontdoor.attach_training_data(engine, training_data, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note: str):
+    """The engine of this rank's stage (``initialize``)."""
     plan, control = _elastic_start(config, plan, args)
     run = _check_inputs(layers, config, plan, optimizer, args, tp_plan)
     cfg = run.cfg
@@ -303,9 +335,9 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     if run.rank == 0:  # the first line a launch prints after its ranks' silent imports
         print(f"hethub: {count(run.plan.world_size, 'rank')} joined and agree on the plan "
               f"({count(run.plan.num_stages, 'stage')}); building them", file=sys.stderr, flush=True)
-    note = plan_dtype_note(run.plan, run.precision)
-    if note and run.rank == 0:
-        print(note, file=sys.stderr, flush=True)
+    for line in (note, plan_dtype_note(run.plan, run.precision)):
+        if line and run.rank == 0:
+            print(line, file=sys.stderr, flush=True)
     grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name(),
                       timeout_s=run.hetero.timeout_s)
     note = connections_note(sum(1 for g in grid.my_groups() if not grid.on_host(g)), on_gpu())
@@ -315,13 +347,7 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
     module = HeteroPipelineModule(_stage_layers(run, grid, pins), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]
-    if not params:  # every layer of this stage is frozen: it steps nothing, yet takes part in every collective
-        optimizer, model_parameters = _no_parameters_optimizer(), None
-        cfg.pop("optimizer", None)
-    if callable(optimizer) and not hasattr(optimizer, "step"):
-        optimizer = optimizer(params)
-    if model_parameters is None and optimizer is None:
-        model_parameters = params
+    optimizer, model_parameters = _stage_optimizer(params, optimizer, model_parameters, cfg)
     engine = HeteroPipelineEngine(
         plan=run.plan, grid=grid, module=module, config=cfg, config_class=DeepSpeedConfig(cfg, grid),
         optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
@@ -336,4 +362,4 @@ def initialize(layers: Sequence[Any], loss_fn: Optional[Callable] = None, config
         resume = run.hetero.checkpoint_dir  # the newest complete checkpoint, whichever plan wrote it
     if resume:
         engine.load_checkpoint(resume)
-    return engine, engine.optimizer, None, engine.lr_scheduler
+    return engine

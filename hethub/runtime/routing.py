@@ -1,0 +1,153 @@
+"""A DeepSpeed script, unchanged, under a hethub plan: ``deepspeed.initialize`` returns hethub's engine.
+
+Why here and how: DeepSpeed picks its engine class inside ``deepspeed.initialize`` and has no plugin hook, so
+where a plan is in force (``hethub launch --hetero-plan P`` exports it as ``HETHUB_PLAN`` and starts each rank
+through ``hethub.cli.rank_entry``; or a script that imported hethub passes a ds_config with a ``hetero``
+section) hethub replaces, once, before the script runs:
+
+- ``deepspeed.initialize`` -> ``hethub.initialize`` with the same keywords (``model=`` a ``PipelineModule``,
+  ``model_parameters=``, ``training_data=``, ``config=``, ``args=``, ``lr_scheduler=``, ``collate_fn=``);
+- ``deepspeed.init_distributed`` -> hethub's world start (gloo without a device binding where the plan spans
+  vendors), once the plan is known;
+- ``PipelineModule.__init__`` -> a record of its arguments: the script builds ``PipelineModule(num_stages=S)``
+  before ``initialize``, whose constructor makes a topology from the world size (a world S does not divide fails
+  there) and builds only its own stage's layers; under a plan the layers are the plan's to place;
+- ``DeepSpeedEngine.__init__`` -> refused (one line, exit 2) for any engine but hethub's while a plan is in
+  force: **never a silent plain-DeepSpeed run**.
+
+Without a plan every call goes to DeepSpeed unchanged.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any, Optional
+
+import deepspeed
+import torch.nn as nn
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, load_config
+from ..partitioner.errors import InputError, print_error
+from .checks import resolve_plan
+from .engine import HeteroPipelineEngine
+from .errors import fail
+from .startup import init_distributed, initialize
+
+PLAN_ENV = "HETHUB_PLAN"  # the plan file hethub launch hands every rank
+_STATE: dict[str, Any] = {"installed": False, "engine_built": False, "original": {}}
+
+
+def plan_in_force() -> Optional[str]:
+    """The plan ``hethub launch`` handed this rank, if any."""
+    return os.environ.get(PLAN_ENV) or None
+
+
+def _hetero_section(config: Any) -> Optional[dict]:
+    """The ds_config's ``hetero`` section (a dict or a JSON/YAML file), None where there is none."""
+    if config is None:
+        return None
+    try:
+        cfg = load_config(config)
+    except Exception:  # noqa: BLE001 - DeepSpeed reads it next and reports its own error
+        return None
+    section = cfg.get("hetero") if isinstance(cfg, dict) else None
+    return section if section is not None else None
+
+
+def _config_of(args: Any, config: Any) -> Any:
+    return config if config is not None else getattr(args, "deepspeed_config", None)
+
+
+def routed_initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                      lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+                      collate_fn=None, config=None, config_params=None, **kwargs):
+    """``deepspeed.initialize``'s signature: hethub's engine where a plan is in force, DeepSpeed's otherwise."""
+    config = config if config is not None else config_params
+    if plan_in_force() is None and _hetero_section(_config_of(args, config)) is None:
+        return _STATE["original"]["initialize"](
+            args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+            training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+            dist_init_required=dist_init_required, collate_fn=collate_fn, config=config, **kwargs)
+    if mpu is not None:
+        _refuse("initialize", "mpu: a plan places every rank (hethub's grid replaces the model-parallel unit); "
+                              "drop mpu= under --hetero-plan")
+    return initialize(model=model, config=config, optimizer=optimizer, model_parameters=model_parameters,
+                      lr_scheduler=lr_scheduler, args=args, training_data=training_data, collate_fn=collate_fn)
+
+
+def routed_init_distributed(*args, **kwargs):
+    """Under a plan the world is hethub's (``startup.init_distributed``: its backend and device binding follow
+    the plan); DeepSpeed's own otherwise."""
+    plan_path = plan_in_force()
+    if plan_path is None:
+        return _STATE["original"]["init_distributed"](*args, **kwargs)
+    try:
+        plan = resolve_plan(plan_path, HeteroSection())
+    except InputError as exc:
+        fail(str(exc))
+    timeout = kwargs.get("timeout")
+    init_distributed(timeout.total_seconds() if timeout is not None else DEFAULT_TIMEOUT_S, plan)
+
+
+def _deferred_pipeline_init(self, *args, **kwargs):
+    """``PipelineModule(...)`` under a plan: its arguments, kept; nothing built and no topology made (the plan
+    places the layers; ``hethub.initialize(model=...)`` reads them)."""
+    bound = inspect.signature(_STATE["original"]["PipelineModule.__init__"]).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    given = dict(bound.arguments)
+    given.pop("self")
+    nn.Module.__init__(self)
+    self._layer_specs = list(given["layers"])
+    self.loss_fn = given["loss_fn"]
+    self.hethub_deferred = given  # num_stages, partition_method, activation_checkpoint_interval, ...
+
+
+def _guarded_engine_init(self, *args, **kwargs):
+    """A DeepSpeed engine other than hethub's while a plan is in force is a silent plain-DeepSpeed run: refused."""
+    if not isinstance(self, HeteroPipelineEngine) and plan_in_force():
+        _refuse("--hetero-plan", f"the script built DeepSpeed's own {type(self).__name__} while a hethub plan is in "
+                                 "force (it would train with DeepSpeed's partition, not the plan's): build the "
+                                 "engine with deepspeed.initialize(...) or hethub.initialize(...)")
+    _STATE["engine_built"] = True
+    return _STATE["original"]["DeepSpeedEngine.__init__"](self, *args, **kwargs)
+
+
+def _refuse(field: str, why: str) -> None:
+    fail(f"{field}: {why}")
+
+
+def install() -> None:
+    """Route DeepSpeed's entry points through hethub (idempotent)."""
+    if _STATE["installed"]:
+        return
+    original = _STATE["original"]
+    original["initialize"], original["init_distributed"] = deepspeed.initialize, deepspeed.init_distributed
+    original["PipelineModule.__init__"] = PipelineModule.__init__
+    original["DeepSpeedEngine.__init__"] = DeepSpeedEngine.__init__
+    for replacement, replaced in ((routed_initialize, original["initialize"]),
+                                  (routed_init_distributed, original["init_distributed"]),
+                                  (_deferred_pipeline_init, original["PipelineModule.__init__"]),
+                                  (_guarded_engine_init, original["DeepSpeedEngine.__init__"])):
+        replacement.__wrapped__ = replaced  # inspect.unwrap finds DeepSpeed's own (ds_seams reads its source)
+    deepspeed.initialize = routed_initialize
+    deepspeed.init_distributed = routed_init_distributed
+    if plan_in_force() is not None:
+        PipelineModule.__init__ = _deferred_pipeline_init
+    DeepSpeedEngine.__init__ = _guarded_engine_init
+    _STATE["installed"] = True
+
+
+def engine_built() -> bool:
+    return _STATE["engine_built"]
+
+
+def check_ended_under_plan() -> None:
+    """At the end of a script ``hethub launch`` ran under a plan: it must have built hethub's engine."""
+    if plan_in_force() is not None and not _STATE["engine_built"]:
+        print_error("--hetero-plan: the script ended without building a DeepSpeed engine (deepspeed.initialize or "
+                    "hethub.initialize): nothing trained under the plan")
+        sys.stdout.flush()
+        os._exit(2)
