@@ -16,7 +16,7 @@ norm counts the weight once (on its first stage); checkpoints store it once, wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from torch import nn
 
@@ -44,19 +44,26 @@ class _TiedForward(nn.Module):
         return self.fn(self.module, x)
 
 
-def resolve_tied_specs(layers: Sequence[Any]) -> list[Any]:
-    """``TiedLayerSpec`` entries built once per key and shared (whole module); everything else unchanged."""
+def resolve_tied_specs(layers: Sequence[Any], mine: Optional[Collection[int]] = None) -> list[Any]:
+    """``TiedLayerSpec`` entries built once per key and shared (whole module); with ``mine`` (the layer indices this
+    rank runs) its ``LayerSpec``s built too. Every spec is then built in list order, the other ranks' dropped at
+    once (their entries stay specs): the random state advances as when one process builds the whole model, so
+    every layer's initial weights are the one-process weights whatever the plan (DeepSpeed's ``PipelineModule``
+    builds its specs in order the same way). Without ``mine`` other entries are left as they are."""
     built: dict[Any, nn.Module] = {}
     out = []
-    for spec in layers:
-        if type(spec).__name__ != "TiedLayerSpec":
+    for idx, spec in enumerate(layers):
+        if type(spec).__name__ == "TiedLayerSpec":
+            module = built.get(spec.key)
+            if module is None:
+                module = built[spec.key] = spec.build()
+            fn = getattr(spec, "forward_fn", None)
+            out.append(_TiedForward(module, fn) if fn is not None else module)
+        elif mine is not None and hasattr(spec, "build") and not isinstance(spec, nn.Module):
+            layer = spec.build()  # another rank's layer: built only for its draws from the random state
+            out.append(layer if idx in mine else spec)
+        else:
             out.append(spec)
-            continue
-        module = built.get(spec.key)
-        if module is None:
-            module = built[spec.key] = spec.build()
-        fn = getattr(spec, "forward_fn", None)
-        out.append(_TiedForward(module, fn) if fn is not None else module)
     return out
 
 

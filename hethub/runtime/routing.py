@@ -27,9 +27,10 @@ from typing import Any, Optional
 import deepspeed
 import torch.nn as nn
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
 from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, load_config
+from ..models.ties import resolve_tied_specs
 from ..partitioner.errors import InputError, print_error
 from .checks import resolve_plan
 from .engine import HeteroPipelineEngine
@@ -93,16 +94,34 @@ def routed_init_distributed(*args, **kwargs):
 
 
 def _deferred_pipeline_init(self, *args, **kwargs):
-    """``PipelineModule(...)`` under a plan: its arguments, kept; nothing built and no topology made (the plan
-    places the layers; ``hethub.initialize(model=...)`` reads them)."""
+    """``PipelineModule(...)`` under a plan: no topology made (a world its ``num_stages`` does not divide would
+    fail there) and only the layers the plan gives this rank kept (``hethub.initialize(model=...)`` reads them).
+
+    Its specs are built as DeepSpeed's constructor builds them on one process, in the same order, so that every
+    layer starts from the weights one process would give it: with ``partition_method="parameters"`` (the default)
+    DeepSpeed builds every ``LayerSpec`` once to count its parameters, then each again for its stage; here the
+    other ranks' layers are built and dropped at once (``resolve_tied_specs``)."""
     bound = inspect.signature(_STATE["original"]["PipelineModule.__init__"]).bind(self, *args, **kwargs)
     bound.apply_defaults()
     given = dict(bound.arguments)
     given.pop("self")
     nn.Module.__init__(self)
-    self._layer_specs = list(given["layers"])
+    specs = list(given["layers"])
+    if str(given["partition_method"]).lower() == "parameters":
+        for spec in specs:
+            if isinstance(spec, LayerSpec):
+                spec.build()  # DeepSpeed's parameter count: only its draws from the random state matter
+    try:
+        plan = resolve_plan(plan_in_force(), HeteroSection())
+    except InputError as exc:
+        fail(str(exc))
+    rank = int(os.environ.get("RANK", "0"))
+    mine = ({i for a, b in plan.stages[plan.locate(rank)[0]].chunk_ranges for i in range(a, b)}
+            if 0 <= rank < plan.world_size else None)
+    self._layer_specs = resolve_tied_specs(specs, mine)
     self.loss_fn = given["loss_fn"]
     self.hethub_deferred = given  # num_stages, partition_method, activation_checkpoint_interval, ...
+    self.hethub_built = mine is not None  # this rank's layers are built: initialize builds nothing again
 
 
 def _guarded_engine_init(self, *args, **kwargs):

@@ -70,7 +70,7 @@ class _Checked:
         self.precision, self.pin_profiles = precision, pin_profiles  # HETHUB_EMULATE_PROFILES (emulation only)
 
 
-def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
+def _check_inputs(layers, config, plan, optimizer, args, tp_plan, built: bool = False) -> _Checked:
     """Every check that needs no other rank; a failure is one line and exit 2 on every rank."""
     try:
         cfg = load_config(config if config is not None else getattr(args, "deepspeed_config", None))
@@ -80,7 +80,10 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan) -> _Checked:
         pin_profiles = load_pin_profiles()
         the_plan = resolve_plan(plan, hetero, args)
         rank, world = launched_world()
-        layers = resolve_tied_specs(layers)  # TiedLayerSpec: one module per key, shared
+        # TiedLayerSpec: one module per key, shared; LayerSpecs built in list order, this rank's kept
+        mine = ({i for a, b in the_plan.stages[the_plan.locate(rank)[0]].chunk_ranges for i in range(a, b)}
+                if 0 <= rank < the_plan.world_size and not built else None)
+        layers = resolve_tied_specs(layers, mine)
         ties = tuple(find_ties(layers))
         check_against_world(the_plan, rank, world, layers, cfg, optimizer)
         tp_plan = tp.check_tp_plan(tp_plan)
@@ -307,18 +310,20 @@ def initialize(layers: Optional[Sequence[Any]] = None, loss_fn: Optional[Callabl
     ``tp_plan`` ({fnmatch pattern over "{layer index}.{submodule}": "colwise" | "rowwise"}) splits a user's
     layers in stages with tensor_parallel > 1; hethub's own blocks need none (hethub.runtime.tp).
     """
-    layers, loss_fn, note = frontdoor.model_layers(layers, model, loss_fn)
+    layers, loss_fn, note, built = frontdoor.model_layers(layers, model, loss_fn)
     if model is not None:
         model_parameters = None  # another module's (or none, under a plan): this stage's own are used
-    engine = _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note)
+    engine = _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note,
+                    built)
     loader = frontdoor.attach_training_data(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note: str):
-    """The engine of this rank's stage (``initialize``)."""
+def _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note: str,
+           built: bool):
+    """The engine of this rank's stage (``initialize``); ``built``: this rank's layers are built already."""
     plan, control = _elastic_start(config, plan, args)
-    run = _check_inputs(layers, config, plan, optimizer, args, tp_plan)
+    run = _check_inputs(layers, config, plan, optimizer, args, tp_plan, built)
     cfg = run.cfg
     cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
     # ZeRO-1: hethub shards the optimizer itself (hethub.runtime.zero); DeepSpeed's engine sees plain data parallelism.

@@ -1,0 +1,81 @@
+"""Tier 2: a DeepSpeed pipeline script that never mentions hethub runs under a plan, unchanged.
+
+``tests/workers/ds_pipeline_script.py`` is the tutorial's shape (LayerSpecs with a convolutional front and
+in-place ReLUs, a TiedLayerSpec pair, ``PipelineModule(num_stages=2)``, ``deepspeed.init_distributed``,
+``deepspeed.initialize(args=..., model=..., model_parameters=..., training_data=...)``, ``train_batch()`` with no
+iterator, ds_config batch keys and optimizer, ``save_checkpoint``). Launched by ``hethub launch --hetero-plan``
+under a plan of unequal widths (2 / 1 / 3, uneven split) it trains like the same script run by DeepSpeed on one
+process: the same losses, the same per-layer checkpoint. Routes that would run plain DeepSpeed under a plan end
+in one line instead.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from hethub.partitioner import ModelConfig
+from hethub.partitioner.placement import StageLayout, build_plan
+from instances import CPU_CLUSTER
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("deepspeed")
+
+SCRIPT = os.path.join(ROOT, "tests", "workers", "ds_pipeline_script.py")
+MODEL = ModelConfig(name="ds-script", architecture="gpt", num_layers=9, hidden_size=8, num_attention_heads=1,
+                    ffn_hidden_size=8, vocab_size=8, seq_length=1)  # 11 planner layers: the script's 11 specs
+CONFIG = {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 6, "gradient_clipping": 0.5,
+          "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+
+
+def _plan():
+    return build_plan(MODEL, CPU_CLUSTER, [StageLayout((0, 4), "CPU", (4, 2)), StageLayout((4, 8), "CPU", (6,)),
+                                          StageLayout((8, 11), "CPU", (2, 2, 2))], 6, 4)
+
+
+def _env():
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _layer_files(folder):
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("layer_") and name.endswith("-model_states.pt"):
+            out[name] = torch.load(os.path.join(folder, name), weights_only=True)
+    return out
+
+
+def test_a_deepspeed_pipeline_script_runs_unchanged_under_a_plan_and_trains_like_one_process(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(CONFIG))
+    plan = tmp_path / "plan.json"
+    plan.write_text(_plan().to_json())
+    common = ["--steps", "3", "--deepspeed_config", str(cfg)]
+    ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+                          "29633", SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save",
+                          str(tmp_path / "ref-ckpt"), *common], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(plan), "--local", SCRIPT,
+                          "--out", str(tmp_path / "run"), "--stages", "2", "--save", str(tmp_path / "ckpt"), *common],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "PipelineModule(num_stages=2, partition_method='parameters') runs under the plan's stages" in run.stderr
+    want = torch.load(str(tmp_path / "ref.0"), weights_only=True)
+    assert want["engine"] == "PipelineEngine"
+    for rank in range(6):
+        got = torch.load(str(tmp_path / f"run.{rank}"), weights_only=True)
+        assert got["engine"] == "HeteroPipelineEngine" and got["micro_batch"] == 6
+        torch.testing.assert_close(got["losses"], want["losses"], rtol=2e-5, atol=0)
+    ours, theirs = _layer_files(tmp_path / "ckpt" / "end"), _layer_files(tmp_path / "ref-ckpt" / "end")
+    assert set(ours) == set(theirs) and len(ours) == 11
+    for name, state in ours.items():
+        # a tied weight: DeepSpeed writes it with every layer using it, hethub with the first (layer 5) only
+        assert set(state) == (set() if name == "layer_09-model_states.pt" else set(theirs[name])), name
+        for k, v in state.items():
+            torch.testing.assert_close(v, theirs[name][k], rtol=0, atol=2e-5, msg=f"{name} {k}")
