@@ -5,7 +5,10 @@ and ``hethub plan`` never pull torch in.
 """
 import importlib
 
+from . import _deepspeed_hook
 from ._version import __version__
+
+_deepspeed_hook.install()  # deepspeed.initialize with a "hetero" ds_config section builds hethub's engine
 
 __all__ = ["__version__", "initialize", "add_config_arguments"]
 

@@ -79,3 +79,59 @@ def test_a_deepspeed_pipeline_script_runs_unchanged_under_a_plan_and_trains_like
         assert set(state) == (set() if name == "layer_09-model_states.pt" else set(theirs[name])), name
         for k, v in state.items():
             torch.testing.assert_close(v, theirs[name][k], rtol=0, atol=2e-5, msg=f"{name} {k}")
+
+
+def _two_rank_plan(tmp_path):
+    plan = build_plan(MODEL, CPU_CLUSTER, [StageLayout((0, 6), "CPU", (6,)), StageLayout((6, 11), "CPU", (6,))], 6, 4)
+    path = tmp_path / "plan2.json"
+    path.write_text(plan.to_json())
+    return path
+
+
+def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2, port: str = "29641"):
+    """The tutorial script run by plain `deepspeed` with `import hethub` added (its one changed line)."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config))
+    script = tmp_path / "with_import.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(SCRIPT)!r})\nimport hethub  # noqa: F401\n"
+                      "import ds_pipeline_script\nds_pipeline_script.main()\n")
+    return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                           "--master_port", port, str(script), "--out", str(tmp_path / "run"), "--stages", "2",
+                           "--steps", "1", "--deepspeed_config", str(cfg)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_plain_deepspeed_with_a_hetero_section_and_import_hethub_builds_hethubs_engine(tmp_path):
+    r = _plain_deepspeed(tmp_path, {**CONFIG, "hetero": {"plan": str(_two_rank_plan(tmp_path))}})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        assert torch.load(str(tmp_path / f"run.{rank}"), weights_only=True)["engine"] == "HeteroPipelineEngine"
+
+
+@pytest.mark.parametrize("config, line", [
+    ({"hetero": {"plann": "p.json"}}, "error: config.hetero.plann: unknown field"),
+    ({"heterro": {"plan": "p.json"}}, 'error: config.heterro: not a DeepSpeed key; did you mean "hetero"'),
+])
+def test_a_hetero_section_that_would_not_end_in_hethubs_engine_is_one_line(tmp_path, config, line):
+    r = _plain_deepspeed(tmp_path, {**CONFIG, **config}, port="29643")
+    assert r.returncode != 0
+    said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
+    assert said and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("body, line", [
+    ("import deepspeed, torch\nfrom deepspeed.runtime.engine import DeepSpeedEngine\n"
+     "deepspeed.init_distributed(dist_backend='gloo')\n"
+     "DeepSpeedEngine(args=None, model=torch.nn.Linear(2, 2), config={'train_batch_size': 24})\n",
+     "error: --hetero-plan: the script built DeepSpeed's own DeepSpeedEngine while a hethub plan is in force"),
+    ("print('no engine')\n", "error: --hetero-plan: the script ended without building a DeepSpeed engine"),
+])
+def test_a_launched_script_that_does_not_build_hethubs_engine_ends_in_one_line(tmp_path, body, line):
+    script = tmp_path / "no_hethub_engine.py"
+    script.write_text(body)
+    r = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--local", "--hetero-plan",  # any order
+                        str(_two_rank_plan(tmp_path)), str(script)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(said) == 2 and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]

@@ -19,6 +19,7 @@ Without a plan every call goes to DeepSpeed unchanged.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import sys
@@ -67,6 +68,7 @@ def routed_initialize(args=None, model=None, optimizer=None, model_parameters=No
                       collate_fn=None, config=None, config_params=None, **kwargs):
     """``deepspeed.initialize``'s signature: hethub's engine where a plan is in force, DeepSpeed's otherwise."""
     config = config if config is not None else config_params
+    _refuse_near_miss(_config_of(args, config))
     if plan_in_force() is None and _hetero_section(_config_of(args, config)) is None:
         return _STATE["original"]["initialize"](
             args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
@@ -77,6 +79,19 @@ def routed_initialize(args=None, model=None, optimizer=None, model_parameters=No
                               "drop mpu= under --hetero-plan")
     return initialize(model=model, config=config, optimizer=optimizer, model_parameters=model_parameters,
                       lr_scheduler=lr_scheduler, args=args, training_data=training_data, collate_fn=collate_fn)
+
+
+def _refuse_near_miss(config: Any) -> None:
+    """A top-level ds_config key one typo away from ``hetero`` (DeepSpeed ignores unknown keys: the run would be
+    plain DeepSpeed, in silence)."""
+    try:
+        cfg = load_config(config) if config is not None else {}
+    except Exception:  # noqa: BLE001 - DeepSpeed reads it next and reports its own error
+        return
+    for key in cfg if isinstance(cfg, dict) else ():
+        if key != "hetero" and difflib.get_close_matches(str(key), ["hetero"], n=1, cutoff=0.75):
+            _refuse(f"config.{str(key)[:40]}", "not a DeepSpeed key; did you mean \"hetero\" (hethub's section)? "
+                                               "As written, DeepSpeed would ignore it and train without the plan")
 
 
 def routed_init_distributed(*args, **kwargs):
