@@ -132,3 +132,66 @@ def test_cost_model_reads_a_megatron_config():
     m = model_config_from_megatron(tc, 128256, 8192, name="llama-3-8b")
     assert m.architecture == "llama" and m.kv_heads == 8
     assert layer_costs(m).params.sum() / 1e9 == pytest.approx(8.03, rel=0.01)  # Llama-3-8B: 8.03B
+
+
+def _equal_plan(model_name="gpt-1.3b", schedule=None):
+    plan = make_plan(TWO_TYPE, builtin_model(model_name), 64, opts=PlannerOptions(equal_widths=True),
+                     with_homogeneous_sum=False)
+    return plan if schedule is None else plan.model_copy(update={"schedule": schedule})
+
+
+def test_chunked_plans_export_as_megatrons_virtual_pipeline_and_zb_v_is_refused():
+    from hethub.partitioner.chunked import rechunk
+    from instances import stack_plan
+    base = stack_plan([3], [[2, 2], [2, 2]], 4, 4)  # equal widths, even splits, one host
+    inter = export_megatron(rechunk(base, "interleaved-1f1b", 2))
+    assert inter.virtual_stages == 2 and inter.layout.count("|") == 2 * 2 - 1 and inter.first_last is None
+    assert inter.layout.startswith("E") and inter.layout.endswith("L")
+    assert any("virtual pipeline" in n for n in inter.notes())
+    with pytest.raises(InputError, match="plan.schedule: zb-v .* has no Megatron flags"):
+        export_megatron(rechunk(base, "zb-v", 2))
+    zb = export_megatron(base.model_copy(update={"schedule": "zb-h1"}))
+    assert any(n.startswith("schedule zb-h1: Megatron runs these flags as 1F1B") for n in zb.notes())
+
+
+def test_the_first_last_alternative_only_where_megatron_accepts_it_and_the_models_shape_is_emitted():
+    from instances import CPU_CLUSTER, STACK
+    only_embedding = build_plan(STACK, CPU_CLUSTER, [StageLayout((0, 1), "CPU", (2, 2)),
+                                                     StageLayout((1, 7), "CPU", (2, 2))], 4, 2)
+    assert export_megatron(only_embedding).first_last is None  # Megatron: first stage layers must be > 0
+    llama = builtin_model("llama-7b").model_copy(update={"num_key_value_heads": 8})
+    flags = export_megatron(build_plan(llama, CPU_CLUSTER, [StageLayout((0, 17), "CPU", (1,)),
+                                                            StageLayout((17, 34), "CPU", (1,))], 1, 2)).flags()
+    for want in ("--hidden-size 4096", "--num-attention-heads 32", "--group-query-attention", "--num-query-groups 8",
+                 "--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--seq-length",
+                 "--vocab-size", "--untie-embeddings-and-output-weights"):
+        assert any(f.startswith(want) for f in flags), want
+
+
+def test_a_rank_order_torchrun_cannot_give_is_refused():
+    """Stages alternating hosts (V100 -> A100 -> V100): Megatron's rank order returns to a host."""
+    cluster = Cluster.model_validate({"name": "two", "nodes": [{"host": "v", "device_type": "V100-32GB", "count": 4},
+                                                               {"host": "a", "device_type": "A100-80GB", "count": 2}]})
+    model = builtin_model("gpt-tiny")
+    plan = build_plan(model, cluster, [StageLayout((0, 2), "V100-32GB", (4, 4)), StageLayout((2, 4), "A100-80GB", (4, 4)),
+                                       StageLayout((4, 6), "V100-32GB", (4, 4))], 8, 2)
+    with pytest.raises(InputError, match="on host 'v' again after other hosts: torchrun numbers each node's ranks"):
+        export_megatron(plan)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b", "zb-v"])
+def test_export_on_every_schedule_and_width_pattern_is_flags_or_one_line(tmp_path, schedule):
+    from hethub.partitioner.chunked import rechunk
+    from instances import CASES, stack_plan
+    for name, case in CASES.items():
+        plan = stack_plan(*case)
+        plan = rechunk(plan, schedule, 2) if schedule in ("interleaved-1f1b", "zb-v") else plan.model_copy(
+            update={"schedule": schedule})
+        path = tmp_path / f"{name}.json"
+        path.write_text(plan.to_json())
+        r = run_cli("export", "megatron", str(path))
+        assert r.returncode in (0, 2) and "Traceback" not in r.stderr, (name, r.stderr[-2000:])
+        if r.returncode == 2:
+            assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, (name, r.stderr)
+        else:
+            assert "--pipeline-model-parallel-layout" in r.stdout, name
