@@ -106,3 +106,11 @@ def test_every_pattern_at_once_under_every_schedule(tmp_path, name):
     """Evaluation first and between steps, in-place stage starts, a frozen first stage, lengths changing per
     micro-batch: M = 1 and 8, the host bridge, and both chunked schedules (zb-v hands its turn to itself)."""
     run_pattern(tmp_path, _everything_plans()[name], "evals", "inplace", "vary", "frozen=0-1")
+
+
+@pytest.mark.parametrize("name", ["zb-h1-M8", "interleaved", "zb-v"])
+def test_every_pattern_with_the_main_thread_reading_the_metadata_as_on_nccl(tmp_path, name, monkeypatch):
+    """On NCCL the main thread reads each metadata message and then posts the data receives (at the next RA, the
+    forward, or between actions); gloo's lanes do it themselves. HETHUB_ISSUE_AT_ONCE runs the NCCL path here."""
+    monkeypatch.setenv("HETHUB_ISSUE_AT_ONCE", "1")
+    run_pattern(tmp_path, _everything_plans()[name], "evals", "inplace", "vary", "frozen=0-1")

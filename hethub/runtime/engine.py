@@ -228,4 +228,5 @@ class HeteroPipelineEngine(PipelineEngine):
         return None
 
     def reset_activation_shape(self):
-        self.transport.reset_shapes()
+        """Nothing to do: every activation send carries its shapes (``transport``), so a new sequence length
+        needs no reset (DeepSpeed's pipeline engine needs this call after one)."""

@@ -8,15 +8,18 @@ goes through gloo groups of its own (one per direction) on pinned host buffers, 
 
 Every activation send is preceded by a metadata message (dtype, requires-grad, trailing shape of each tensor), as
 Megatron's variable-length pipeline does: what crosses may change between micro-batches (bucketed sequence
-lengths), between steps, and between evaluation (nothing requires grad) and training. The receiver posts the
-metadata's receive at ``RA`` and its data receives once the metadata has arrived: at the next ``RA`` of the same
-boundary, at the forward that needs it, or as soon as a check between actions (``progress``) finds it arrived.
+lengths), between steps, and between evaluation (nothing requires grad) and training; it travels in one
+operation with the rows of the first tensor to each peer. The receiver posts the metadata's receive at ``RA`` and
+its data receives once the metadata has arrived: on a gloo group its lane thread does both in one operation; on
+NCCL the main thread posts the data receives at the next ``RA`` of the same boundary, at the forward that needs
+them, or as soon as a check between actions (``progress``) finds the metadata arrived.
 A group's operations stay in posting order on both sides (metadata, then the data it describes), the order
 ``partitioner.ordering`` replays. In a tensor-parallel group the lead alone talks to the neighbouring stages and
 broadcasts what it received (metadata, then tensors) to the group.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional, Sequence
 
@@ -97,7 +100,10 @@ class Transport:
         self.rows = grid.sample_stop - grid.sample_start  # this replica's rows of a micro-batch
         self.is_lead = grid.tp_rank == 0  # talks to the neighbouring stages (every rank without TP)
         self.waited_s = 0.0  # seconds spent waiting for receives since the executor last read it
-        self.ops = OrderedGroups(guard, strict=grid.on_host)
+        # HETHUB_ISSUE_AT_ONCE=1 (tests): gloo groups issued at once as NCCL's are, so that the NCCL path of the
+        # metadata (read by the main thread, data receives posted after it) runs on CPU too
+        at_once = os.environ.get("HETHUB_ISSUE_AT_ONCE") == "1"
+        self.ops = OrderedGroups(guard, strict=(lambda g: False) if at_once else grid.on_host)
         self.peak_sends: dict[tuple[str, int], int] = {}  # (direction, peer) -> most sends held at once
         self._send_id = 0  # one per send action: its messages to a peer (metadata, every tensor) are one send
         self._metas: dict[tuple, torch.Tensor] = {}  # (device, what is sent) -> its metadata message, made once
