@@ -137,8 +137,7 @@ class Gradients:
         grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
         shards = self.zero1.shard_grads() if self.zero1 is not None else []
         precision.unscale(grads + shards, scale)
-        self._sums = (*self._sums[:3], 1.0)  # the norm below is of the unscaled gradients
-        return self._sums[2]
+        return self._sums[2]  # (the norm step_sums summed is of the scaled gradients: clip divides it by the scale)
 
     def after_step(self) -> None:
         """ZeRO-1: every replica gathers the updated parameters from the shards."""
