@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from dist_util import free_port
 from hethub.partitioner import ModelConfig
 from hethub.partitioner.placement import StageLayout, build_plan
 from instances import CPU_CLUSTER
@@ -57,7 +58,7 @@ def test_a_deepspeed_pipeline_script_runs_unchanged_under_a_plan_and_trains_like
     plan.write_text(_plan().to_json())
     common = ["--steps", "3", "--deepspeed_config", str(cfg)]
     ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                          "29633", SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save",
+                          str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save",
                           str(tmp_path / "ref-ckpt"), *common], cwd=ROOT, env=_env(), capture_output=True,
                          text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -88,7 +89,7 @@ def _two_rank_plan(tmp_path):
     return path
 
 
-def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2, port: str = "29641"):
+def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2):
     """The tutorial script run by plain `deepspeed` with `import hethub` added (its one changed line)."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
@@ -96,7 +97,7 @@ def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2, port: str = "29641"
     script.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(SCRIPT)!r})\nimport hethub  # noqa: F401\n"
                       "import ds_pipeline_script\nds_pipeline_script.main()\n")
     return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-                           "--master_port", port, str(script), "--out", str(tmp_path / "run"), "--stages", "2",
+                           "--master_port", str(free_port()), str(script), "--out", str(tmp_path / "run"), "--stages", "2",
                            "--steps", "1", "--deepspeed_config", str(cfg)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
 
@@ -113,7 +114,7 @@ def test_plain_deepspeed_with_a_hetero_section_and_import_hethub_builds_hethubs_
     ({"heterro": {"plan": "p.json"}}, 'error: config.heterro: not a DeepSpeed key; did you mean "hetero"'),
 ])
 def test_a_hetero_section_that_would_not_end_in_hethubs_engine_is_one_line(tmp_path, config, line):
-    r = _plain_deepspeed(tmp_path, {**CONFIG, **config}, port="29643")
+    r = _plain_deepspeed(tmp_path, {**CONFIG, **config})
     assert r.returncode != 0
     said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
     assert said and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]
