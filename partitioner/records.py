@@ -82,6 +82,42 @@ def parse_record(cls: type[R], data: Any, prefix: str) -> R:
 MAX_FILE_BYTES = 64 * 2 ** 20  # a cluster, model, profile or plan file
 
 
+MAX_YAML_NODES = 1_000_000  # values a YAML file may stand for once its aliases are expanded
+
+
+def _check_yaml_expansion(text: str, path: str, what: str) -> None:
+    """Refuse a YAML file whose aliases expand past ``MAX_YAML_NODES`` values (an alias bomb: a few lines that
+    every later reader, validation included, would walk exponentially many times) or refer to themselves. The
+    composed node graph shares aliased nodes, so counting what they expand to takes one pass over it."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return  # safe_load reports the same error next, with its line
+    if root is None:
+        return
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if done:
+            on_path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise InputError(what, f"{path}: its aliases expand to over {MAX_YAML_NODES} values; refused "
+                                       f"unread (an alias bomb?)")
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in on_path:
+            raise InputError(what, f"{path}: an alias refers to a node that contains it (a recursive structure)")
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack += [(c, False) for c in children if id(c) not in sizes]
+
+
 def read_data_file(path: str, what: str) -> Any:
     """Read a JSON or YAML file (YAML with safe_load; JSON is YAML too, but JSON errors read better).
 
@@ -104,7 +140,10 @@ def read_data_file(path: str, what: str) -> Any:
     try:
         if path.endswith(".json"):
             return json.loads(text)
+        _check_yaml_expansion(text, path, what)
         return yaml.safe_load(text)
+    except InputError:
+        raise
     except RecursionError:
         raise InputError(what, f"{path}: nested too deeply") from None
     except ValueError as exc:

@@ -342,3 +342,24 @@ def test_planning_only_install_names_the_extra(tmp_path, argv):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-800:]
     assert r.stderr.startswith(f"error: {argv[0]}: needs torch") and 'pip install -e ".[runtime]"' in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+BOMB = "".join(f"l{k}: &l{k} [{', '.join([f'*l{k - 1}'] * 10) if k else ', '.join(['x'] * 10)}]\n" for k in range(7))
+
+
+@pytest.mark.parametrize("where, body", [
+    ("cluster name", BOMB + "name: *l6\nnodes: [{host: a, device_type: A100-80GB, count: 1}]\n"),
+    ("cluster count", BOMB + "name: x\nnodes: [{host: a, device_type: A100-80GB, count: *l6}]\n"),
+    ("model name", BOMB + "name: *l6\narchitecture: gpt\nnum_layers: 2\nhidden_size: 8\n"),
+    ("recursive", "name: &n [1, *n]\n"),
+])
+def test_yaml_alias_bombs_are_refused_before_they_are_expanded(tmp_path, capsys, where, body):
+    """Seven lines of aliases stand for 10**7 values: every reader refuses them in one line, unexpanded."""
+    path = write(tmp_path, "in.yaml", body)
+    loader = load_model if where.startswith("model") else load_cluster
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=r"aliases expand to over 1000000 values|an alias refers to a node that "
+                                         r"contains it"):
+        loader(path)
+    assert time.perf_counter() - t0 < 5
+    assert main(["show", path]) == 2 and capsys.readouterr().err.count("\n") == 1
