@@ -290,3 +290,28 @@ def test_a_stage_may_shard_its_optimizer_state_where_that_helps():
         if any(st.zero1 for st in plan.stages):
             gains.append(plan.predicted.samples_per_s / whole.predicted.samples_per_s)
     assert gains and max(gains) > 1.05, gains
+
+
+def test_a_plan_is_never_worse_than_a_baseline_it_computed():
+    """A search stopped by its time limit far from its bound may end below a baseline it compares with: the
+    better plan is written, and said so."""
+    import io
+    from rich.console import Console
+    from hethub.cli.plan import _compare
+    from hethub.partitioner import Cluster, builtin_model
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.costmodel import CostModel
+    from hethub.partitioner.planner import PlannerOptions
+    cluster = Cluster.model_validate({"name": "two", "nodes": [{"host": "a", "device_type": "A100-80GB", "count": 4},
+                                                               {"host": "v", "device_type": "V100-32GB", "count": 4}]})
+    cm, opts = CostModel(cluster, builtin_model("gpt-1.3b")), PlannerOptions(time_limit_s=10)
+    plan = make_plan(cluster, cm.model, 32, opts=opts, cost_model=cm, with_homogeneous_sum=False)
+    out = io.StringIO()
+    assert _compare(plan, cm, opts, 32, Console(file=out)) is plan  # the search's optimum beats every baseline
+    assert "note: the search ended" not in out.getvalue()
+    stalled = plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"samples_per_s": 1e-3}),
+                                      "solver": plan.solver.model_copy(update={"status": "feasible", "gap": 0.5})})
+    kept = _compare(stalled, cm, opts, 32, Console(file=out))
+    assert kept is not stalled and kept.predicted.samples_per_s > 1e-3 and "kept over" in kept.solver.name
+    assert "note: the search ended (feasible, gap 50.00%) below the" in out.getvalue()
+    assert _compare(stalled, cm, opts, 32, Console(file=io.StringIO()), keep_better=False) is stalled  # --objective cost
