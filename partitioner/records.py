@@ -477,13 +477,22 @@ def load_profile(path: str) -> Profile:
 
 
 def load_profiles(directory: str) -> list[Profile]:
-    """Every ``*.json`` profile in a directory (sorted by name)."""
+    """Every ``*.json`` profile in a directory (sorted by name). Other JSON files beside them (the plan, the
+    model a demo or a profile run wrote there) are not profiles and are passed over: a file is a profile when it
+    names a ``device_type`` and ``layers``; one that names only one of them is a broken profile, and said so."""
     if not os.path.isdir(directory):
         raise InputError("--profiles", f"no such directory {directory!r}")
     files = sorted(f for f in os.listdir(directory) if f.endswith(".json"))
-    if not files:
-        raise InputError("--profiles", f"no *.json profile in {directory!r}")
-    return [load_profile(os.path.join(directory, f)) for f in files]
+    out = []
+    for f in files:
+        path = os.path.join(directory, f)
+        data = read_data_file(path, "profile")
+        if not isinstance(data, dict) or ("device_type" not in data and "layers" not in data):
+            continue  # not a profile (a plan, a model, a run's log)
+        out.append(parse_record(Profile, data, f"profile {path}:"))
+    if not out:
+        raise InputError("--profiles", f"no profile (a *.json with device_type and layers) in {directory!r}")
+    return out
 
 
 # ---------------------------------------------------------------- plan

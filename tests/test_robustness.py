@@ -383,3 +383,18 @@ def test_ctrl_c_at_any_moment_of_a_plan_is_one_line(tmp_path):
         assert proc.returncode == 130 and lines[-1:] == ["error: interrupted"], (delay_s, err[-2000:])
         assert all(not line.startswith(("Traceback", "  File")) for line in lines), (delay_s, err[-2000:])
         assert not (tmp_path / "p.json").exists()  # nothing half-written
+
+
+def test_a_profiles_folder_may_hold_other_json_files(tmp_path):
+    """`--profiles demo-out` read every JSON there as a profile (its model.json: "device_type: is required")."""
+    from hethub.partitioner.records import load_profiles
+    with pytest.raises(InputError, match="--profiles: no profile"):
+        load_profiles(str(tmp_path))
+    (tmp_path / "model.json").write_text(json.dumps({"name": "m", "architecture": "gpt"}))
+    (tmp_path / "plan.json").write_text(json.dumps({"schema_version": 1, "stages": []}))
+    (tmp_path / "train-log.json").write_text(json.dumps([{"step": 0, "loss": 6.4}]))  # the demo's log: a list
+    with pytest.raises(InputError, match="--profiles: no profile"):
+        load_profiles(str(tmp_path))
+    (tmp_path / "broken.json").write_text(json.dumps({"device_type": "A100-80GB"}))  # a profile, missing fields
+    with pytest.raises(InputError, match="broken.json"):
+        load_profiles(str(tmp_path))
