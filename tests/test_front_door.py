@@ -89,7 +89,7 @@ def _two_rank_plan(tmp_path):
     return path
 
 
-def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2):
+def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2, extra=()):
     """The tutorial script run by plain `deepspeed` with `import hethub` added (its one changed line)."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
@@ -98,7 +98,7 @@ def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2):
                       "import ds_pipeline_script\nds_pipeline_script.main()\n")
     return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
                            "--master_port", str(free_port()), str(script), "--out", str(tmp_path / "run"), "--stages", "2",
-                           "--steps", "1", "--deepspeed_config", str(cfg)], cwd=ROOT, env=_env(),
+                           "--steps", "1", "--deepspeed_config", str(cfg), *extra], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -109,12 +109,20 @@ def test_plain_deepspeed_with_a_hetero_section_and_import_hethub_builds_hethubs_
         assert torch.load(str(tmp_path / f"run.{rank}"), weights_only=True)["engine"] == "HeteroPipelineEngine"
 
 
-@pytest.mark.parametrize("config, line", [
-    ({"hetero": {"plann": "p.json"}}, "error: config.hetero.plann: unknown field"),
-    ({"heterro": {"plan": "p.json"}}, 'error: config.heterro: not a DeepSpeed key; did you mean "hetero"'),
+@pytest.mark.parametrize("config, extra, line", [
+    ({"hetero": {"plann": "p.json"}}, (), "error: config.hetero.plann: unknown field"),
+    ({"heterro": {"plan": "p.json"}}, (), 'error: config.heterro: not a DeepSpeed key; did you mean "hetero"'),
+    # plain deepspeed built the PipelineModule's layers itself: an optimizer over them would train nothing
+    ({"hetero": {"plan": "PLAN"}, "optimizer": None}, ("--client-sgd",),
+     "error: optimizer: built over parameters other than this rank's stage's"),
 ])
-def test_a_hetero_section_that_would_not_end_in_hethubs_engine_is_one_line(tmp_path, config, line):
-    r = _plain_deepspeed(tmp_path, {**CONFIG, **config})
+def test_a_hetero_section_that_would_not_end_in_hethubs_engine_is_one_line(tmp_path, config, extra, line):
+    config = {**CONFIG, **config}
+    if config["optimizer"] is None:
+        config.pop("optimizer")
+    if config.get("hetero", {}).get("plan") == "PLAN":
+        config["hetero"]["plan"] = str(_two_rank_plan(tmp_path))
+    r = _plain_deepspeed(tmp_path, config, extra=extra)
     assert r.returncode != 0
     said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
     assert said and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]
@@ -136,3 +144,24 @@ def test_a_launched_script_that_does_not_build_hethubs_engine_ends_in_one_line(t
     assert r.returncode != 0
     said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
     assert len(said) == 2 and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_an_optimizer_the_script_builds_over_the_pipeline_module_trains_the_plans_layers(tmp_path):
+    """`torch.optim.SGD(net.parameters())` built by the script before initialize: under a plan the module's
+    parameters are this rank's layers, the very tensors hethub trains (SGD: a wrong scale would show)."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "optimizer"}))
+    common = ["--steps", "3", "--client-sgd", "--deepspeed_config", str(cfg)]
+    ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+                          str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(_two_rank_plan(tmp_path)),
+                          "--local", SCRIPT, "--out", str(tmp_path / "run"), "--stages", "2", *common],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    want = torch.load(str(tmp_path / "ref.0"), weights_only=True)["losses"]
+    for rank in range(2):
+        got = torch.load(str(tmp_path / f"run.{rank}"), weights_only=True)["losses"]
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=0)
+        assert got[0] != got[-1]

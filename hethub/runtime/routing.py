@@ -134,6 +134,10 @@ def _deferred_pipeline_init(self, *args, **kwargs):
     mine = ({i for a, b in plan.stages[plan.locate(rank)[0]].chunk_ranges for i in range(a, b)}
             if 0 <= rank < plan.world_size else None)
     self._layer_specs = resolve_tied_specs(specs, mine)
+    # this rank's layers, as submodules: net.parameters() is this stage's (an optimizer the script builds over
+    # them, or model_parameters=, holds the very tensors hethub's engine trains)
+    local = {id(m): m for i, m in enumerate(self._layer_specs) if mine and i in mine and isinstance(m, nn.Module)}
+    self.hethub_layers = nn.ModuleList(local.values())
     self.loss_fn = given["loss_fn"]
     self.hethub_deferred = given  # num_stages, partition_method, activation_checkpoint_interval, ...
     self.hethub_built = mine is not None  # this rank's layers are built: initialize builds nothing again

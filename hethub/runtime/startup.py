@@ -236,7 +236,15 @@ def _set_batch_keys(cfg: dict, plan: Plan, grid) -> None:
 
 def _stage_optimizer(params: list, optimizer: Any, model_parameters: Any, cfg: dict) -> tuple[Any, Any]:
     """(optimizer, model_parameters) for DeepSpeed's engine: a callable optimizer is given this stage's trainable
-    parameters; a stage with none gets an empty one (and the ds_config's section is dropped for it)."""
+    parameters; a stage with none gets an empty one (and the ds_config's section is dropped for it). An optimizer
+    built by the script must hold this stage's parameters: one built over another module's (a ``PipelineModule``
+    DeepSpeed partitioned itself) would step tensors nothing trains, in silence."""
+    if hasattr(optimizer, "param_groups") and params:
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if not all(id(p) in held for p in params):
+            fail("optimizer: built over parameters other than this rank's stage's (another module's): build it over "
+                 "the layers hethub runs (under `hethub launch` a PipelineModule's parameters() are this stage's), "
+                 "or pass a callable params -> optimizer, or use the ds_config's \"optimizer\" section")
     if not params:  # every layer of this stage is frozen: it steps nothing, yet takes part in every collective
         cfg.pop("optimizer", None)
         return _no_parameters_optimizer(), None

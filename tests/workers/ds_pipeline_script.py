@@ -35,6 +35,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--save", default=None, help="engine.save_checkpoint(DIR) at the end")
+    parser.add_argument("--client-sgd", action="store_true", help="torch.optim.SGD(net.parameters()) built here")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -43,7 +44,8 @@ def main():
     data = TensorDataset(torch.randn(96, 2, 4, 4, generator=g), torch.randint(0, 5, (96,), generator=g))
     net = PipelineModule(layers=specs(), loss_fn=nn.CrossEntropyLoss(), num_stages=args.stages,
                          partition_method="parameters")
-    engine, _, _, _ = deepspeed.initialize(args=args, model=net,
+    opt = torch.optim.SGD(net.parameters(), lr=0.05) if args.client_sgd else None
+    engine, _, _, _ = deepspeed.initialize(args=args, model=net, optimizer=opt,
                                            model_parameters=[p for p in net.parameters() if p.requires_grad],
                                            training_data=data)
     losses = [float(engine.train_batch()) for _ in range(args.steps)]
