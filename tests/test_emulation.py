@@ -196,7 +196,7 @@ def test_pinned_emulation_needs_a_profile_per_emulated_type(tmp_path, monkeypatc
     from hethub.emulated.pinned import PROFILES_ENV, check_pin_profiles, load_pin_profiles
     from hethub.partitioner.errors import InputError
     monkeypatch.setenv(PROFILES_ENV, str(tmp_path))
-    with pytest.raises(InputError, match=f"^{PROFILES_ENV}: no \\*.json profile in"):
+    with pytest.raises(InputError, match=f"^{PROFILES_ENV}: no profile \\(a \\*.json with device_type and layers\\) in"):
         load_pin_profiles()
     monkeypatch.setenv(PROFILES_ENV, "")
     assert load_pin_profiles() is None
