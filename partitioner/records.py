@@ -773,6 +773,12 @@ class Plan(Record):
         """(stage index, replica index) of a global rank."""
         return self._rank_map[rank]
 
+    def rank_layers(self, rank: int) -> Optional[set[int]]:
+        """The planner layers rank ``rank`` runs (every chunk of its group), None for a rank outside the plan."""
+        if rank not in self._rank_map:
+            return None
+        return {i for a, b in self.stages[self.locate(rank)[0]].chunk_ranges for i in range(a, b)}
+
     @cached_property
     def _rank_map(self) -> dict[int, tuple[int, int]]:
         return {rank: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)

@@ -55,8 +55,7 @@ def _hetero_section(config: Any) -> Optional[dict]:
         cfg = load_config(config)
     except Exception:  # noqa: BLE001 - DeepSpeed reads it next and reports its own error
         return None
-    section = cfg.get("hetero") if isinstance(cfg, dict) else None
-    return section if section is not None else None
+    return cfg.get("hetero") if isinstance(cfg, dict) else None
 
 
 def _config_of(args: Any, config: Any) -> Any:
@@ -130,9 +129,7 @@ def _deferred_pipeline_init(self, *args, **kwargs):
         plan = resolve_plan(plan_in_force(), HeteroSection())
     except InputError as exc:
         fail(str(exc))
-    rank = int(os.environ.get("RANK", "0"))
-    mine = ({i for a, b in plan.stages[plan.locate(rank)[0]].chunk_ranges for i in range(a, b)}
-            if 0 <= rank < plan.world_size else None)
+    mine = plan.rank_layers(int(os.environ.get("RANK", "0")))
     self._layer_specs = resolve_tied_specs(specs, mine)
     # this rank's layers, as submodules: net.parameters() is this stage's (an optimizer the script builds over
     # them, or model_parameters=, holds the very tensors hethub's engine trains)

@@ -81,9 +81,7 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan, built: bool = 
         the_plan = resolve_plan(plan, hetero, args)
         rank, world = launched_world()
         # TiedLayerSpec: one module per key, shared; LayerSpecs built in list order, this rank's kept
-        mine = ({i for a, b in the_plan.stages[the_plan.locate(rank)[0]].chunk_ranges for i in range(a, b)}
-                if 0 <= rank < the_plan.world_size and not built else None)
-        layers = resolve_tied_specs(layers, mine)
+        layers = resolve_tied_specs(layers, None if built else the_plan.rank_layers(rank))
         ties = tuple(find_ties(layers))
         check_against_world(the_plan, rank, world, layers, cfg, optimizer)
         tp_plan = tp.check_tp_plan(tp_plan)
