@@ -9,9 +9,10 @@ section) hethub replaces, once, before the script runs:
   ``model_parameters=``, ``training_data=``, ``config=``, ``args=``, ``lr_scheduler=``, ``collate_fn=``);
 - ``deepspeed.init_distributed`` -> hethub's world start (gloo without a device binding where the plan spans
   vendors), once the plan is known;
-- ``PipelineModule.__init__`` -> a record of its arguments: the script builds ``PipelineModule(num_stages=S)``
-  before ``initialize``, whose constructor makes a topology from the world size (a world S does not divide fails
-  there) and builds only its own stage's layers; under a plan the layers are the plan's to place;
+- ``PipelineModule.__init__`` -> no topology and only this rank's layers: the script builds
+  ``PipelineModule(num_stages=S)`` before ``initialize``, whose constructor makes a topology from the world size
+  (a world S does not divide fails there) and builds its own stage's layers; under a plan the layers are the
+  plan's to place;
 - ``DeepSpeedEngine.__init__`` -> refused (one line, exit 2) for any engine but hethub's while a plan is in
   force: **never a silent plain-DeepSpeed run**.
 
@@ -47,15 +48,15 @@ def plan_in_force() -> Optional[str]:
     return os.environ.get(PLAN_ENV) or None
 
 
-def _hetero_section(config: Any) -> Optional[dict]:
-    """The ds_config's ``hetero`` section (a dict or a JSON/YAML file), None where there is none."""
+def _read_config(config: Any) -> dict:
+    """The ds_config (a dict or a JSON/YAML file) as a dict; {} where there is none or DeepSpeed will report it."""
     if config is None:
-        return None
+        return {}
     try:
         cfg = load_config(config)
     except Exception:  # noqa: BLE001 - DeepSpeed reads it next and reports its own error
-        return None
-    return cfg.get("hetero") if isinstance(cfg, dict) else None
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def _config_of(args: Any, config: Any) -> Any:
@@ -67,8 +68,9 @@ def routed_initialize(args=None, model=None, optimizer=None, model_parameters=No
                       collate_fn=None, config=None, config_params=None, **kwargs):
     """``deepspeed.initialize``'s signature: hethub's engine where a plan is in force, DeepSpeed's otherwise."""
     config = config if config is not None else config_params
-    _refuse_near_miss(_config_of(args, config))
-    if plan_in_force() is None and _hetero_section(_config_of(args, config)) is None:
+    cfg = _read_config(_config_of(args, config))
+    _refuse_near_miss(cfg)
+    if plan_in_force() is None and cfg.get("hetero") is None:
         return _STATE["original"]["initialize"](
             args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
             training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
@@ -80,14 +82,10 @@ def routed_initialize(args=None, model=None, optimizer=None, model_parameters=No
                       lr_scheduler=lr_scheduler, args=args, training_data=training_data, collate_fn=collate_fn)
 
 
-def _refuse_near_miss(config: Any) -> None:
+def _refuse_near_miss(cfg: dict) -> None:
     """A top-level ds_config key one typo away from ``hetero`` (DeepSpeed ignores unknown keys: the run would be
     plain DeepSpeed, in silence)."""
-    try:
-        cfg = load_config(config) if config is not None else {}
-    except Exception:  # noqa: BLE001 - DeepSpeed reads it next and reports its own error
-        return
-    for key in cfg if isinstance(cfg, dict) else ():
+    for key in cfg:
         if key != "hetero" and difflib.get_close_matches(str(key), ["hetero"], n=1, cutoff=0.75):
             _refuse(f"config.{str(key)[:40]}", "not a DeepSpeed key; did you mean \"hetero\" (hethub's section)? "
                                                "As written, DeepSpeed would ignore it and train without the plan")
