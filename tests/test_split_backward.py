@@ -156,3 +156,44 @@ def test_reentrant_checkpointing_is_refused_with_what_to_use():
                                                  r"use_reentrant=False.*--schedule 1f1b"):
         backward_input([split(x)], [torch.ones(4, 5, dtype=torch.float64)], [x], weights, stage=3)
     assert all(p.grad is None for p in weights) and x.grad is None  # nothing half-done
+
+
+class Branching(Stage):
+    """A stage whose graph's structure depends on a flag: the second Linear is skipped when ``short``."""
+    short = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.norm(h if self.short else self.b(h) + h)[:, :5]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["graph", "direct-linears"])
+def test_the_walk_cache_reuses_a_repeated_structure_and_redoes_a_changed_one(monkeypatch, direct):
+    """A chunk's split is walked once per graph structure: micro-batches of one structure reuse it by node
+    position, a changed structure (another branch) is walked again, and every micro-batch's gradients equal
+    one backward's."""
+    from hethub.runtime import split_backward
+    walks = []
+    real = split_backward._groups
+    monkeypatch.setattr(split_backward, "_groups", lambda *a, **k: walks.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    ref, split = Branching().double(), Branching().double()
+    split.load_state_dict(ref.state_dict())
+    linears, cache = LinearCalls(split), split_backward.WalkCache()
+    weights = list(split.parameters())
+    for short in (False, False, True, True, False):
+        ref.short = split.short = short
+        x_ref = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+        x = x_ref.detach().clone().requires_grad_()
+        dy = torch.randn(4, 5, dtype=torch.float64)
+        ref(x_ref).backward(dy)
+        if direct:
+            with linears.capturing() as calls:
+                out = split(x)
+        else:
+            out, calls = split(x), ()
+        backward_weight(weights, backward_input([out], [dy], [x], weights, stage=1, calls=calls, cache=cache))
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    assert len(walks) == 3  # the first structure, the short one, the first again
+    for (name, p), q in zip(split.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=1e-15, msg=name)

@@ -56,6 +56,7 @@ class Executor:
         # the fastest weight pass seen, per chunk; or its seconds pinned (hethub.emulated.pinned)
         self._emulated_w_ref: dict = {"pinned": {f"w{k}": s for k, s in (emulate_weight_s or {}).items()}}
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
+        self._walks: dict[int, split_backward.WalkCache] = {}  # per chunk: its backward's split, by graph structure
         self._writes_inputs: dict[int, bool] = {}  # chunk -> whether its forward writes into its inputs (probed once)
         self._probe: dict[int, list] = {}  # chunk -> (clone, its version before the forward) while probing
         self._loads: list[int] = []  # the micro-batches this iteration loads, in order
@@ -262,7 +263,8 @@ class Executor:
         weights = self.module.chunk_parameters(self.grid.local_chunk(k))
         try:
             self._wgrad[key] = split_backward.backward_input(roots, grads, inputs, weights, self.grid.stage_id,
-                                                             self._linear_calls.pop(key, ()))
+                                                             self._linear_calls.pop(key, ()),
+                                                             self._walks.setdefault(k, split_backward.WalkCache()))
         except split_backward.SplitBackwardError as exc:  # the model, not a bug: one line (peers see it lost)
             print_error(f"rank {self.grid.global_rank}: {exc}")
             os._exit(2)  # not SystemExit: gloo's threads may still hold the process
