@@ -22,7 +22,8 @@ import json
 import os
 import re
 import sys
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -35,23 +36,54 @@ from .tp import from_local, is_dtensor, local, shard_of
 LATEST = "latest"
 
 
+@dataclass(frozen=True)
+class Counters:
+    """The parts's step counters a checkpoint stores and a load restores."""
+    global_steps: int
+    global_samples: int
+    skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointParts:
+    """Everything a checkpoint reads and writes, named (the parts builds it, ``parts.checkpoint_parts``): the
+    stage's layers, its optimizer (and ZeRO-1 shards), scheduler and loss scaler, the counters at the call, the
+    plan and the rank's place in it, and the collectives a checkpoint needs (``control`` for verdicts, the
+    stage's ``gradients`` for ZeRO-1's gathers). Saving and loading touch nothing else of the parts."""
+    plan: Any
+    grid: Any
+    control: Any
+    module: Any
+    optimizer: Any
+    counters: Counters
+    zero1: Any = None
+    lr_scheduler: Any = None
+    loss_scaler: Any = None
+    ties: Sequence = ()
+    gradients: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.grid.global_rank
+
+
 def layer_file(d: str, idx: int, kind: str) -> str:
     return os.path.join(d, f"layer_{idx:02d}-{kind}_states.pt")
 
 
-def param_names(engine) -> dict[int, tuple[int, str]]:
+def param_names(parts: CheckpointParts) -> dict[int, tuple[int, str]]:
     """id(parameter) -> (layer index, parameter name inside the layer); a tied weight held by several local
     layers maps to the first of them."""
     out: dict[int, tuple[int, str]] = {}
-    for idx, layer in engine.module.indexed_layers():
+    for idx, layer in parts.module.indexed_layers():
         for name, p in layer.named_parameters():
             out.setdefault(id(p), (idx, name))
     return out
 
 
-def tie_owners(engine) -> dict[tuple[int, str], tuple[int, str]]:
+def tie_owners(parts: CheckpointParts) -> dict[tuple[int, str], tuple[int, str]]:
     """(layer, name) of every tied place but the first -> the first (where the weight is stored)."""
-    return {place: tie.owner for tie in getattr(engine, "ties", ()) for place in tie.places[1:]}
+    return {place: tie.owner for tie in parts.ties for place in tie.places[1:]}
 
 
 def complete_checkpoints(save_dir: str) -> list[str]:
@@ -173,21 +205,24 @@ def _load(path: str, digests: dict) -> Any:
         raise InputError("checkpoint", f"{path} is truncated or corrupt ({type(exc).__name__})") from None
 
 
-def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True) -> tuple[str, dict]:
-    """Collective. Load whatever layers this rank's stage holds under the *current* plan.
+def load(parts: CheckpointParts, load_dir: str, tag: Optional[str] = None,
+         load_optimizer_states: bool = True) -> tuple[str, dict, Counters]:
+    """Collective. Load whatever layers this rank's stage holds under the *current* plan; returns (tag,
+    client_state, the counters the checkpoint was taken at) for the parts to take.
 
     Every rank checks its own files first; an all-reduce of the verdict then ends every rank with
     exit 2 when any rank found a problem (its own message, or which rank failed), so none hangs.
     """
     error = None
     try:
-        result = _load_local(engine, load_dir, tag, load_optimizer_states)
+        result = _load_local(parts, load_dir, tag, load_optimizer_states)
     except InputError as exc:
         error, result = str(exc), None
-    agree(engine, error, "could not load its layers")
+    agree(parts, error, "could not load its layers")
+    steps = result[2].global_steps if result is not None else 0
     # Hosts that do not share the directory can each hold a complete checkpoint of another step
-    # one MIN over (step, -step): the lowest and the highest step (set from each rank's meta.json) at once
-    low, neg_high = engine.control.min([engine.global_steps, -engine.global_steps])
+    # one MIN over (step, -step): the lowest and the highest step (from each rank's meta.json) at once
+    low, neg_high = parts.control.min([steps, -steps])
     high = -neg_high
     if low != high:
         fail(f"checkpoint: ranks found checkpoints of different steps ({low} to {high}) in "
@@ -195,25 +230,25 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states
     return result
 
 
-def agree(engine, error: Optional[str], what: str) -> None:
+def agree(parts: CheckpointParts, error: Optional[str], what: str) -> None:
     """Collective: every rank gives its own verdict (None: fine); when any rank failed, every rank ends with
     exit 2, the failed rank with its message, the others naming it, so none is left waiting in a collective."""
-    failed = engine.control.min([engine.global_rank if error else engine.plan.world_size])[0]
-    if failed < engine.plan.world_size:
+    failed = parts.control.min([parts.rank if error else parts.plan.world_size])[0]
+    if failed < parts.plan.world_size:
         fail(error or f"checkpoint: rank {failed} {what} (see its message)")
 
 
-def _load_optimizer_state(engine, names: dict, by_layer: dict) -> None:
+def _load_optimizer_state(parts: CheckpointParts, names: dict, by_layer: dict) -> None:
     """Per-parameter state from the files into the optimizer: as is, or joined into this replica's flat
     ZeRO-1 shards (a group whose parameters have no state yet, e.g. saved before any step, is left empty)."""
-    opt = engine.optimizer
+    opt = parts.optimizer
 
     def saved(p):
         idx, name = names[id(p)]
         return by_layer.get(idx, {}).get(name)
 
-    if engine.zero1 is not None:
-        for shard in engine.zero1.shards:
+    if parts.zero1 is not None:
+        for shard in parts.zero1.shards:
             states = [saved(p) for p in shard.params]
             if states and all(st is not None for st in states):
                 mine = [{k: _state_for(p, v, flat=True) for k, v in st.items()} for p, st in zip(shard.params, states)]
@@ -226,16 +261,17 @@ def _load_optimizer_state(engine, names: dict, by_layer: dict) -> None:
                 opt.state[p] = {k: _state_for(p, v, flat=False) for k, v in st.items()}
 
 
-def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool) -> tuple[str, dict]:
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if engine.global_rank == 0 else (lambda m: None)
+def _load_local(parts: CheckpointParts, load_dir: str, tag: Optional[str],
+                load_optimizer_states: bool) -> tuple[str, dict, Counters]:
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if parts.rank == 0 else (lambda m: None)
     tag = resolve_tag(load_dir, tag, say)
     d = os.path.join(load_dir, tag)
     meta = read_meta(d)
     digests = meta["digests"]
-    names = param_names(engine)
-    owners = tie_owners(engine)
+    names = param_names(parts)
+    owners = tie_owners(parts)
     states: dict[int, dict] = {}
-    for idx, layer in engine.module.indexed_layers():
+    for idx, layer in parts.module.indexed_layers():
         state = _load(layer_file(d, idx, "model"), digests)
         for k, v in layer.state_dict().items():
             if k not in state and (idx, k) in owners:  # a tied weight: stored once, with its first layer
@@ -251,7 +287,7 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
                                                f"{tuple(state[k].shape)}, model shape {tuple(v.shape)} "
                                                f"(checkpoint of model {meta['model'].get('name')!r})")
         states[idx] = state
-    saved, mine = meta["model"], engine.plan.model.model_dump()
+    saved, mine = meta["model"], parts.plan.model.model_dump()
     for key in ("architecture", "num_layers"):
         if saved.get(key) != mine.get(key):
             raise InputError("checkpoint", f"{d} holds model {saved.get('name')!r} with {key}={saved.get(key)}, "
@@ -262,15 +298,14 @@ def _load_local(engine, load_dir: str, tag: Optional[str], load_optimizer_states
         st = by_layer.get(o_idx, {}).get(o_name)
         if st is not None and place[0] in by_layer:
             by_layer[place[0]].setdefault(place[1], st)
-    for idx, layer in engine.module.indexed_layers():
+    for idx, layer in parts.module.indexed_layers():
         _load_layer(layer, states[idx])
     if load_optimizer_states:
-        _load_optimizer_state(engine, names, by_layer)
-        if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
-            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        load_scaler_state(getattr(engine, "loss_scaler", None), meta.get("loss_scaler"), d)
-    engine.global_steps = meta["global_steps"]
-    engine.global_samples = meta["global_samples"]
+        _load_optimizer_state(parts, names, by_layer)
+        if parts.lr_scheduler is not None and meta.get("lr_scheduler"):
+            parts.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        load_scaler_state(parts.loss_scaler, meta.get("loss_scaler"), d)
     skipped = meta.get("skipped_steps", 0)
-    engine.skipped_steps = skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0
-    return tag, meta.get("client_state", {})
+    counters = Counters(meta["global_steps"], meta["global_samples"],
+                        skipped if isinstance(skipped, int) and not isinstance(skipped, bool) else 0)
+    return tag, meta.get("client_state", {}), counters

@@ -18,7 +18,8 @@ LR scheduler wiring, the optimizer step); the pipeline itself is hethub's:
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,45 +42,80 @@ from .transport import Transport
 ds_seams.check()  # the DeepSpeed names this adapter uses that are not public API exist in this DeepSpeed
 
 
-class HeteroPipelineEngine(PipelineEngine):
-    """Executes hethub's per-rank schedule under a hethub plan. ``zero1`` (optional) makes this replica's
-    ``hethub.runtime.zero.Zero1`` from DeepSpeed's optimizer once it is built."""
+@dataclass(frozen=True)
+class Autosave:
+    """Saving by itself every ``every_steps`` steps (0: never) into ``dir``, in the background or not
+    (``hethub.runtime.saving``): what an elastic restart resumes from."""
+    dir: Optional[str] = None
+    every_steps: int = 0
+    background: bool = True
 
-    def __init__(self, *, plan, grid: HeteroGrid, module: HeteroPipelineModule, config: dict, config_class,
-                 optimizer=None, model_parameters=None, lr_scheduler=None, schedule: Optional[list] = None,
-                 control: Control, precision: Optional[Precision] = None, emulate_slowdown: float = 1.0,
-                 emulate_weight_s: Optional[dict[int, float]] = None,
-                 ties: Sequence = (), zero1: Optional[Callable] = None, bucket_bytes: int = BUCKET_BYTES,
-                 autosave: tuple[Optional[str], int, bool] = (None, 0, True), heartbeat=None):
-        DeepSpeedEngine.__init__(self, args=None, model=module, optimizer=optimizer,
+
+@dataclass(frozen=True)
+class StageParts:
+    """What start-up built for this rank, handed to the engine whole (``hethub.runtime.startup``): the plan and
+    the rank's place in it, its stage's module, the control channel, precision, tied weights, its action list
+    (None: the plan's), ZeRO-1 (made from DeepSpeed's optimizer once it exists), the gradient buckets' size,
+    autosave, an elastic run's heartbeat (rank 0), and an emulated device type (tests and benchmarks)."""
+    plan: Any
+    grid: HeteroGrid
+    module: HeteroPipelineModule
+    control: Control
+    precision: Precision = field(default_factory=lambda: Precision("fp32", FP16Section()))
+    ties: tuple = ()
+    schedule: Optional[list] = None
+    zero1: Optional[Callable] = None
+    bucket_bytes: int = BUCKET_BYTES
+    autosave: Autosave = Autosave()
+    heartbeat: Any = None
+    emulated: Any = None  # hethub.emulated.device.EmulatedDevice
+
+
+class HeteroPipelineEngine(PipelineEngine):
+    """Executes hethub's per-rank schedule under a hethub plan. DeepSpeed's own arguments (``config``,
+    ``config_class``, ``optimizer``, ``model_parameters``, ``lr_scheduler``) go to ``DeepSpeedEngine``; the
+    rest is start-up's ``StageParts``."""
+
+    def __init__(self, parts: StageParts, *, config: dict, config_class, optimizer=None, model_parameters=None,
+                 lr_scheduler=None):
+        plan, grid, control = parts.plan, parts.grid, parts.control
+        DeepSpeedEngine.__init__(self, args=None, model=parts.module, optimizer=optimizer,
                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler, mpu=grid,
                                  config=config, config_class=config_class,
                                  # tensor-parallel (DTensor) parameters were placed before being split
                                  dont_change_device=grid.tp > 1)
-        self.plan, self.grid, self.ties, self.control = plan, grid, tuple(ties), control
-        self.precision = precision or Precision("fp32", FP16Section())
+        self.plan, self.grid, self.ties, self.control = plan, grid, tuple(parts.ties), control
+        self.precision = parts.precision
         self.loss_scaler = self.precision.loss_scaler()  # fp16 only: DeepSpeed's dynamic (or static) scaler
         for name, value in ds_seams.pipeline_engine_attrs(grid, plan).items():
             setattr(self, name, value)
         self._global_batch = plan.global_batch_size
-        # save there every N steps by itself (0: never), in the background or not (hethub.runtime.saving)
-        self.autosave_dir, self.autosave_every, self.autosave_background = autosave
-        self.pending_checkpoint: Optional[saving.Pending] = None  # a checkpoint being written in the background
-        self.heartbeat = heartbeat  # an elastic run's rank 0: its last step and time, for the next restart to read
+        self.autosave = parts.autosave
+        self.saver = saving.Saver()  # this rank's checkpoint writes (one may be in flight, in the background)
+        self.heartbeat = parts.heartbeat  # an elastic run's rank 0: its last step and time, for the next restart
         # This rank's training actions: the plan's schedule or a hand-edited one (checked before launch).
-        self.schedule = list(schedule) if schedule is not None else build_schedule(plan)[grid.schedule_rank]
+        self.schedule = list(parts.schedule) if parts.schedule is not None else build_schedule(plan)[grid.schedule_rank]
         self.guard = Guard(grid.global_rank, grid.stage_id, grid.world_size, lambda: self.global_steps)
         if self.device.type != "cpu" and any(not grid.on_host(g) for g in grid.my_groups()):
             # NCCL/RCCL report a lost peer only through their watchdog, at the groups' timeout, with a C++ trace:
             # hethub's own watchdog says it in one line a little before (errors.Guard.start_watchdog)
             self.guard.start_watchdog(max(0.9 * control.timeout_s, control.timeout_s - 15.0))
-        self.zero1 = zero1(self.optimizer) if zero1 is not None else None
+        self.zero1 = parts.zero1(self.optimizer) if parts.zero1 is not None else None
         self.transport = Transport(grid, self.device, self.guard, default_wire=self.precision.wire)
-        self.gradients = Gradients(grid, module, self.device, self.guard, control, self.zero1, bucket_bytes)
-        self.executor = Executor(grid, module, self.transport, self.gradients, self.guard, device=self.device,
+        self.gradients = Gradients(grid, parts.module, self.device, self.guard, control, self.zero1,
+                                   parts.bucket_bytes)
+        self.executor = Executor(grid, parts.module, self.transport, self.gradients, self.guard, device=self.device,
                                  micro_batch_size=plan.micro_batch_size, next_batch=self._next_batch,
                                  step=self._exec_optimizer_step, autocast_dtype=self.precision.autocast_dtype,
-                                 emulate_slowdown=emulate_slowdown, emulate_weight_s=emulate_weight_s)
+                                 emulated=parts.emulated)
+
+    def checkpoint_parts(self) -> checkpoint.CheckpointParts:
+        """What a checkpoint reads and writes of this engine, now (``hethub.runtime.checkpoint``)."""
+        return checkpoint.CheckpointParts(
+            plan=self.plan, grid=self.grid, control=self.control, module=self.module, optimizer=self.optimizer,
+            counters=checkpoint.Counters(self.global_steps, self.global_samples, getattr(self, "skipped_steps", 0)),
+            zero1=self.zero1, lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, ties=self.ties,
+            gradients=self.gradients)
 
     @property
     def executed(self) -> list[str]:
@@ -121,9 +157,9 @@ class HeteroPipelineEngine(PipelineEngine):
         # A checkpoint written in the background (from the end of the previous step) is completed here: it had this
         # step to be written, what is left of the write this step waits for, so one taken at step k is complete
         # once step k + 1 is, always (a restart loses at most the interval plus one step)
-        saving.poll(self, wait=True)
-        if self.autosave_every and self.global_steps % self.autosave_every == 0:  # what an elastic restart resumes
-            saving.save(self, self.autosave_dir, background=self.autosave_background)
+        self.saver.poll(self.checkpoint_parts(), wait=True)
+        if self.autosave.every_steps and self.global_steps % self.autosave.every_steps == 0:
+            self.saver.save(self.checkpoint_parts(), self.autosave.dir, background=self.autosave.background)
         if self.heartbeat is not None:
             self.heartbeat.beat(self.global_steps)
         return self.agg_train_loss
@@ -188,12 +224,14 @@ class HeteroPipelineEngine(PipelineEngine):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **_kw):
         """Collective. Per-layer files that any other plan of the same model can load (hethub.runtime.checkpoint);
         complete when it returns."""
-        return saving.save(self, save_dir, tag, client_state)
+        return self.saver.save(self.checkpoint_parts(), save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, **_kw):
         """Returns (checkpoint path, client_state) like DeepSpeed's engine."""
-        saving.poll(self, wait=True)  # a checkpoint still being written is completed first
-        tag, client = checkpoint.load(self, load_dir, tag, load_optimizer_states)
+        self.saver.poll(self.checkpoint_parts(), wait=True)  # a checkpoint still being written is completed first
+        tag, client, counters = checkpoint.load(self.checkpoint_parts(), load_dir, tag, load_optimizer_states)
+        self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
+        self.skipped_steps = counters.skipped_steps
         return os.path.join(load_dir, tag), client
 
     # ------------------------------------------------------------------ DeepSpeed's batch keys, as DeepSpeed means them

@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..emulated.slowdown import idle_to
 from ..partitioner.errors import print_error
 from ..partitioner.schedule import Action
 from . import split_backward
@@ -41,20 +40,19 @@ class Executor:
 
     def __init__(self, grid, module, transport: Transport, gradients: Gradients, guard: Guard, *,
                  device: torch.device, micro_batch_size: int, next_batch: Callable[[], Any],
-                 step: Callable[[], None], autocast_dtype: Optional[torch.dtype] = None, emulate_slowdown: float = 1.0,
-                 emulate_weight_s: Optional[dict[int, float]] = None):
+                 step: Callable[[], None], autocast_dtype: Optional[torch.dtype] = None, emulated=None):
         self.grid, self.module, self.transport, self.gradients, self.guard = grid, module, transport, gradients, guard
         self.device, self.micro_batch_size = device, micro_batch_size
         self._next_batch, self._step = next_batch, step
-        self.autocast_dtype, self.emulate_slowdown = autocast_dtype, emulate_slowdown
+        self.autocast_dtype = autocast_dtype
+        # an emulated device type (hethub.emulated.device): its layers are wrapped already; it slows weight passes
+        self.emulated = emulated
         self.last_position = grid.num_positions - 1
         self.rows = grid.sample_stop - grid.sample_start
         self.executed: list[str] = []  # the actions of the last run, as text, in order
         self.executed_s: list[tuple[float, float, float]] = []  # (start, end, seconds waiting for data) of each
         self.total_loss: Optional[torch.Tensor] = None
         self.loss_scale = 1.0  # fp16: the loss scaler's scale, set by the engine before each iteration
-        # the fastest weight pass seen, per chunk; or its seconds pinned (hethub.emulated.pinned)
-        self._emulated_w_ref: dict = {"pinned": {f"w{k}": s for k, s in (emulate_weight_s or {}).items()}}
         self._linears: Optional[split_backward.LinearCalls] = None  # hooks recording Linear calls, at first zb-h1
         self._walks: dict[int, split_backward.WalkCache] = {}  # per chunk: its backward's split, by graph structure
         self._writes_inputs: dict[int, bool] = {}  # chunk -> whether its forward writes into its inputs (probed once)
@@ -270,15 +268,14 @@ class Executor:
             os._exit(2)  # not SystemExit: gloo's threads may still hold the process
 
     def _weight(self, a: Action) -> None:
-        t0 = time.perf_counter()
-        weights = self.module.chunk_parameters(self.grid.local_chunk(self._at(a)))
-        pending = self._wgrad.pop((a.mb, self._at(a)))
-        if isinstance(pending, tuple):  # a backward deferred whole (no input wanted a gradient)
-            torch.autograd.backward(tensors=pending[0], grad_tensors=pending[1])
-        elif pending is not None:
-            split_backward.backward_weight(weights, pending, on_ready=self.gradients.ready)
-        if self.emulate_slowdown != 1.0:  # the layers' wrappers slow the input pass; the weight pass is slowed here
-            idle_to(self.emulate_slowdown, self._emulated_w_ref, f"w{self._at(a)}", time.perf_counter() - t0)
+        k = self._at(a)
+        with self.emulated.weight_pass(k) if self.emulated is not None else contextlib.nullcontext():
+            weights = self.module.chunk_parameters(self.grid.local_chunk(k))
+            pending = self._wgrad.pop((a.mb, k))
+            if isinstance(pending, tuple):  # a backward deferred whole (no input wanted a gradient)
+                torch.autograd.backward(tensors=pending[0], grad_tensors=pending[1])
+            elif pending is not None:
+                split_backward.backward_weight(weights, pending, on_ready=self.gradients.ready)
 
     # ------------------------------------------------------------------ transfers
     def _send_activations(self, a: Action) -> None:

@@ -34,7 +34,8 @@ from ..partitioner.errors import InputError
 from ..partitioner.outputs import write_atomic
 from ..partitioner.provenance import sha256_file
 from . import errors
-from .checkpoint import FORMAT_VERSION, LATEST, agree, checked_tag, layer_file, param_names, tie_owners
+from .checkpoint import (FORMAT_VERSION, LATEST, CheckpointParts, agree, checked_tag, layer_file, param_names,
+                         tie_owners)
 from .precision import scaler_state
 from .tp import from_local, full, gather_like, is_dtensor, local
 
@@ -66,59 +67,64 @@ class Pending:
         return self.thread is None or not self.thread.is_alive()
 
 
-def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-         background: bool = False) -> str:
-    """Collective: every rank calls it. Without ``background`` it returns once the checkpoint is complete; with it,
-    once this rank's snapshot is taken (``poll`` at each step's end completes it). Returns the tag."""
-    poll(engine, wait=True)  # a write still in flight finishes first: checkpoints complete in step order
-    job = _prepare(engine, save_dir, tag, client_state)
-    files = _snapshot(engine)
-    if job.rank in job.writers:  # the others have nothing to write: their part is done
-        job.thread = threading.Thread(target=_write, args=(job, files), name=f"hethub-checkpoint-{job.tag}",
-                                      daemon=True)
-        job.thread.start()
-    engine.pending_checkpoint = job
-    _LAST[0] = job
-    if not background:
-        poll(engine, wait=True)
-    return job.tag
+class Saver:
+    """This rank's checkpoint writes: at most one in flight (``pending``), completed in step order. The engine
+    holds one and hands it the parts a checkpoint reads (``checkpoint.CheckpointParts``) at each call."""
 
+    def __init__(self):
+        self.pending: Optional[Pending] = None
 
-def poll(engine, wait: bool = False) -> bool:
-    """Collective while a write is in flight: when every rank's part is written, rank 0 publishes the checkpoint
-    (``wait``: waits for this rank's part first). Any rank's write error ends every rank with one line.
-    Returns whether no write is in flight any more."""
-    job = getattr(engine, "pending_checkpoint", None)
-    if job is None:
+    def save(self, parts: CheckpointParts, save_dir: str, tag: Optional[str] = None,
+             client_state: Optional[dict] = None, background: bool = False) -> str:
+        """Collective: every rank calls it. Without ``background`` it returns once the checkpoint is complete; with
+        it, once this rank's snapshot is taken (``poll`` at each step's end completes it). Returns the tag."""
+        self.poll(parts, wait=True)  # a write still in flight finishes first: checkpoints complete in step order
+        job = _prepare(parts, save_dir, tag, client_state)
+        files = _snapshot(parts)
+        if job.rank in job.writers:  # the others have nothing to write: their part is done
+            job.thread = threading.Thread(target=_write, args=(job, files), name=f"hethub-checkpoint-{job.tag}",
+                                          daemon=True)
+            job.thread.start()
+        self.pending = _LAST[0] = job
+        if not background:
+            self.poll(parts, wait=True)
+        return job.tag
+
+    def poll(self, parts: CheckpointParts, wait: bool = False) -> bool:
+        """Collective while a write is in flight: when every rank's part is written, rank 0 publishes the
+        checkpoint (``wait``: waits for this rank's part first). Any rank's write error ends every rank with one
+        line. Returns whether no write is in flight any more."""
+        job = self.pending
+        if job is None:
+            return True
+        if wait and job.thread is not None:
+            job.thread.join()
+        world = parts.plan.world_size
+        done, failed = parts.control.min([int(job.done()), parts.rank if job.done() and job.error else world])
+        if failed < world:
+            errors.fail(job.error or f"checkpoint: rank {failed} could not write its part of {job.tag!r} (see its "
+                                     "message)")
+        if not done:
+            return False
+        error = None
+        if parts.rank == 0:
+            try:
+                _publish(job)
+            except OSError as exc:
+                error = f"checkpoint: cannot finish {job.final[:100]!r}: {exc.strerror or type(exc).__name__}"
+            except InputError as exc:  # a writer's record, or the atomic write of `latest`
+                error = str(exc)
+        agree(parts, error, "could not finish the checkpoint")
+        self.pending = _LAST[0] = None
         return True
-    if wait and job.thread is not None:
-        job.thread.join()
-    world = engine.plan.world_size
-    done, failed = engine.control.min([int(job.done()), engine.global_rank if job.done() and job.error else world])
-    if failed < world:
-        errors.fail(job.error or f"checkpoint: rank {failed} could not write its part of {job.tag!r} (see its message)")
-    if not done:
-        return False
-    error = None
-    if engine.global_rank == 0:
-        try:
-            _publish(job)
-        except OSError as exc:
-            error = f"checkpoint: cannot finish {job.final[:100]!r}: {exc.strerror or type(exc).__name__}"
-        except InputError as exc:  # a writer's record, or the atomic write of `latest`
-            error = str(exc)
-    agree(engine, error, "could not finish the checkpoint")
-    engine.pending_checkpoint = None
-    _LAST[0] = None
-    return True
 
 
-def _prepare(engine, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> Pending:
+def _prepare(parts: CheckpointParts, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> Pending:
     """Collective: the temporary folder exists and every rank sees it; rank 0 holds meta.json's fields."""
-    tag = checked_tag(save_dir, tag or f"global_step{engine.global_steps}")
-    rank = engine.global_rank
-    job = Pending(save_dir, tag, tuple(sorted({st.replicas[0].rank for st in engine.plan.stages})), rank,
-                  engine.control.timeout_s)
+    tag = checked_tag(save_dir, tag or f"global_step{parts.counters.global_steps}")
+    rank = parts.rank
+    job = Pending(save_dir, tag, tuple(sorted({st.replicas[0].rank for st in parts.plan.stages})), rank,
+                  parts.control.timeout_s)
     error = None
     if rank == 0:
         try:
@@ -128,26 +134,26 @@ def _prepare(engine, save_dir: str, tag: Optional[str], client_state: Optional[d
             os.makedirs(job.tmp)
         except OSError as exc:
             error = f"checkpoint: cannot make {job.tmp[:100]!r}: {exc.strerror or type(exc).__name__}"
-        job.meta = _meta(engine, client_state)
-    agree(engine, error, "cannot make the checkpoint directory")  # also the barrier: tmp exists from here on
-    agree(engine, None if os.path.isdir(job.tmp) else
-          f"checkpoint: {save_dir[:100]!r} is not shared by every host: rank {rank} (host {_host(engine)}) cannot "
+        job.meta = _meta(parts, client_state)
+    agree(parts, error, "cannot make the checkpoint directory")  # also the barrier: tmp exists from here on
+    agree(parts, None if os.path.isdir(job.tmp) else
+          f"checkpoint: {save_dir[:100]!r} is not shared by every host: rank {rank} (host {_host(parts)}) cannot "
           "see the directory rank 0 made there; save to a filesystem every host mounts",
           "cannot see the checkpoint directory")
     return job
 
 
-def _snapshot(engine) -> dict[str, Any]:
+def _snapshot(parts: CheckpointParts) -> dict[str, Any]:
     """Collective over each stage: file name -> what this rank writes, copied into host memory (training changes
     the weights and optimizer state in place from the next step on)."""
-    per_layer_state = _optimizer_state_by_layer(engine)
+    per_layer_state = _optimizer_state_by_layer(parts)
     files: dict[str, Any] = {}
-    if engine.grid.replica_id != 0:
+    if parts.grid.replica_id != 0:
         return files
-    owners = tie_owners(engine)
-    for idx, layer in engine.module.indexed_layers():
+    owners = tie_owners(parts)
+    for idx, layer in parts.module.indexed_layers():
         whole = {k: _host_copy(full(v)) for k, v in layer.state_dict(keep_vars=True).items() if (idx, k) not in owners}
-        if engine.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
+        if parts.grid.tp_rank == 0:  # every rank of a tensor-parallel group gathers, its lead writes
             files[os.path.basename(layer_file("", idx, "model"))] = whole
             files[os.path.basename(layer_file("", idx, "optim"))] = per_layer_state.get(idx, {})
     return files
@@ -213,18 +219,18 @@ def _fsync_dir(path: str) -> None:
                 os.fsync(fh.fileno())
 
 
-def _meta(engine, client_state: Optional[dict]) -> dict:
+def _meta(parts: CheckpointParts, client_state: Optional[dict]) -> dict:
     """meta.json's fields at the step (the digests are added when the files are written)."""
-    plan = engine.plan
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    plan = parts.plan
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
     return {"format": "hethub-layer-checkpoint", "version": FORMAT_VERSION, "model": plan.model.model_dump(),
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "optimizer": type(engine.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
-            "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
+            "global_steps": parts.counters.global_steps, "global_samples": parts.counters.global_samples,
+            "optimizer": type(parts.optimizer).__name__, "param_groups": _jsonable(hyper[:1]),
+            "lr_scheduler": _jsonable(parts.lr_scheduler.state_dict()) if parts.lr_scheduler else None,
             "client_state": _jsonable(client_state or {}),
-            "loss_scaler": scaler_state(getattr(engine, "loss_scaler", None)),
-            "skipped_steps": getattr(engine, "skipped_steps", 0),
-            "ties": [[list(p) for p in tie.places] for tie in getattr(engine, "ties", ())],
+            "loss_scaler": scaler_state(parts.loss_scaler),
+            "skipped_steps": parts.counters.skipped_steps,
+            "ties": [[list(p) for p in tie.places] for tie in parts.ties],
             "plan": {"stages": [[*(s.layers or ()), s.device_type, s.width] if s.chunks is None else
                                 [[list(c) for c in s.chunks], s.device_type, s.width] for s in plan.stages],
                      "world_size": plan.world_size}}
@@ -234,21 +240,21 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=lambda o: o.tolist() if torch.is_tensor(o) else str(o)))
 
 
-def _host(engine) -> str:
-    stage, replica = engine.plan.locate(engine.global_rank)
-    return engine.plan.stages[stage].replicas[replica].host
+def _host(parts: CheckpointParts) -> str:
+    stage, replica = parts.plan.locate(parts.rank)
+    return parts.plan.stages[stage].replicas[replica].host
 
 
 # ---------------------------------------------------------------------------------------------- optimizer state
-def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
+def _optimizer_state_by_layer(parts: CheckpointParts) -> dict[int, dict[str, Any]]:
     """layer index -> parameter name -> the optimizer's full state (host copies) of each of this stage's
     parameters. Collective over the stage's replicas under ZeRO-1 (every replica's elements are gathered)."""
-    names = param_names(engine)
-    opt = engine.optimizer
+    names = param_names(parts)
+    opt = parts.optimizer
     out: dict[int, dict[str, Any]] = {}
-    owners = tie_owners(engine)
+    owners = tie_owners(parts)
     # Only the writer (replica 0's lead) copies to the host: the others take part in the gathers and drop the result
-    writes = engine.grid.replica_id == 0 and engine.grid.tp_rank == 0
+    writes = parts.grid.replica_id == 0 and parts.grid.tp_rank == 0
     to_host = _host_copy if writes else (lambda t: t)
 
     def put(p, st):
@@ -259,9 +265,9 @@ def _optimizer_state_by_layer(engine) -> dict[int, dict[str, Any]]:
         if writes:
             out.setdefault(idx, {})[name] = whole
 
-    if engine.zero1 is not None:
-        for shard in engine.zero1.shards:
-            for p, st in zip(shard.params, _gathered_state(engine, shard, to_host)):
+    if parts.zero1 is not None:
+        for shard in parts.zero1.shards:
+            for p, st in zip(shard.params, _gathered_state(parts, shard, to_host)):
                 put(p, st)
         return out
     for group in opt.param_groups:
@@ -282,18 +288,18 @@ def _whole_state(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return gather_like(v, p)
 
 
-def _gathered_state(engine, shard, to_host: Callable) -> list[dict]:
+def _gathered_state(parts: CheckpointParts, shard, to_host: Callable) -> list[dict]:
     """ZeRO-1: the full per-parameter state of one flat shard, every replica's elements all-gathered (tensors
     only, in hethub's own collectives: nothing is pickled). Per-element state (shaped like the shard) is
     gathered; 0-d state such as Adam's step is the same on every replica and copied to each parameter."""
-    st = engine.optimizer.state.get(shard.shard, {})
+    st = parts.optimizer.state.get(shard.shard, {})
     # Every replica steps its shard at the same steps, so all hold the same keys (an empty shard too).
     keys = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0)
     gathered = {}
     for k in keys:
         padded = torch.zeros(shard.chunk, dtype=st[k].dtype, device=st[k].device)
         padded[:st[k].numel()].copy_(st[k].reshape(-1))
-        gathered[k] = to_host(engine.gradients.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total])
+        gathered[k] = to_host(parts.gradients.all_gather_stage(padded, "the ZeRO-1 checkpoint gather")[:shard.total])
     scalars = {k: v for k, v in st.items() if k not in gathered}
     return shard.split_state(gathered, scalars) if st else []
 

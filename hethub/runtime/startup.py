@@ -1,9 +1,18 @@
 """``hethub.initialize``: DeepSpeed's pipeline engine under a heterogeneous plan, built in order.
 
-Order matters: everything that can be wrong with the user's input is checked on every rank *before* the
-first collective (``checks``), and ends every rank with the same one line and exit code 2. Then the process
-groups (``grid``), the stage's layers (``module``), and the engine with its parts. Nothing hangs waiting for a
-rank that already left: a rank that fails later ends at once, and its peers name it (``errors.Guard``).
+Order matters, and ``_build`` reads as it:
+
+1. the ds_config is read and validated once (``RunConfig``); an elastic run then starts its world first, to
+   agree on the plan for the ranks present (``_elastic_start``);
+2. everything that can be wrong with the user's input is checked on every rank *before* the first collective
+   (``_check_inputs``, ``checks``), and ends every rank with the same one line and exit code 2;
+3. the world, every rank agreeing on the plan (``_start_world``), then the process groups (``grid``);
+4. the stage's layers (``module``), split for tensor parallelism and wrapped by an emulated device type
+   (``hethub.emulated.device``) where either applies;
+5. the engine, given DeepSpeed's arguments and everything else as one ``engine.StageParts``.
+
+Nothing hangs waiting for a rank that already left: a rank that fails later ends at once, and its peers name it
+(``errors.Guard``).
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ import importlib
 import inspect
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import deepspeed
@@ -25,21 +35,22 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .._version import __version__
 from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
-from ..emulated.pinned import Pins, check_pin_profiles, load_pin_profiles, pins_for, slowed_chunk
-from ..emulated.slowdown import DeviceClock, parse_factors, slowdown_for
+from ..emulated.device import EmulatedDevice
+from ..emulated.device import for_rank as emulated_device
+from ..emulated.pinned import check_pin_profiles, load_pin_profiles
+from ..emulated.slowdown import parse_factors, slowdown_for
 from ..events import request_stop
 from ..models.ties import find_ties, resolve_tied_specs
 from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_start
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan, Profile
-from ..partitioner.schedule import build_schedule
 from . import ds_seams, elastic, frontdoor, tp
 from .checks import (check_against_world, connections_note, launched_world, load_checked_schedule,
                      local_device_index, on_gpu, resolve_plan)
 from .control import Control
 from .precision import Precision, check_device_dtype, plan_dtype_note, precision_from_config
-from .engine import HeteroPipelineEngine
+from .engine import Autosave, HeteroPipelineEngine, StageParts
 from .errors import fail, first_line, mark_ending, on_fail
 from .grid import HeteroGrid
 from .module import HeteroPipelineModule
@@ -59,31 +70,63 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-class _Checked:
-    """The inputs of one start, all checked (``_check_inputs``) before any collective."""
+@dataclass(frozen=True)
+class RunConfig:
+    """The ds_config, read and validated once: DeepSpeed's part (``ds``: what hethub runs itself taken out), the
+    ``hetero`` section, the precision (bf16/fp16 are hethub's, not DeepSpeed's optimizer wrappers) and whether the
+    ds_config asks for ZeRO-1 (hethub shards the optimizer itself, ``hethub.runtime.zero``; its section stays in
+    ``ds`` until checked against the plan, and DeepSpeed never sees it)."""
+    ds: dict
+    hetero: HeteroSection
+    precision: Precision
+    zero1: bool
 
-    def __init__(self, cfg: dict, hetero: HeteroSection, plan: Plan, rank: int, layers: list, ties: tuple,
-                 tp_plan: Optional[dict], schedule: Optional[list], precision: Precision,
-                 pin_profiles: Optional[list[Profile]]):
-        self.cfg, self.hetero, self.plan, self.rank = cfg, hetero, plan, rank
-        self.layers, self.ties, self.tp_plan, self.schedule = layers, ties, tp_plan, schedule
-        self.precision, self.pin_profiles = precision, pin_profiles  # HETHUB_EMULATE_PROFILES (emulation only)
+    @property
+    def autosave(self) -> Autosave:
+        return Autosave(self.hetero.checkpoint_dir, self.hetero.checkpoint_every, self.hetero.checkpoint_background)
 
 
-def _check_inputs(layers, config, plan, optimizer, args, tp_plan, built: bool = False) -> _Checked:
-    """Every check that needs no other rank; a failure is one line and exit 2 on every rank."""
+def read_config(config, args) -> RunConfig:
+    """``config`` (a dict or a file; else ``args.deepspeed_config``) read once; bad input is one line, exit 2."""
     try:
         cfg = load_config(config if config is not None else getattr(args, "deepspeed_config", None))
         hetero = hetero_section(cfg)
-        precision = precision_from_config(cfg)  # takes bf16/fp16 out of cfg: hethub runs them, not DeepSpeed
+        precision = precision_from_config(cfg)  # takes bf16/fp16 out of cfg
+        cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
+        zero = cfg.get("zero_optimization") or {}  # checked against the plan with it (dsconfig.check_zero)
+        zero1 = isinstance(zero, dict) and zero.get("stage", 0) == 1
+    except InputError as exc:
+        fail(str(exc))
+    return RunConfig(cfg, hetero, precision, zero1)
+
+
+class _Checked:
+    """The inputs of one start, all checked (``_check_inputs``) before any collective."""
+
+    def __init__(self, config: RunConfig, plan: Plan, rank: int, layers: list, ties: tuple,
+                 tp_plan: Optional[dict], schedule: Optional[list], pin_profiles: Optional[list[Profile]]):
+        self.config, self.plan, self.rank = config, plan, rank
+        self.layers, self.ties, self.tp_plan, self.schedule = layers, ties, tp_plan, schedule
+        self.pin_profiles = pin_profiles  # HETHUB_EMULATE_PROFILES (emulation only)
+
+    @property
+    def hetero(self) -> HeteroSection:
+        return self.config.hetero
+
+
+def _check_inputs(layers, config: RunConfig, plan, optimizer, args, tp_plan, built: bool = False) -> _Checked:
+    """Every check that needs no other rank; a failure is one line and exit 2 on every rank."""
+    hetero = config.hetero
+    try:
         parse_factors(os.environ.get("HETHUB_EMULATE_SLOWDOWN", ""))  # a bad one is one line here, not mid-start
         pin_profiles = load_pin_profiles()
-        the_plan = resolve_plan(plan, hetero, args)
+        # an elastic start resolved it already, and gives the plan for the ranks present
+        the_plan = plan if hetero.elastic else resolve_plan(plan, hetero, args)
         rank, world = launched_world()
         # TiedLayerSpec: one module per key, shared; LayerSpecs built in list order, this rank's kept
         layers = resolve_tied_specs(layers, None if built else the_plan.rank_layers(rank))
         ties = tuple(find_ties(layers))
-        check_against_world(the_plan, rank, world, layers, cfg, optimizer)
+        check_against_world(the_plan, rank, world, layers, config.ds, optimizer)
         tp_plan = tp.check_tp_plan(tp_plan)
         tp.check_layers(the_plan, layers, tp_plan)
         schedule = load_checked_schedule(the_plan, hetero.schedule, rank) if hetero.schedule else None
@@ -93,7 +136,7 @@ def _check_inputs(layers, config, plan, optimizer, args, tp_plan, built: bool = 
         ds_seams.check()
     except InputError as exc:
         fail(str(exc))
-    return _Checked(cfg, hetero, the_plan, rank, list(layers), ties, tp_plan, schedule, precision, pin_profiles)
+    return _Checked(config, the_plan, rank, list(layers), ties, tp_plan, schedule, pin_profiles)
 
 
 def _fix_local_rank(plan: Plan, rank: int) -> None:
@@ -195,31 +238,18 @@ def _at_exit(control: Control) -> None:
     dist.destroy_process_group()
 
 
-def _emulation_pins(run: _Checked, grid: HeteroGrid) -> Optional[Pins]:
-    """What this rank's emulated passes take when ``HETHUB_EMULATE_PROFILES`` pins them (``hethub.emulated.pinned``):
-    its chunks whose action list has weight passes split their backward."""
-    if run.pin_profiles is None or slowdown_for(grid.device_type, run.hetero.emulate_slowdown) == 1.0:
-        return None
-    actions = run.schedule if run.schedule is not None else build_schedule(run.plan)[grid.schedule_rank]
-    split = {a.chunk if a.chunk is not None else grid.stage_id for a in actions if a.kind == "W"}
-    return pins_for(run.plan, run.pin_profiles, grid.stage_id, grid.device_type,
-                    grid.sample_stop - grid.sample_start, split)
-
-
-def _stage_layers(run: _Checked, grid: HeteroGrid, pins: Optional[Pins]) -> list:
+def _stage_layers(run: _Checked, grid: HeteroGrid, emulated: Optional[EmulatedDevice]) -> list:
     """The layer list with this stage's layers split over its tensor-parallel group (hethub.runtime.tp) and
-    wrapped in the emulated slowdown of its device type (pinned to ``pins`` where given), where either applies."""
+    wrapped by its emulated device type, where either applies."""
     layers = list(run.layers)
-    slowdown = slowdown_for(grid.device_type, run.hetero.emulate_slowdown)
-    clock = DeviceClock()  # the rank's one emulated device, which all its chunks' pinned layers queue on
     for first, last in grid.stage.chunk_ranges:
         if grid.tp > 1:
             for layer in layers[first:last]:  # on the device before splitting (DeepSpeed then leaves them there)
                 if hasattr(layer, "to"):
                     layer.to(get_accelerator().current_device_name())
             tp.parallelize(first, layers[first:last], run.tp_plan, grid.tp_mesh)
-        if slowdown != 1.0:
-            layers[first:last] = slowed_chunk(layers[first:last], first, slowdown, pins, clock)
+        if emulated is not None:
+            layers[first:last] = emulated.wrap(layers[first:last], first)
     return layers
 
 
@@ -275,14 +305,14 @@ def _zero1_factory(run: _Checked, grid: HeteroGrid, params: list, zero1: bool) -
     return make
 
 
-def _elastic_start(config, plan, args) -> tuple[Any, Optional[Control]]:
+def _elastic_start(config: RunConfig, plan, args) -> tuple[Any, Optional[Control]]:
     """Under ``"hetero": {"elastic": true}`` (``hethub launch --elastic``): start the world the agent launched and
     return the plan for the ranks present (``hethub.runtime.elastic``) and the control channel it was agreed on;
     else ``plan`` unchanged and None. Collective."""
+    hetero = config.hetero
+    if not hetero.elastic:
+        return plan, None
     try:
-        hetero = hetero_section(load_config(config if config is not None else getattr(args, "deepspeed_config", None)))
-        if not hetero.elastic:
-            return plan, None
         # Bad input from here on is the same at every restart: the job ends (every host's launcher sees the line)
         on_fail(lambda message: request_stop(hetero.checkpoint_dir, message))
         base = resolve_plan(plan, hetero, args)
@@ -328,49 +358,54 @@ def initialize(layers: Optional[Sequence[Any]] = None, loss_fn: Optional[Callabl
 def _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note: str,
            built: bool):
     """The engine of this rank's stage (``initialize``); ``built``: this rank's layers are built already."""
-    plan, control = _elastic_start(config, plan, args)
-    run = _check_inputs(layers, config, plan, optimizer, args, tp_plan, built)
-    cfg = run.cfg
-    cfg.pop("hetero", None)  # hethub's own: DeepSpeed's config does not know it
-    # ZeRO-1: hethub shards the optimizer itself (hethub.runtime.zero); DeepSpeed's engine sees plain data parallelism.
-    zero1 = (cfg.pop("zero_optimization", None) or {}).get("stage", 0) == 1
-    _fix_local_rank(run.plan, run.rank)
-    try:
-        check_device_dtype(run.precision, torch.device(get_accelerator().current_device_name()))
-    except InputError as exc:
-        fail(str(exc))
-    init_distributed(run.hetero.timeout_s, run.plan)
-    control = control or Control(run.hetero.timeout_s)  # the elastic start has one already
-    _register_clean_shutdown(control)
-    _check_every_rank_agrees(run.plan, control)
-    if run.rank == 0:  # the first line a launch prints after its ranks' silent imports
-        print(f"hethub: {count(run.plan.world_size, 'rank')} joined and agree on the plan "
-              f"({count(run.plan.num_stages, 'stage')}); building them", file=sys.stderr, flush=True)
-    for line in (note, plan_dtype_note(run.plan, run.precision)):
-        if line and run.rank == 0:
-            print(line, file=sys.stderr, flush=True)
+    run_config = read_config(config, args)
+    plan, control = _elastic_start(run_config, plan, args)
+    run = _check_inputs(layers, run_config, plan, optimizer, args, tp_plan, built)
+    cfg = dict(run_config.ds)
+    cfg.pop("zero_optimization", None)  # ZeRO-1 is hethub's; DeepSpeed's engine sees plain data parallelism
+    control = _start_world(run, control, note)
     grid = HeteroGrid(run.plan, run.rank, run.ties, device_name=get_accelerator().device_name(),
                       timeout_s=run.hetero.timeout_s)
-    note = connections_note(sum(1 for g in grid.my_groups() if not grid.on_host(g)), on_gpu())
-    if note:
-        print(note, file=sys.stderr, flush=True)
-    pins = _emulation_pins(run, grid)
-    module = HeteroPipelineModule(_stage_layers(run, grid, pins), loss_fn, grid)
+    line = connections_note(sum(1 for g in grid.my_groups() if not grid.on_host(g)), on_gpu())
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    emulated = emulated_device(run.plan, grid, run.hetero.emulate_slowdown, run.pin_profiles, run.schedule)
+    module = HeteroPipelineModule(_stage_layers(run, grid, emulated), loss_fn, grid)
     _set_batch_keys(cfg, run.plan, grid)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer, model_parameters = _stage_optimizer(params, optimizer, model_parameters, cfg)
-    engine = HeteroPipelineEngine(
-        plan=run.plan, grid=grid, module=module, config=cfg, config_class=DeepSpeedConfig(cfg, grid),
-        optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler, schedule=run.schedule,
-        control=control, precision=run.precision, ties=run.ties,
-        emulate_slowdown=slowdown_for(grid.device_type, run.hetero.emulate_slowdown),
-        emulate_weight_s=pins.weight_s if pins else None,
-        zero1=_zero1_factory(run, grid, params, zero1), bucket_bytes=int(run.hetero.bucket_mb * 2**20),
-        autosave=(run.hetero.checkpoint_dir, run.hetero.checkpoint_every, run.hetero.checkpoint_background),
-        heartbeat=elastic.Heartbeat(run.hetero.checkpoint_dir) if run.hetero.elastic and run.rank == 0 else None)
+    parts = StageParts(
+        plan=run.plan, grid=grid, module=module, control=control, precision=run_config.precision, ties=run.ties,
+        schedule=run.schedule, zero1=_zero1_factory(run, grid, params, run_config.zero1),
+        bucket_bytes=int(run.hetero.bucket_mb * 2**20), autosave=run_config.autosave,
+        heartbeat=elastic.Heartbeat(run.hetero.checkpoint_dir) if run.hetero.elastic and run.rank == 0 else None,
+        emulated=emulated)
+    engine = HeteroPipelineEngine(parts, config=cfg, config_class=DeepSpeedConfig(cfg, grid), optimizer=optimizer,
+                                  model_parameters=model_parameters, lr_scheduler=lr_scheduler)
     resume = getattr(args, "hetero_resume", None) or run.hetero.resume
     if run.hetero.elastic and elastic.newest_checkpoint(run.hetero.checkpoint_dir):
         resume = run.hetero.checkpoint_dir  # the newest complete checkpoint, whichever plan wrote it
     if resume:
         engine.load_checkpoint(resume)
     return engine
+
+
+def _start_world(run: _Checked, control: Optional[Control], note: str) -> Control:
+    """This rank's device, the world (every rank agreeing on the plan) and the control channel (an elastic start
+    made it already); rank 0 says what it starts and any note on the model or the precision."""
+    _fix_local_rank(run.plan, run.rank)
+    try:
+        check_device_dtype(run.config.precision, torch.device(get_accelerator().current_device_name()))
+    except InputError as exc:
+        fail(str(exc))
+    init_distributed(run.hetero.timeout_s, run.plan)
+    control = control or Control(run.hetero.timeout_s)
+    _register_clean_shutdown(control)
+    _check_every_rank_agrees(run.plan, control)
+    if run.rank == 0:  # the first line a launch prints after its ranks' silent imports
+        print(f"hethub: {count(run.plan.world_size, 'rank')} joined and agree on the plan "
+              f"({count(run.plan.num_stages, 'stage')}); building them", file=sys.stderr, flush=True)
+        for line in (note, plan_dtype_note(run.plan, run.config.precision)):
+            if line:
+                print(line, file=sys.stderr, flush=True)
+    return control
