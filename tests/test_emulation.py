@@ -1,4 +1,6 @@
 """Emulated slowdown on a fake clock: what a wrapped layer's forward and backward take, exactly."""
+import copy
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -212,3 +214,20 @@ def test_pinned_emulation_needs_a_profile_per_emulated_type(tmp_path, monkeypatc
     with pytest.raises(InputError, match=f"^{PROFILES_ENV}: profiles\\[0\\].model: profile was measured on model"):
         check_pin_profiles(plan, [profile_model(other, "SLOW", 1, "fp32", warmup=0, reps=1, progress=False)],
                            {"SLOW"})
+
+
+def test_a_slowed_in_place_layer_trains_like_the_unwrapped_one_and_copies_only_where_it_writes():
+    """nn.ReLU(inplace=True) after another layer (DeepSpeed's tutorial cut): autograd forbids writing into the
+    wrapper's view of the input, so the wrapper hands that layer a copy; a layer that writes nothing gets a view."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2)).double()
+    slowed = torch.nn.Sequential(*[SlowDown(m, 1.0) for m in copy.deepcopy(plain)])
+    for _ in range(2):  # the probe's call, then the decided one
+        x = torch.randn(3, 4, dtype=torch.float64)
+        plain.zero_grad()
+        slowed.zero_grad()
+        plain(x).square().sum().backward()
+        slowed(x).square().sum().backward()
+        for p, q in zip(plain.parameters(), slowed.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    assert [m._writes_input for m in slowed] == [False, True, False]

@@ -81,12 +81,14 @@ class _Start(torch.autograd.Function):
 
 
 class _End(torch.autograd.Function):
-    """Identity on the layer's input; its backward runs once the layer's backward has finished."""
+    """Identity on the layer's input; its backward runs once the layer's backward has finished. A copy where the
+    layer writes into its input (``nn.ReLU(inplace=True)``): autograd forbids writing into a custom Function's
+    view of its input (``SlowDown`` finds out on the first call)."""
 
     @staticmethod
     def forward(ctx, x, state):
         ctx.state = state
-        return x.view_as(x)
+        return x.clone() if state["copy_input"] else x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -136,19 +138,23 @@ class SlowDown(nn.Module):
             self._ref[(pinned[0],)] = {"pinned": dict(pinned[1])}
         self._clock = clock if clock is not None else DeviceClock()
         self._sync = {"fwd": sync[0], "bwd": sync[1]}
+        self._writes_input: Optional[bool] = None  # whether the layer writes into its input (probed on a copy, once)
 
     def forward(self, x):
         tracked = torch.is_tensor(x) and x.is_floating_point() and torch.is_grad_enabled()
         rows = tuple(x.shape[:1]) if torch.is_tensor(x) else ()
         state = {"factor": self.factor, "input_tracked": tracked, "ref": self._ref.setdefault(rows, {}),
-                 "clock": self._clock, "sync": self._sync}
+                 "clock": self._clock, "sync": self._sync, "copy_input": self._writes_input is not False}
         recomputing = state["ref"].get("in_backward", False)
         if tracked:
             if not x.requires_grad:
                 x = x.detach().requires_grad_()
             x = _End.apply(x, state)
+        version = x._version if tracked else 0
         t0 = time.perf_counter()
         y = self.module(x)
+        if tracked and self._writes_input is None:
+            self._writes_input = x._version != version
         # a pinned recompute is inside its backward's pin: it queues nothing
         if not (recomputing and "pinned" in state["ref"]) and not _pinned_pass(state, "fwd", t0):
             idle_to(self.factor, state["ref"], "fwd", time.perf_counter() - t0)
