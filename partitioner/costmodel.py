@@ -571,8 +571,8 @@ class CostModel:
     def _link_gbps(self, t_src: str, t_dst: str, same_host: bool) -> tuple[float, float]:
         """(Gbit/s, latency s) between two devices."""
         net = self.cluster.network
-        if same_host:
-            return net.intra_gbps(t_src), net.intra_node_latency_us * 1e-6
+        if same_host:  # two types in one host (a workstation's two cards): the slower end's figure
+            return min(net.intra_gbps(t_src), net.intra_gbps(t_dst)), net.intra_node_latency_us * 1e-6
         if self.cluster.device_type(t_src).vendor != self.cluster.device_type(t_dst).vendor:
             return self.cross_vendor_link()
         return net.inter_node_gbps, net.inter_node_latency_us * 1e-6

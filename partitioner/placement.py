@@ -37,7 +37,7 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
     node, and placing 8s before 4s before 2s before 1s leaves no unusable remainders on nodes whose size
     the degrees divide.
     """
-    free = {n.host: list(range(n.count)) for n in cluster.nodes}
+    free = {i: list(slots) for i, (_, slots) in enumerate(cluster.entry_slots())}  # per entry (host, type)
     out: list[list[tuple[str, int]]] = [[] for _ in layouts]
     for i in sorted(range(len(layouts)), key=lambda k: -layouts[k].tensor_parallel):
         lay = layouts[i]
@@ -49,25 +49,27 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
     return out
 
 
-def _take_slots(cluster: Cluster, free: dict[str, list[int]], i: int, device_type: str, need: int, tp: int
+def _take_slots(cluster: Cluster, free: dict[int, list[int]], i: int, device_type: str, need: int, tp: int
                 ) -> list[tuple[str, int]]:
-    """(host, first slot) for ``need`` replicas (groups of ``tp``) of stage i on nodes of ``device_type``."""
-    nodes = [n for n in cluster.nodes if n.device_type == device_type]
+    """(host, first slot) for ``need`` replicas (groups of ``tp``) of stage i on nodes of ``device_type`` (a node:
+    one entry of the cluster, a host's devices of one type)."""
+    entries = cluster.entry_slots()
+    nodes = [k for k, (n, _) in enumerate(entries) if n.device_type == device_type]
     slots: list[tuple[str, int]] = []
     while len(slots) < need:
         # Prefer a node that holds all the remaining replicas; else the emptiest node.
         rest = need - len(slots)
-        fitting = [n for n in nodes if len(free[n.host]) >= rest * tp]
-        pool = sorted(fitting, key=lambda n: len(free[n.host])) or sorted(nodes, key=lambda n: -len(free[n.host]))
-        if not pool or len(free[pool[0].host]) < tp:
-            have = sum(len(free[n.host]) for n in nodes)
+        fitting = [k for k in nodes if len(free[k]) >= rest * tp]
+        pool = sorted(fitting, key=lambda k: len(free[k])) or sorted(nodes, key=lambda k: -len(free[k]))
+        if not pool or len(free[pool[0]]) < tp:
+            have = sum(len(free[k]) for k in nodes)
             if have >= rest * tp:
                 raise InfeasibleError(f"stages[{i}]", f"its tensor-parallel groups need {tp} free {device_type} "
                                                       f"slots on one node; the {have} left are spread over nodes")
             raise InfeasibleError(f"stages[{i}]", f"needs {need * tp} {device_type} devices, only {have} left")
-        host = pool[0].host
-        slots.append((host, free[host][0]))
-        del free[host][:tp]
+        k = pool[0]
+        slots.append((entries[k][0].host, free[k][0]))
+        del free[k][:tp]
     return slots
 
 

@@ -297,9 +297,11 @@ class Cluster(Record):
         if total > MAX_DEVICES:
             raise ValueError(f"nodes: at most {MAX_DEVICES} devices in a cluster, got {total}")
         for i, node in enumerate(self.nodes):
-            if node.host in hosts:
-                raise ValueError(f"nodes[{i}].host: duplicate host {node.host!r}")
-            hosts.add(node.host)
+            if (node.host, node.device_type) in hosts:
+                raise ValueError(f"nodes[{i}].host: duplicate host {node.host!r} with device_type "
+                                 f"{node.device_type!r} (a host with several device types lists each type once; "
+                                 f"give one entry its whole count)")
+            hosts.add((node.host, node.device_type))
             if node.device_type not in self.device_types and node.device_type not in DEVICE_TYPES:
                 raise ValueError(f"nodes[{i}].device_type: unknown device type {node.device_type!r}; "
                                  f"define it under device_types or use a built-in ({', '.join(DEVICE_TYPES)})")
@@ -315,12 +317,42 @@ class Cluster(Record):
         return builtin_device_type(name)
 
     def node(self, host: str) -> Optional[Node]:
-        return self._node_by_host.get(host)
+        """The host's first entry (a host with several device types has one entry per type)."""
+        entries = self._entries_by_host.get(host)
+        return entries[0][1] if entries else None
 
     @cached_property
-    def _node_by_host(self) -> dict[str, Node]:
-        """Why cached: a plan's check asks once per replica, and a wide plan has tens of thousands."""
-        return {n.host: n for n in reversed(self.nodes)}  # reversed: the first node of a host wins
+    def _entries_by_host(self) -> dict[str, list[tuple[int, Node]]]:
+        """host -> (first slot, entry) per entry. A host listed once per device type (a workstation with an RTX 4090
+        and an RTX 3090) numbers its slots across its entries in file order: the first entry's devices are slots
+        0..count-1, the next entry's follow (the order ``CUDA_VISIBLE_DEVICES`` lists them in). Why cached: a
+        plan's check asks once per replica, and a wide plan has tens of thousands."""
+        out: dict[str, list[tuple[int, Node]]] = {}
+        for n in self.nodes:
+            entries = out.setdefault(n.host, [])
+            entries.append((sum(e.count for _, e in entries), n))
+        return out
+
+    @property
+    def hosts(self) -> list[str]:
+        """Each host once, in file order."""
+        return list(self._entries_by_host)
+
+    def host_count(self, host: str) -> int:
+        """Devices of ``host``, every type."""
+        return sum(n.count for _, n in self._entries_by_host.get(host, ()))
+
+    def slot_type(self, host: str, slot: int) -> Optional[str]:
+        """The device type at ``host``'s ``slot`` (None: no such slot)."""
+        for first, n in self._entries_by_host.get(host, ()):
+            if first <= slot < first + n.count:
+                return n.device_type
+        return None
+
+    def entry_slots(self) -> list[tuple[Node, range]]:
+        """Every entry with the host slots it covers."""
+        return [(n, range(first, first + n.count)) for entries in self._entries_by_host.values()
+                for first, n in entries]
 
     @cached_property
     def type_names(self) -> tuple[str, ...]:
@@ -923,11 +955,13 @@ def _check_chunks(plan: Plan) -> None:
 
 def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict, seen_slots: dict) -> None:
     """The replica's host exists and holds the stage's type; its slots exist; slots and ranks used once."""
-    node = plan.cluster.node(r.host)
-    if node is None:
-        raise ValueError(f"{rf}.host: cluster {plan.cluster.name!r} has no host {r.host!r}")
-    if node.device_type != st.type_of(r):
-        raise ValueError(f"{rf}.host: {r.host!r} holds {node.device_type}, but the replica runs on {st.type_of(r)}")
+    cluster = plan.cluster
+    if cluster.node(r.host) is None:
+        raise ValueError(f"{rf}.host: cluster {cluster.name!r} has no host {r.host!r}")
+    held = cluster.slot_type(r.host, r.slot)
+    if held is not None and held != st.type_of(r):
+        raise ValueError(f"{rf}.host: {r.host!r} holds {held} at slot {r.slot}, but the replica runs on "
+                         f"{st.type_of(r)}")
     t = st.tensor_parallel
     for many, one in (("ranks", "rank"), ("slots", "slot")):
         group = getattr(r, many)
@@ -939,10 +973,15 @@ def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict,
         if getattr(r, one) != group[0]:
             raise ValueError(f"{rf}.{one}: must be the first of {many} ({group[0]}), got {getattr(r, one)}")
     slots = r.group_slots(t)
-    if max(slots) >= node.count:
+    count = cluster.host_count(r.host)
+    if max(slots) >= count:
         raise ValueError(f"{rf}.slot{'s' if r.slots is not None else ''}: host {r.host!r} has slots "
-                         f"0..{node.count - 1}, got {max(slots)}"
+                         f"0..{count - 1}, got {max(slots)}"
                          + (f" (+{t - 1} for tensor parallel)" if t > 1 and r.slots is None else ""))
+    other = next((s for s in slots if cluster.slot_type(r.host, s) != st.type_of(r)), None)
+    if other is not None:
+        raise ValueError(f"{rf}.slots: {r.host}:{other} holds {cluster.slot_type(r.host, other)}, but the replica "
+                         f"runs on {st.type_of(r)}")
     for slot, rank in zip(slots, r.group_ranks(t)):
         key = (r.host, slot)
         if key in seen_slots:

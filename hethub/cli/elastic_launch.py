@@ -95,7 +95,7 @@ def parse(plan_path: str, rest: Sequence[str], is_this_host: Callable[[str], boo
 
 
 def _checked(plan_path: str, plan: Plan, v: dict, script: list[str], is_this_host) -> ElasticLaunch:
-    hosts = [n.host for n in plan.cluster.nodes]
+    hosts = plan.cluster.hosts
     if not 1 <= v["--master_port"] <= 65535:
         raise InputError("--master_port", f"must be in 1..65535, got {v['--master_port']}")
     try:
@@ -133,7 +133,7 @@ def _this_host(hosts: list[str], is_this_host) -> str:
 def command(el: ElasticLaunch) -> tuple[list[str], dict]:
     """torchrun's command line and the workers' environment."""
     job = hashlib.sha256(el.plan.to_json().encode()).hexdigest()[:12]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{el.min_nodes}:{len(el.plan.cluster.nodes)}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{el.min_nodes}:{len(el.plan.cluster.hosts)}",
            "--nproc-per-node", str(el.nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"{el.master_addr}:{el.master_port}", "--rdzv-id", f"hethub-{job}",
            "--rdzv-conf", f"last_call_timeout={LAST_CALL_S},keep_alive_interval={KEEP_ALIVE_S},"
@@ -177,7 +177,7 @@ def run(el: ElasticLaunch, dry_run: bool = False) -> int:
     if os.path.exists(stop):  # an earlier job's end: this start is a new job
         os.remove(stop)
     print(f"hethub: elastic launch on {el.host} ({el.nproc} workers), rendezvous {el.master_addr}:{el.master_port}, "
-          f"at least {el.min_nodes} of {len(el.plan.cluster.nodes)} hosts; checkpoints every "
+          f"at least {el.min_nodes} of {len(el.plan.cluster.hosts)} hosts; checkpoints every "
           f"{el.checkpoint_every} steps in {el.checkpoint_dir}", flush=True)
     rc, stopped, timed_out = _supervise(cmd, env, stop)
     if rc == 0:
@@ -186,7 +186,7 @@ def run(el: ElasticLaunch, dry_run: bool = False) -> int:
     if stopped is not None:
         why, rc = f"a worker ended on input no restart can fix: {stopped}", 2
     elif timed_out:
-        why, rc = (f"fewer than --min-nodes {el.min_nodes} of the plan's {len(el.plan.cluster.nodes)} hosts were in "
+        why, rc = (f"fewer than --min-nodes {el.min_nodes} of the plan's {len(el.plan.cluster.hosts)} hosts were in "
                    f"the rendezvous for --join-timeout {el.join_timeout_s} s"), 2
     else:
         why = f"its workers failed after --max-restarts {el.max_restarts} restarts (exit {rc}; see above)"

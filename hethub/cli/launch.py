@@ -55,8 +55,7 @@ def host_layout(plan: Plan) -> list[tuple[str, list[int]]]:
 
 
 def hostfile_text(plan: Plan) -> str:
-    counts = {n.host: n.count for n in plan.cluster.nodes}
-    return "".join(f"{host} slots={counts[host]}\n" for host, _ in host_layout(plan))
+    return "".join(f"{host} slots={plan.cluster.host_count(host)}\n" for host, _ in host_layout(plan))
 
 
 def include_arg(plan: Plan) -> str:

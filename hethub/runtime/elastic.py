@@ -36,7 +36,7 @@ HOST_BYTES = 255  # a host name, as the cluster file allows it
 def this_host(plan: Plan) -> str:
     """The plan's host this worker runs on (``HETHUB_HOST``), checked against the plan's cluster."""
     host = os.environ.get(HOST_ENV, "")
-    hosts = [n.host for n in plan.cluster.nodes]
+    hosts = plan.cluster.hosts
     if host not in hosts:
         raise InputError(HOST_ENV, f"{host[:80]!r} is not a host of the plan's cluster ({', '.join(hosts)[:200]}): "
                                    "hethub launch --elastic sets it on each host")
@@ -62,7 +62,13 @@ def sub_cluster(cluster: Cluster, ranks: Sequence[tuple[str, int]]) -> Cluster:
     for host, _ in ranks:
         counts[host] = counts.get(host, 0) + 1
     data = cluster.model_dump(exclude_none=True)  # validated anew: a copy would keep the whole cluster's caches
-    data["nodes"] = [{**n, "count": counts[n["host"]]} for n in data["nodes"] if n["host"] in counts]
+    nodes = []
+    for n in data["nodes"]:  # a host with several device types: its workers fill its entries in file order
+        take = min(n["count"], counts.get(n["host"], 0))
+        if take:
+            nodes.append({**n, "count": take})
+            counts[n["host"]] -= take
+    data["nodes"] = nodes
     return parse_record(Cluster, data, "elastic cluster")
 
 
@@ -92,7 +98,8 @@ def replan(base: Plan, cluster: Cluster) -> Plan:
 
 def same_devices(plan: Plan, cluster: Cluster) -> bool:
     """Whether ``plan`` was made for exactly these hosts and counts."""
-    return [(n.host, n.count) for n in plan.cluster.nodes] == [(n.host, n.count) for n in cluster.nodes]
+    return [(n.host, n.device_type, n.count) for n in plan.cluster.nodes] == [(n.host, n.device_type, n.count)
+                                                                             for n in cluster.nodes]
 
 
 def elastic_plan(base: Plan, control: Control, checkpoint_dir: str) -> Plan:
@@ -145,7 +152,7 @@ def _previous_plan(checkpoint_dir: str, step: int) -> Optional[Plan]:
 
 
 def _hosts(plan: Plan) -> dict[str, int]:
-    return {n.host: n.count for n in plan.cluster.nodes}
+    return {h: plan.cluster.host_count(h) for h in plan.cluster.hosts}
 
 
 def _say(base: Plan, before: Optional[Plan], plan: Plan, cluster: Cluster, step: int,
@@ -155,8 +162,9 @@ def _say(base: Plan, before: Optional[Plan], plan: Plan, cluster: Cluster, step:
     have = _hosts(plan)
     had = _hosts(before) if before is not None else have
     lost, joined = [h for h in had if h not in have], [h for h in have if h not in had]
-    missing = [n.host for n in base.cluster.nodes if n.host not in have]
-    fewer = [f"{n.host} ({have[n.host]}/{n.count})" for n in base.cluster.nodes if 0 < have.get(n.host, 0) < n.count]
+    full = _hosts(base)
+    missing = [h for h in full if h not in have]
+    fewer = [f"{h} ({have[h]}/{n})" for h, n in full.items() if 0 < have.get(h, 0) < n]
     shape = " | ".join(f"{st.device_type} x{st.width} [{st.chunk_ranges[0][0]},{st.chunk_ranges[-1][1]})"
                        for st in plan.stages)
     rate = plan.predicted.samples_per_s if plan.predicted else float("nan")

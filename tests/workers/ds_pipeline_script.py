@@ -52,7 +52,10 @@ def main():
     if args.save:
         engine.save_checkpoint(args.save, tag="end")
     torch.save({"losses": losses, "engine": type(engine).__name__,
-                "micro_batch": engine.train_micro_batch_size_per_gpu()},
+                "micro_batch": engine.train_micro_batch_size_per_gpu(),
+                # where the rank ran (a plan's engine has a grid; plain DeepSpeed's does not say)
+                "device_type": getattr(getattr(engine, "grid", None), "device_type", None),
+                "local_rank": os.environ.get("LOCAL_RANK")},
                f"{args.out}.{os.environ.get('RANK', '0')}")
 
 
