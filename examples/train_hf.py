@@ -1,11 +1,14 @@
-"""Train a small Hugging Face causal LM (random init from a local config.json) under a hethub plan, on a text file.
+"""Train a small Hugging Face causal LM (a local folder: its pretrained weights, or random init from its config.json)
+under a hethub plan, on a text file; `hethub export hf` writes the checkpoint back as a Hugging Face folder.
 
     hethub plan --cluster examples/cluster.yaml --model hf:examples/hf-gpt2-tiny --seq-length 64 \
         --global-batch 16 -o plan.json
-    hethub launch --hetero-plan plan.json examples/train_hf.py --model examples/hf-gpt2-tiny --text README.md
+    hethub launch --hetero-plan plan.json examples/train_hf.py --model examples/hf-gpt2-tiny --text README.md \
+        --save ckpt
+    hethub export hf ckpt --model hf:examples/hf-gpt2-tiny -o gpt2-trained
 
-The model comes from ``transformers`` (GPT-2, Llama, Mistral, Qwen2: ``AutoModelForCausalLM.from_config``,
-nothing downloaded) and is cut into hethub's layers by ``hethub.hf.pipeline_layers``; GPT-2's tied
+The model comes from ``transformers`` (GPT-2, Llama, Mistral, Qwen2: ``from_pretrained`` where the folder holds
+safetensors weights, else ``AutoModelForCausalLM.from_config``; local files only, nothing downloaded) and is cut into hethub's layers by ``hethub.hf.pipeline_layers``; GPT-2's tied
 embedding/head stays tied across stages. Tokens: the file's bytes (modulo the vocabulary), since no
 tokenizer is assumed to be available locally. Step k reads the global batch of sequences that starts
 k batches into the file (wrapping around), the same under any plan.
@@ -27,17 +30,15 @@ def fail(message: str) -> None:
 
 
 def load_model(path: str):
-    """``AutoModelForCausalLM.from_config`` of a local config.json (or the folder holding one), random init."""
-    import transformers
-    transformers.logging.set_verbosity_error()
+    """The folder's pretrained weights where it has them (``hethub.hf.from_pretrained``: local safetensors),
+    else ``AutoModelForCausalLM.from_config`` of its config.json, random init."""
+    from hethub.hf import from_config_folder, from_pretrained
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        fail(f"--model: no config.json at {path[:100]!r}")
+    pretrained = any(name.endswith(".safetensors") for name in os.listdir(folder)) if os.path.isdir(folder) else False
     try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        return transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, OSError, KeyError) as exc:
-        fail(f"--model: {str(exc).splitlines()[0][:200]}")
+        return from_pretrained(folder) if pretrained else from_config_folder(folder)
+    except InputError as exc:
+        fail(str(exc))
 
 
 def text_tokens(path: str, vocab: int) -> torch.Tensor:
@@ -65,6 +66,8 @@ def main():
     parser.add_argument("--text", required=True, help="training text (its bytes are the tokens)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save", metavar="DIR", help="save a checkpoint there at the end (`hethub export hf DIR "
+                                                      "--model hf:MODEL -o OUT` makes it a Hugging Face folder)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -96,6 +99,8 @@ def main():
         if rank == 0:
             print(json.dumps({"step": step, "loss": round(loss, 4), "ms": round((time.perf_counter() - t0) * 1e3, 1)}),
                   flush=True)
+    if args.save:
+        engine.save_checkpoint(args.save)
 
 
 if __name__ == "__main__":

@@ -313,7 +313,10 @@ class CostModel:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        self.element_bytes = ELEMENT_BYTES.get(self.dtype, 2.0)
+        if self.dtype not in ELEMENT_BYTES:  # priced as bf16 before: a typo must not plan in silence
+            raise InputError("CostModel.dtype", f"expected one of {', '.join(ELEMENT_BYTES)}, got "
+                                                f"{str(self.dtype)[:40]!r}")
+        self.element_bytes = ELEMENT_BYTES[self.dtype]
         self.grad_bytes = GRAD_BYTES.get(self.dtype, 4.0)
         self.layers = with_measured_activations(layer_costs(self.model, self.flash_attention, self.element_bytes),
                                                 self.profiles, loss_saved_bytes(self.model))

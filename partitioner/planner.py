@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -22,42 +22,12 @@ from .evaluate import REPLAY_WITHIN
 from .placement import StageLayout, even_split
 from .records import CHUNKED, MAX_MICRO_BATCHES
 from .schedule import SCHEDULES
+from .options import PlannerOptions
 from .search.candidates import (Job, Solution, candidates, objective_of, restrict,
                                 tensor_parallel_degrees, units_for)
 from .search.chain import bottleneck_lower_bound, incumbent, solve_brute_force, solve_milp, sum_lower_bound
 from .search.milp import OPTIMAL_GAP
 from .search.shapes import ShapeSearch, identical_blocks
-
-
-@dataclass(frozen=True)
-class PlannerOptions:
-    solver: str = "highs"  # highs | cbc | brute-force
-    time_limit_s: float = 60.0  # for the whole search, split over micro-batch sizes
-    micro_batch_sizes: Optional[tuple[int, ...]] = None  # default: divisors of the global batch <= max
-    max_micro_batch_size: int = 64
-    allow_recompute: bool = True
-    # Chunk the blocks into at most this many units (chain MILP). None: every layer is a cut point; models of
-    # identical blocks longer than SHAPES_MIN_LAYERS go to the shape MILP, others are chunked at DEFAULT_MAX_UNITS.
-    max_units: Optional[int] = None
-    device_types: Optional[tuple[str, ...]] = None  # restrict to these types (fastest-only, homogeneous sums)
-    # Every stage the same width w, each replica micro_batch / w samples: what Megatron-core's
-    # parallel_state can express (stages may still differ in device type and layer count); no tensor parallelism.
-    equal_widths: bool = False
-    # Tensor-parallel degrees a stage may use: 1, 2, 4, 8 up to this (only those that fit in one node of the
-    # type and divide heads, KV heads and the FFN size). 1 turns tensor parallelism off.
-    max_tensor_parallel: int = 8
-    # Stages may mix two device types of one vendor (``mixed_splits``: speed-proportional integer splits).
-    mixed_types: bool = True
-    # The pipeline schedule plans are written for (``schedule.SCHEDULES``): its memory (the last stage holds
-    # two micro-batches under zb-h1) bounds the candidates, the replay that picks the plan runs it. 1F1B by
-    # default: zb-h1 is opt-in until it is measured faster on GPUs (README: on CPU its two backward passes
-    # cost about what its shorter drain saves).
-    schedule: str = "1f1b"
-    # A stage may shard its optimizer state over its replicas (ZeRO-1) where that lets it hold more micro-batches
-    # in flight; --zero1 (the cost model's) shards every stage instead.
-    zero1_stages: bool = True
-
-
 
 
 # Models of identical blocks with more planner layers than this go to the shape MILP (``shapes``): on the
@@ -215,7 +185,7 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
     if opts.schedule not in SCHEDULES or opts.schedule in CHUNKED:  # chunks are cut after the MILP (api.solve)
-        raise InputError("--schedule", f"expected one of {', '.join(s for s in SCHEDULES if s not in CHUNKED)}, got "
+        raise InputError("PlannerOptions.schedule", f"search() plans one of {', '.join(s for s in SCHEDULES if s not in CHUNKED)}, got "
                                        f"{opts.schedule!r} (the MILP plans one chunk per group)"[:160])
     if opts.equal_widths:  # what Megatron-core can run: one width, (here) no tensor parallelism, no per-stage ZeRO
         opts = replace(opts, max_tensor_parallel=1, zero1_stages=False)

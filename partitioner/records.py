@@ -321,16 +321,21 @@ class Cluster(Record):
         entries = self._entries_by_host.get(host)
         return entries[0][1] if entries else None
 
-    @cached_property
+    @property
     def _entries_by_host(self) -> dict[str, list[tuple[int, Node]]]:
         """host -> (first slot, entry) per entry. A host listed once per device type (a workstation with an RTX 4090
         and an RTX 3090) numbers its slots across its entries in file order: the first entry's devices are slots
         0..count-1, the next entry's follow (the order ``CUDA_VISIBLE_DEVICES`` lists them in). Why cached: a
-        plan's check asks once per replica, and a wide plan has tens of thousands."""
+        plan's check asks once per replica, and a wide plan has tens of thousands; kept with the node list it was
+        made from, since ``model_copy(update=...)`` copies a cache along with the fields."""
+        cached = self.__dict__.get("_entries_cache")
+        if cached is not None and cached[0] is self.nodes:
+            return cached[1]
         out: dict[str, list[tuple[int, Node]]] = {}
         for n in self.nodes:
             entries = out.setdefault(n.host, [])
             entries.append((sum(e.count for _, e in entries), n))
+        self.__dict__["_entries_cache"] = (self.nodes, out)
         return out
 
     @property
@@ -960,8 +965,8 @@ def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict,
         raise ValueError(f"{rf}.host: cluster {cluster.name!r} has no host {r.host!r}")
     held = cluster.slot_type(r.host, r.slot)
     if held is not None and held != st.type_of(r):
-        raise ValueError(f"{rf}.host: {r.host!r} holds {held} at slot {r.slot}, but the replica runs on "
-                         f"{st.type_of(r)}")
+        at = f" at slot {r.slot}" if len(cluster._entries_by_host[r.host]) > 1 else ""  # a host of several types
+        raise ValueError(f"{rf}.host: {r.host!r} holds {held}{at}, but the replica runs on {st.type_of(r)}")
     t = st.tensor_parallel
     for many, one in (("ranks", "rank"), ("slots", "slot")):
         group = getattr(r, many)

@@ -17,7 +17,7 @@ from .errors import InputError
 from .evaluate import chunk_time_s, fits_memory, predict, replay_fits, with_pass_times
 from .records import CHUNKED, SCHEDULES, Plan
 
-AUTO = "auto"
+from .options import AUTO
 MAX_CHUNKS_SEARCHED = 4  # v of interleaved-1f1b tried: 2..4 (the fill shrinks ~v-fold for v x the traffic)
 
 
@@ -78,7 +78,7 @@ def search_schedule(opts_schedule: str) -> str:
     with), which ``auto`` replays beside it; planned for 1F1B, the 768-device plan ran zb-h1 1% slower than
     planned for zb-h1. Where zb-h1's memory leaves no plan, ``api.solve`` plans for 1F1B."""
     if opts_schedule not in SCHEDULES and opts_schedule != AUTO:
-        raise InputError("--schedule", f"expected one of {', '.join([*SCHEDULES, AUTO])}, got {opts_schedule!r}"[:160])
+        raise InputError("PlannerOptions.schedule", f"expected one of {', '.join([*SCHEDULES, AUTO])}, got {opts_schedule!r}"[:160])
     if opts_schedule == AUTO:
         return "zb-h1"
     return opts_schedule if opts_schedule not in CHUNKED else "1f1b"

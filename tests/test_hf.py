@@ -169,3 +169,56 @@ def test_tied_layer_specs_share_one_module_and_are_found_as_ties():
     ties = find_ties(layers)
     assert [t.places for t in ties] == [((0, "bias"), (2, "module.bias")), ((0, "weight"), (2, "module.weight"))]
     assert ties[1].owner == (0, "weight")
+
+
+def _pretrained_folder(tmp_path, kind):
+    """A local 'pretrained' folder: the test's model with weights no seed gives (a pretrained run's), saved by
+    Hugging Face as safetensors with a tokenizer file beside it."""
+    model = train_hf.make_model(kind)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    folder = tmp_path / f"{kind}-pretrained"
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "tokenizer_config.json").write_text("{}")
+    return str(folder)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind,layout", [("gpt2", ([1, 3], [[6], [4, 2], [6]], 6, 2)),
+                                         ("llama", ([2], [[4], [2, 2]], 4, 2))], ids=["gpt2-tied", "llama"])
+def test_pretrained_weights_in_trained_under_a_plan_and_exported_back_to_hugging_face(tmp_path, kind, layout):
+    """From a local pretrained folder (hethub.hf.from_pretrained) to a plan's run (its losses are the pretrained
+    model's, trained in one process), to `hethub export hf`: AutoModelForCausalLM.from_pretrained loads the
+    export, its weights are the checkpoint's, and its logits are the one-process trained model's."""
+    from conftest import run_cli
+    pre, steps = _pretrained_folder(tmp_path, kind), 3
+    ref = train_hf.reference(kind, *layout[2:4], steps, pretrained=pre)
+    got = _run(tmp_path, _plan(kind, *layout), "p", steps, kind, "--pretrained", pre, "--save",
+               str(tmp_path / "ckpt"))
+    for g in got:
+        torch.testing.assert_close(g["losses"], ref["losses"], rtol=TOL, atol=0)
+    out = tmp_path / "exported"
+    r = run_cli("export", "hf", str(tmp_path / "ckpt"), "--model", f"hf:{pre}", "-o", str(out))
+    assert r.returncode == 0 and r.stdout.startswith(f"wrote {out}"), r.stderr
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").read_text() == "{}"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    assert next(exported.parameters()).dtype == torch.float64  # the dtype it trained in
+    from hethub.models.hf import pipeline_layers
+    tag = (tmp_path / "ckpt" / "latest").read_text().strip()
+    for i, layer in enumerate(pipeline_layers(exported)):
+        saved = torch.load(str(tmp_path / "ckpt" / tag / f"layer_{i:02d}-model_states.pt"), weights_only=True)
+        for k, v in saved.items():
+            assert torch.equal(layer.state_dict()[k], v), f"layer {i} {k}"
+    trained = train_hf.load(kind, pre)
+    trained_layers = pipeline_layers(trained)
+    with torch.no_grad():
+        for i, layer in enumerate(trained_layers):
+            layer.load_state_dict({k[len(f"{i}."):]: v for k, v in ref["params"].items() if k.startswith(f"{i}.")})
+        ids = train_hf.batch(-1, 4)
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=TOL, atol=TOL)
+    if kind == "gpt2":  # the tie kept: one tensor
+        assert exported.lm_head.weight.data_ptr() == exported.transformer.wte.weight.data_ptr()
+    again = run_cli("export", "hf", str(tmp_path / "ckpt"), "--model", f"hf:{pre}", "-o", str(out))
+    assert again.returncode == 2 and again.stderr.startswith("error: -o: ") and "exists" in again.stderr

@@ -268,9 +268,12 @@ def test_zb_h1_plans_fit_its_memory_and_are_not_slower_than_1f1b_plans():
     assert compared >= 8 and faster >= 3, (compared, faster)
 
 
-def test_unknown_schedule_is_refused_naming_the_flag():
-    with pytest.raises(InputError, match="--schedule: expected one of 1f1b, zb-h1, got 'gpipe'"):
-        search(CostModel(TWO_TYPE, builtin_model("gpt-1.3b")), 64, PlannerOptions(schedule="gpipe"))
+def test_unknown_schedule_is_refused_naming_the_option():
+    with pytest.raises(InputError, match="PlannerOptions.schedule: expected one of 1f1b, zb-h1, .*auto, got 'gpipe'"):
+        PlannerOptions(schedule="gpipe")
+    # search() itself plans one chunk per group: a chunked schedule is re-cut after it (api.solve), not by it
+    with pytest.raises(InputError, match="PlannerOptions.schedule: search.. plans one of 1f1b, zb-h1, got 'zb-v'"):
+        search(CostModel(TWO_TYPE, builtin_model("gpt-1.3b")), 64, PlannerOptions(schedule="zb-v"))
 
 
 def test_a_stage_may_shard_its_optimizer_state_where_that_helps():
@@ -315,3 +318,26 @@ def test_a_plan_is_never_worse_than_a_baseline_it_computed():
     assert kept is not stalled and kept.predicted.samples_per_s > 1e-3 and "kept over" in kept.solver.name
     assert "note: the search ended (feasible, gap 50.00%) below the" in out.getvalue()
     assert _compare(stalled, cm, opts, 32, Console(file=io.StringIO()), keep_better=False) is stalled  # --objective cost
+
+
+@pytest.mark.parametrize("field,kwargs,says", [
+    ("schedule", {"schedule": "nonsense"}, "expected one of 1f1b"),
+    ("solver", {"solver": "gurobi"}, "expected one of highs, cbc, brute-force, got 'gurobi'"),
+    ("time_limit_s", {"time_limit_s": -5}, "must be a number > 0 and <= 86400, got -5"),
+    ("time_limit_s", {"time_limit_s": float("nan")}, "got nan"),
+    ("max_micro_batch_size", {"max_micro_batch_size": 0}, "must be an integer >= 1"),
+    ("max_tensor_parallel", {"max_tensor_parallel": 2.5}, "must be an integer >= 1"),
+    ("micro_batch_sizes", {"micro_batch_sizes": (4, -1)}, "got -1"),
+    ("device_types", {"device_types": "A100-80GB"}, "expected a tuple of device type names"),
+    ("allow_recompute", {"allow_recompute": "no"}, "expected true or false, got 'no'"),
+])
+def test_planner_options_with_a_bad_field_are_one_line_naming_it(field, kwargs, says):
+    with pytest.raises(InputError) as err:
+        PlannerOptions(**kwargs)
+    assert str(err.value).startswith(f"PlannerOptions.{field}: ") and says in str(err.value)
+
+
+def test_a_cost_model_with_an_unknown_dtype_is_refused_not_priced_as_bf16():
+    with pytest.raises(InputError, match=r"CostModel.dtype: expected one of .*got 'bf61'"):
+        CostModel(Cluster.model_validate({"nodes": [{"host": "a", "device_type": "A100-80GB", "count": 1}]}),
+                  builtin_model("gpt-125m"), dtype="bf61")

@@ -9,6 +9,7 @@ import argparse
 from .._version import __version__
 from ..partitioner.errors import InputError
 from ..partitioner.baselines import BASELINES
+from ..partitioner.options import AUTO, MAX_TIME_LIMIT_S, SOLVERS, PlannerOptions
 from ..partitioner.records import MAX_BATCH, MAX_BLOCKS, SCHEDULES
 
 
@@ -75,20 +76,21 @@ def _add_plan(sub) -> None:
     sp.add_argument("--global-batch", type=_int_in(1, MAX_BATCH), required=True, help="samples per iteration")
     sp.add_argument("-o", "--output", default="plan.json")
     sp.add_argument("--profiles", help="directory of measured profile JSON files")
-    sp.add_argument("--solver", choices=["highs", "cbc", "brute-force"], default="highs")
-    sp.add_argument("--time-limit", type=_float_in(0, 86400, lo_open=True), default=60.0,
+    sp.add_argument("--solver", choices=SOLVERS, default=PlannerOptions.solver)
+    sp.add_argument("--time-limit", type=_float_in(0, MAX_TIME_LIMIT_S, lo_open=True),
+                    default=PlannerOptions.time_limit_s,
                     help="solver time limit, seconds (brute force too)")
     sp.add_argument("--baseline", choices=list(BASELINES),
                     help="plan the way a baseline would, for comparison")
     sp.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sizes to consider "
                                                  "(default: divisors of the global batch up to --max-micro-batch)")
-    sp.add_argument("--max-micro-batch", type=_int_in(1, MAX_BATCH), default=64)
+    sp.add_argument("--max-micro-batch", type=_int_in(1, MAX_BATCH), default=PlannerOptions.max_micro_batch_size)
     sp.add_argument("--no-recompute", action="store_true", help="never plan activation recompute")
     sp.add_argument("--memory-reserve-gib", type=_float_in(0, 1e6), default=2.0, help="kept free on every device")
     sp.add_argument("--zero1", action="store_true", help="shard optimizer state over each stage's replicas")
     sp.add_argument("--max-units", type=_int_in(3, MAX_BLOCKS + 2), default=None,
                     help="group blocks into at most this many cut points (default: every layer is one)")
-    sp.add_argument("--max-tensor-parallel", type=_int_in(1, 1024), default=8,
+    sp.add_argument("--max-tensor-parallel", type=_int_in(1, 1024), default=PlannerOptions.max_tensor_parallel,
                     help="largest tensor-parallel degree a stage may use (1, 2, 4, 8 within one node; 1: off)")
     sp.add_argument("--no-zero1-stages", action="store_true",
                     help="never shard one stage's optimizer state alone (default: a stage may use ZeRO-1 where that "
@@ -99,7 +101,7 @@ def _add_plan(sub) -> None:
     sp.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                     help="training precision the plan is priced in and records (default auto: bf16 where every "
                          "device type has it, else fp16 with dynamic loss scaling, else fp32)")
-    sp.add_argument("--schedule", choices=[*SCHEDULES, "auto"], default="auto",
+    sp.add_argument("--schedule", choices=[*SCHEDULES, AUTO], default=AUTO,
                     help="pipeline schedule the plan runs: auto (default: the fastest of all of them that fits "
                          "memory, groups planned for zb-h1); 1f1b; zb-h1, which sends each input gradient before "
                          "computing the weights' (1F1B's memory but one micro-batch more on the last stage); "
@@ -132,9 +134,13 @@ def _add_simulate(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    sp = sub.add_parser("export", help="print what another framework needs to run a plan (megatron)")
-    sp.add_argument("target", choices=["megatron"])
-    sp.add_argument("plan")
+    sp = sub.add_parser("export", help="megatron: print what Megatron needs to run a plan; hf: write a checkpoint "
+                                       "as a Hugging Face folder")
+    sp.add_argument("target", choices=["megatron", "hf"])
+    sp.add_argument("plan", metavar="PLAN|CHECKPOINT_DIR", help="megatron: plan.json; hf: a hethub checkpoint folder")
+    sp.add_argument("--model", help="hf: the model's folder (hf:FOLDER), whose config.json the checkpoint trained")
+    sp.add_argument("-o", "--out", help="hf: the folder to write (must not exist)")
+    sp.add_argument("--tag", help="hf: the checkpoint's tag (default: the newest complete one)")
     sp.set_defaults(run="export:cmd_export")
 
 

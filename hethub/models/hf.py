@@ -11,16 +11,20 @@ GPT-2 ties ``lm_head.weight`` to ``wte.weight``: the embedding and head pieces s
 hethub's runtime finds the tie by identity and keeps both ends in step (``hethub.models.ties``).
 
 Supported (random init from a config is enough; nothing is downloaded): ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``.
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``. Weights: ``from_pretrained(folder)`` starts
+from a local pretrained folder's (safetensors); ``hethub export hf`` writes a trained checkpoint back as one
+(``hf_export``).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..partitioner.errors import InputError
 from ..partitioner.hf import model_config_from_hf
 from ..partitioner.records import ModelConfig
 
@@ -76,6 +80,54 @@ class HFHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))
+
+
+def _folder(path: str) -> str:
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise InputError("model", f"no config.json in {folder[:100]!r}")
+    return folder
+
+
+def _quiet_transformers():
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def from_pretrained(path: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """A local pretrained folder's model with its weights (``AutoModelForCausalLM.from_pretrained``, local files
+    only, safetensors only: a pickled ``pytorch_model.bin`` is not loaded), ready for ``pipeline_layers``.
+    Every rank loads the same weights, so the plan's stages start from them."""
+    folder = _folder(path)
+    transformers = _quiet_transformers()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                                                                  dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError("model", f"{folder[:100]}: {str(exc).splitlines()[0][:200]}") from None
+    _supported_input(model)
+    return model
+
+
+def _supported_input(model: Any) -> None:
+    try:
+        _check_supported(model)
+    except ValueError as exc:
+        raise InputError("model", str(exc).split(": ", 1)[1]) from None
+
+
+def from_config_folder(path: str) -> nn.Module:
+    """The model a folder's ``config.json`` describes, random init (``AutoModelForCausalLM.from_config``)."""
+    folder = _folder(path)
+    transformers = _quiet_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError("model", f"{folder[:100]}: {str(exc).splitlines()[0][:200]}") from None
+    _supported_input(model)
+    return model
 
 
 def _check_supported(model: Any) -> str:

@@ -187,7 +187,7 @@ def resolve_tag(load_dir: str, tag: Optional[str], say=print) -> str:
     return tags[-1]
 
 
-def _load(path: str, digests: dict) -> Any:
+def load_layer_file(path: str, digests: dict) -> Any:
     """A layer file, checked against the digest meta.json holds for it, loaded as data (``weights_only``)."""
     name = os.path.basename(path)
     if not os.path.isfile(path):
@@ -272,11 +272,11 @@ def _load_local(parts: CheckpointParts, load_dir: str, tag: Optional[str],
     owners = tie_owners(parts)
     states: dict[int, dict] = {}
     for idx, layer in parts.module.indexed_layers():
-        state = _load(layer_file(d, idx, "model"), digests)
+        state = load_layer_file(layer_file(d, idx, "model"), digests)
         for k, v in layer.state_dict().items():
             if k not in state and (idx, k) in owners:  # a tied weight: stored once, with its first layer
                 o_idx, o_name = owners[(idx, k)]
-                owner_state = _load(layer_file(d, o_idx, "model"), digests)
+                owner_state = load_layer_file(layer_file(d, o_idx, "model"), digests)
                 if o_name in owner_state:
                     state[k] = owner_state[o_name]
             if k not in state:
@@ -293,7 +293,8 @@ def _load_local(parts: CheckpointParts, load_dir: str, tag: Optional[str],
             raise InputError("checkpoint", f"{d} holds model {saved.get('name')!r} with {key}={saved.get(key)}, "
                                            f"the plan's model {mine.get('name')!r} has {key}={mine.get(key)}")
     wanted = set(states) | {owners[(i, n)][0] for i, n in names.values() if (i, n) in owners}
-    by_layer = {idx: _load(layer_file(d, idx, "optim"), digests) for idx in wanted} if load_optimizer_states else {}
+    by_layer = ({idx: load_layer_file(layer_file(d, idx, "optim"), digests) for idx in wanted}
+                if load_optimizer_states else {})
     for place, (o_idx, o_name) in owners.items():  # a tied weight's state, from its first layer
         st = by_layer.get(o_idx, {}).get(o_name)
         if st is not None and place[0] in by_layer:

@@ -1,8 +1,9 @@
 """Worker for the Hugging Face equivalence tests: a small transformers causal LM (random init, float64, no
 dropout) trained with SGD and clipping under a plan, or in one process as Hugging Face runs it.
 
-usage: train_hf.py PLAN OUT STEPS {gpt2|llama} [single] [--first K] [--load DIR] [--save DIR]
-Trains steps [K, STEPS) (K = 0 unless given; with --load, resumed from DIR's checkpoint at step K).
+usage: train_hf.py PLAN OUT STEPS {gpt2|llama} [single] [--first K] [--load DIR] [--save DIR] [--pretrained DIR]
+Trains steps [K, STEPS) (K = 0 unless given; with --load, resumed from DIR's checkpoint at step K); the model
+starts from a pretrained folder's weights with --pretrained.
 The reference: model(input_ids=ids, labels=ids).loss over the whole global batch, clip_grad_norm_, SGD.
 """
 import os
@@ -36,10 +37,18 @@ def batch(step: int, rows: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(500 if step >= 0 else 499))
 
 
-def reference(kind: str, mb: int, M: int, steps: int) -> dict:
+def load(kind: str, pretrained=None):
+    """The test's model: built here (seed 7), or a pretrained folder's weights (``hethub.hf.from_pretrained``)."""
+    if pretrained is None:
+        return make_model(kind)
+    from hethub.hf import from_pretrained
+    return from_pretrained(pretrained, dtype=torch.float64)
+
+
+def reference(kind: str, mb: int, M: int, steps: int, pretrained=None) -> dict:
     """One process, as Hugging Face trains: losses, eval loss and every layer's weights (keys as hethub's)."""
     from hethub.models.hf import pipeline_layers
-    model = make_model(kind)
+    model = load(kind, pretrained)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
@@ -70,7 +79,7 @@ def main():
     if "single" in argv:
         torch.save(reference(kind, mb, M, steps), out)
         return
-    model = make_model(kind)
+    model = load(kind, argv[argv.index("--pretrained") + 1] if "--pretrained" in argv else None)
     layers = pipeline_layers(model)
     from hethub.models.hf import tp_plan
     engine, *_ = hethub.initialize(layers=layers, loss_fn=causal_lm_loss, plan=plan, config={"gradient_clipping": CLIP},
