@@ -144,8 +144,25 @@ def block_matmul_flops(m: ModelConfig) -> float:
     return float(2 * s * h * (h + 2 * kv) + 2 * s * h * h + 2 * s * h * ffn * (3 if m.architecture == "llama" else 2))
 
 
+def measured_layer_costs(m: ModelConfig) -> LayerCosts:
+    """A measured model's layers (``ModelConfig.measured_layers``): what ``hethub profile --script`` measured of
+    each, no formula. No FLOPs (its times come from the profiles only), no tensor-parallel split; a backward
+    splits half and half unless a profile measured its two passes."""
+    ls = m.measured_layers
+    n = len(ls)
+    params = np.array([float(x.params) for x in ls])
+    out = np.array([x.output_bytes for x in ls])
+    out[-1] = 0.0  # the last layer's output is the loss's input: it crosses no boundary
+    zeros = np.zeros(n)
+    return LayerCosts(zeros.copy(), params, np.array([x.activation_bytes for x in ls]),
+                      np.array([x.input_bytes for x in ls]), out, zeros.copy(), zeros.copy(), zeros.copy(),
+                      zeros.copy(), np.zeros(n, dtype=bool), np.full(n, 0.5), zeros.copy())
+
+
 def layer_costs(m: ModelConfig, flash_attention: bool = True, element_bytes: float = 2.0) -> LayerCosts:
     """Per planner layer costs; activations of ``element_bytes`` per element (``ELEMENT_BYTES`` by dtype)."""
+    if m.measured:
+        return measured_layer_costs(m)
     s, h, v = m.seq_length, m.hidden_size, m.vocab_size
     n = m.num_planner_layers
     e = float(element_bytes)
@@ -358,6 +375,8 @@ class CostModel:
         measured = np.zeros(n, dtype=bool)
         efficiency = dt.efficiency
         split = split_ratios(self.layers.wgrad_share, profiles)
+        if self.model.measured:
+            return measured_device_costs(self, t, profiles, split)
         if not profiles:
             fwd, bwd = self._analytic(t, efficiency, self.dtype)
             return DeviceCosts(fwd, bwd, efficiency, measured, split=split)
@@ -697,6 +716,20 @@ class CostModel:
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
 
 
+def measured_device_costs(cm: "CostModel", t: str, profiles: list[Profile], split) -> DeviceCosts:
+    """A measured model has no analytic times: every layer of every device type comes from a profile of it."""
+    n = cm.model.num_planner_layers
+    if not profiles:
+        raise InputError("--profiles", f"no profile of model {cm.model.name!r} on device type {t!r}: measure it "
+                                       f"there (hethub profile --script SCRIPT --device-type {t} -o DIR), or plan "
+                                       f"without that type")
+    measured, fwd_m, bwd_m, fwd_a, bwd_a = measured_times(n, profiles)
+    if not measured.all():
+        raise InputError("--profiles", f"the profile of {t!r} lacks layers {_ranges(np.flatnonzero(~measured))} "
+                                       f"of measured model {cm.model.name!r}")
+    return DeviceCosts(fwd_m, bwd_m, cm.cluster.device_type(t).efficiency, measured, fwd_a, bwd_a, split)
+
+
 def pass_times_s(cm: CostModel, t: str, first: int, last: int, samples: float, recompute: bool, tp: int,
                  split: bool) -> tuple[float, float, float]:
     """(forward, backward, weight pass) seconds of layers [first, last) on type t: unsplit, the backward whole and
@@ -722,8 +755,9 @@ def usd_per_million_tokens(cm: CostModel, devices_by_type: dict[str, int], itera
 
 def loss_saved_bytes(m: ModelConfig) -> float:
     """Per sample: what the language-model loss keeps for its backward, the log-probabilities of every position in
-    fp32 (cross-entropy computes them in fp32 under autocast too)."""
-    return 4.0 * m.seq_length * m.vocab_size
+    fp32 (cross-entropy computes them in fp32 under autocast too). A measured model's last layer was measured
+    with its loss."""
+    return 0.0 if m.measured else 4.0 * m.seq_length * m.vocab_size
 
 
 def with_measured_activations(layers: LayerCosts, profiles: Sequence[Profile], loss_bytes: float = 0.0
@@ -834,6 +868,8 @@ def calibrate_efficiency(model: ModelConfig, peak_tflops: float, measured_ms: di
 
 
 def _shape(m: ModelConfig) -> str:
+    if m.measured:
+        return f"measured, {m.num_planner_layers} layers"
     return (f"{m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
             f"heads {m.num_attention_heads}, vocab {m.vocab_size}, seq {m.seq_length}")
 

@@ -113,6 +113,9 @@ def _check_ranks_node_contiguous(order: list) -> None:
 
 def export_megatron(plan: Plan) -> MegatronExport:
     """Megatron flags for a plan; a plan Megatron cannot express is refused with the reason."""
+    if plan.model.measured:
+        raise InputError("plan.model", f"{plan.model.name!r} is a measured model (a script's own layers): Megatron "
+                                       f"builds GPT-style models only; run it with hethub's runtime")
     if plan.schedule == "zb-v":
         raise InputError("plan.schedule", "zb-v (two chunks per group in a V) has no Megatron flags: re-plan with "
                                           "`--schedule 1f1b` or `interleaved-1f1b`, or run it with hethub's runtime")

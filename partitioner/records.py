@@ -379,16 +379,41 @@ class Cluster(Record):
 
 
 class LayerInfo(Record):
-    """One entry of the planner's ordered layer list."""
+    """One entry of the planner's ordered layer list (a measured model's layers are all of kind "layer")."""
 
     index: int
-    kind: Literal["embedding", "block", "head"]
+    kind: Literal["embedding", "block", "head", "layer"]
     name: str
+
+
+MAX_MEASURED_LAYERS = 100_000
+MAX_BYTES = 2 ** 62
+
+
+class MeasuredLayer(Record):
+    """One layer of a model described by what ``hethub profile --script`` measured on it, not by a formula:
+    its class, its parameters, and per sample the bytes its backward keeps, the bytes of its input (what a
+    recomputing stage keeps instead) and of its output (what crosses a stage boundary after it)."""
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    kind: str = Field(max_length=MAX_NAME_CHARS)  # the module's class name
+    params: int = Field(ge=0, le=MAX_BYTES)
+    trainable_params: int = Field(ge=0, le=MAX_BYTES)
+    activation_bytes: float = Field(ge=0, le=MAX_BYTES, allow_inf_nan=False)  # per sample
+    input_bytes: float = Field(ge=0, le=MAX_BYTES, allow_inf_nan=False)  # per sample
+    output_bytes: float = Field(ge=0, le=MAX_BYTES, allow_inf_nan=False)  # per sample
+
+
+# What a measured model's transformer fields hold: nothing reads them (every price comes from its layers and
+# profiles); they keep the record one shape for the code that handles both kinds.
+_MEASURED_PLACEHOLDERS = {"hidden_size": 1, "num_attention_heads": 1, "ffn_hidden_size": 1, "vocab_size": 1,
+                          "seq_length": 1}
 
 
 class ModelConfig(Record):
     name: str = Field(default="model", max_length=MAX_NAME_CHARS)
-    architecture: Literal["gpt", "llama"]
+    # gpt, llama: priced by the analytic cost model from the shape below; measured: a user's own layer list,
+    # priced from what ``hethub profile --script`` measured (``measured_layers``, the profiles)
+    architecture: Literal["gpt", "llama", "measured"]
     num_layers: int = Field(gt=0, le=MAX_BLOCKS)
     hidden_size: int = Field(gt=0, le=MAX_DIM)
     num_attention_heads: int = Field(gt=0, le=MAX_DIM)
@@ -397,9 +422,30 @@ class ModelConfig(Record):
     vocab_size: int = Field(gt=0, le=MAX_DIM)
     seq_length: int = Field(gt=0, le=MAX_DIM)
     tie_embeddings: bool = False
+    measured_layers: Optional[list[MeasuredLayer]] = Field(default=None, min_length=1, max_length=MAX_MEASURED_LAYERS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _measured_fields(cls, data: Any) -> Any:
+        """A measured model gives its layers; its transformer fields are placeholders (``num_layers``: its layer
+        count), filled here and refused where given."""
+        if not isinstance(data, dict) or data.get("architecture") != "measured":
+            return data
+        given = [k for k in (*_MEASURED_PLACEHOLDERS, "num_key_value_heads") if data.get(k) not in (None, 1)]
+        if given:
+            raise ValueError(f"{given[0]}: a measured model has no transformer shape (its layers are measured), "
+                             f"got {str(data[given[0]])[:40]}")
+        layers = data.get("measured_layers")
+        count = len(layers) if isinstance(layers, list) else 0
+        return {**_MEASURED_PLACEHOLDERS, **data, "num_layers": max(count, 1)}
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
+        if (self.architecture == "measured") != (self.measured_layers is not None):
+            raise ValueError("measured_layers: given exactly when architecture is 'measured' (hethub profile --script "
+                             "writes such a model.json)")
+        if self.measured and self.tie_embeddings:
+            raise ValueError("tie_embeddings: a measured model's ties are not planned yet")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size: must be divisible by num_attention_heads={self.num_attention_heads}, "
                              f"got {self.hidden_size}")
@@ -412,8 +458,15 @@ class ModelConfig(Record):
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
+    @property
+    def measured(self) -> bool:
+        return self.measured_layers is not None
+
     def layers(self) -> list[LayerInfo]:
-        """The planner's ordered layer list: embedding, one entry per transformer block, head."""
+        """The planner's ordered layer list: embedding, one entry per transformer block, head; a measured model's
+        own layers."""
+        if self.measured_layers is not None:
+            return [LayerInfo(index=i, kind="layer", name=f"{i}.{ml.kind}") for i, ml in enumerate(self.measured_layers)]
         out = [LayerInfo(index=0, kind="embedding", name="embedding")]
         out += [LayerInfo(index=i + 1, kind="block", name=f"block.{i}") for i in range(self.num_layers)]
         out.append(LayerInfo(index=self.num_layers + 1, kind="head", name="head"))
@@ -421,7 +474,7 @@ class ModelConfig(Record):
 
     @property
     def num_planner_layers(self) -> int:
-        return self.num_layers + 2
+        return len(self.measured_layers) if self.measured_layers is not None else self.num_layers + 2
 
     def shape_key(self) -> tuple:
         """What must match for a profile or checkpoint of one model to apply to another."""
@@ -443,7 +496,7 @@ def load_cluster(path: str) -> Cluster:
 
 class LayerProfile(Record):
     index: int = Field(ge=0)
-    kind: Literal["embedding", "block", "head"]
+    kind: Literal["embedding", "block", "head", "layer"]
     forward_ms: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)  # a measured time is never 0
     backward_ms: float = Field(gt=0, le=MAX_RATE, allow_inf_nan=False)
     # Bytes autograd keeps for this layer's backward at the profile's micro-batch size.

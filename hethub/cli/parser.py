@@ -151,8 +151,12 @@ def _add_show(sub) -> None:
 
 
 def _add_profile(sub) -> None:
-    sp = sub.add_parser("profile", help="measure per-layer time and memory on the local device")
-    sp.add_argument("--model", required=True)
+    sp = sub.add_parser("profile", help="measure per-layer time and memory on the local device: a model hethub "
+                                        "describes (--model), or the layers a training script builds (--script)")
+    which = sp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="a model file or built-in name (gpt, llama)")
+    which.add_argument("--script", help="a training script (DeepSpeed's or hethub's), run until its first step; its "
+                                        "arguments follow --; writes -o DIR/model.json and DIR/<device type>.json")
     sp.add_argument("--device-type", required=True)
     sp.add_argument("--micro-batch-size", type=_int_in(1, 1 << 16), default=1)
     sp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -165,8 +169,10 @@ def _add_profile(sub) -> None:
     sp.add_argument("--tensor-parallel", type=_int_in(1, 1024), default=1, metavar="T",
                     help="split the block over T processes (under a launcher with T of them, one node) so its "
                          "times include the tensor-parallel all-reduces")
-    sp.add_argument("-o", "--output", default="profile.json")
-    sp.set_defaults(run="profiler:cmd_profile")
+    sp.add_argument("-o", "--output", default=None, help="the profile (default profile.json); with --script, a "
+                                                        "folder")
+    sp.add_argument("script_args", nargs=argparse.REMAINDER, help="with --script: the script's arguments, after --")
+    sp.set_defaults(run="profile_script:cmd_profile")
 
 
 def _add_launch(sub) -> None:

@@ -326,6 +326,11 @@ def measure_links(sizes_bytes: tuple[int, ...] = (1 << 20, 16 << 20), reps: int 
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """``hethub profile --model``: a model hethub describes (``--script`` is ``profile_script.cmd_profile``'s)."""
+    if args.script_args:
+        raise InputError("profile", f"unexpected arguments {' '.join(args.script_args)[:80]!r} (they follow -- "
+                                    f"with --script only)")
+    args.output = args.output or "profile.json"
     model = load_model(args.model)
     check_output_path(args.output, "--output")
     dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
@@ -348,3 +353,4 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"(micro-batch {prof.micro_batch_size}, {dtype}{tp}); block forward {block.forward_ms:.3f} ms, "
               f"backward {block.backward_ms:.3f} ms" + (f", {len(prof.links)} links" if prof.links else ""))
     return 0
+

@@ -39,8 +39,10 @@ def plan_table(plan: Plan) -> Table:
         t.add_column(col)
     if pred and pred.stage_s:
         t.add_column("stage ms", justify="right")
+    # small models (a measured CNN) in MiB: 0.00 GiB would hide what they hold
+    mib = bool(pred and pred.memory_gib) and max(pred.memory_gib) < 0.1
     if pred and pred.memory_gib:
-        t.add_column("memory GiB", justify="right")
+        t.add_column("memory MiB" if mib else "memory GiB", justify="right")
     for st in plan.stages:
         row = [str(st.index), " ".join(f"[{a}, {b})" for a, b in st.chunk_ranges),
                "+".join(st.types), str(st.width), str(st.tensor_parallel), "+".join(str(r.samples) for r in st.replicas),
@@ -48,7 +50,8 @@ def plan_table(plan: Plan) -> Table:
         if pred and pred.stage_s:
             row.append(f"{pred.stage_s[st.index] * 1e3:.2f}" if st.index < len(pred.stage_s) else "")
         if pred and pred.memory_gib:
-            row.append(f"{pred.memory_gib[st.index]:.2f}" if st.index < len(pred.memory_gib) else "")
+            gib = pred.memory_gib[st.index] if st.index < len(pred.memory_gib) else None
+            row.append("" if gib is None else f"{gib * 1024:.2f}" if mib else f"{gib:.2f}")
         t.add_row(*row)
     return t
 

@@ -37,6 +37,7 @@ from ..partitioner.errors import InputError, print_error
 from .checks import resolve_plan
 from .engine import HeteroPipelineEngine
 from .errors import fail
+from .capture import capturing
 from .startup import init_distributed, initialize
 
 PLAN_ENV = "HETHUB_PLAN"  # the plan file hethub launch hands every rank
@@ -70,7 +71,7 @@ def routed_initialize(args=None, model=None, optimizer=None, model_parameters=No
     config = config if config is not None else config_params
     cfg = _read_config(_config_of(args, config))
     _refuse_near_miss(cfg)
-    if plan_in_force() is None and cfg.get("hetero") is None:
+    if plan_in_force() is None and cfg.get("hetero") is None and not capturing():
         return _STATE["original"]["initialize"](
             args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
             training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
@@ -94,6 +95,8 @@ def _refuse_near_miss(cfg: dict) -> None:
 def routed_init_distributed(*args, **kwargs):
     """Under a plan the world is hethub's (``startup.init_distributed``: its backend and device binding follow
     the plan); DeepSpeed's own otherwise."""
+    if capturing():  # hethub profile --script: one process measures, no world
+        return None
     plan_path = plan_in_force()
     if plan_path is None:
         return _STATE["original"]["init_distributed"](*args, **kwargs)
@@ -123,11 +126,7 @@ def _deferred_pipeline_init(self, *args, **kwargs):
         for spec in specs:
             if isinstance(spec, LayerSpec):
                 spec.build()  # DeepSpeed's parameter count: only its draws from the random state matter
-    try:
-        plan = resolve_plan(plan_in_force(), HeteroSection())
-    except InputError as exc:
-        fail(str(exc))
-    mine = plan.rank_layers(int(os.environ.get("RANK", "0")))
+    mine = set(range(len(specs))) if capturing() else _planned_layers()  # profile --script: every layer
     self._layer_specs = resolve_tied_specs(specs, mine)
     # this rank's layers, as submodules: net.parameters() is this stage's (an optimizer the script builds over
     # them, or model_parameters=, holds the very tensors hethub's engine trains)
@@ -136,6 +135,15 @@ def _deferred_pipeline_init(self, *args, **kwargs):
     self.loss_fn = given["loss_fn"]
     self.hethub_deferred = given  # num_stages, partition_method, activation_checkpoint_interval, ...
     self.hethub_built = mine is not None  # this rank's layers are built: initialize builds nothing again
+
+
+def _planned_layers() -> Optional[set]:
+    """The layers the plan in force gives this rank."""
+    try:
+        plan = resolve_plan(plan_in_force(), HeteroSection())
+    except InputError as exc:
+        fail(str(exc))
+    return plan.rank_layers(int(os.environ.get("RANK", "0")))
 
 
 def _guarded_engine_init(self, *args, **kwargs):
@@ -167,7 +175,7 @@ def install() -> None:
         replacement.__wrapped__ = replaced  # inspect.unwrap finds DeepSpeed's own (ds_seams reads its source)
     deepspeed.initialize = routed_initialize
     deepspeed.init_distributed = routed_init_distributed
-    if plan_in_force() is not None:
+    if plan_in_force() is not None or capturing():
         PipelineModule.__init__ = _deferred_pipeline_init
     DeepSpeedEngine.__init__ = _guarded_engine_init
     _STATE["installed"] = True

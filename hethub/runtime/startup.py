@@ -45,7 +45,7 @@ from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_start
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan, Profile
-from . import ds_seams, elastic, frontdoor, tp
+from . import capture, ds_seams, elastic, frontdoor, tp
 from .checks import (check_against_world, connections_note, launched_world, load_checked_schedule,
                      local_device_index, on_gpu, resolve_plan)
 from .control import Control
@@ -347,6 +347,8 @@ def initialize(layers: Optional[Sequence[Any]] = None, loss_fn: Optional[Callabl
     layers in stages with tensor_parallel > 1; hethub's own blocks need none (hethub.runtime.tp).
     """
     layers, loss_fn, note, built = frontdoor.model_layers(layers, model, loss_fn)
+    if capture.capturing():  # hethub profile --script: the model is measured, not trained
+        return capture.capture_engine(layers, loss_fn, training_data, collate_fn)
     if model is not None:
         model_parameters = None  # another module's (or none, under a plan): this stage's own are used
     engine = _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_scheduler, args, tp_plan, note,

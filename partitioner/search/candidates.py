@@ -106,6 +106,9 @@ def units_for(model: ModelConfig, max_units: Optional[int]) -> list[tuple[int, i
     max_units = DEFAULT_MAX_UNITS if max_units is None else max_units
     if n <= max_units:
         return [(l, l + 1) for l in range(n)]
+    if model.measured:  # no embedding or head of its own: equal chunks of every layer
+        size = math.ceil(n / max_units)
+        return [(a, min(a + size, n)) for a in range(0, n, size)]
     blocks = model.num_layers
     chunks = max_units - 2
     size = math.ceil(blocks / chunks)
@@ -131,6 +134,8 @@ def tensor_parallel_degrees(cm: CostModel, t: str, max_tp: int) -> list[int]:
     """1, 2, 4, 8 up to ``max_tp`` that fit in one node of type t and divide heads, KV heads and FFN size."""
     node_max = max(n.count for n in cm.cluster.nodes if n.device_type == t)
     m = cm.model
+    if m.measured:  # no layer of a measured model declares a tensor-parallel split
+        return [1]
     return [d for d in (1, 2, 4, 8) if d <= max_tp and d <= node_max
             and m.num_attention_heads % d == 0 and m.kv_heads % d == 0 and m.ffn_hidden_size % d == 0]
 
