@@ -13,6 +13,7 @@ from .placement import build_plan
 from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
 from .schedule_search import AUTO, choose_schedule, search_schedule
+from .schedule_kinds import BASE
 
 
 
@@ -28,9 +29,9 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     try:
         sol, stats = search(cm, global_batch, opts, progress)
     except InfeasibleError:
-        if wanted != AUTO or opts.schedule == "1f1b":
+        if wanted != AUTO or opts.schedule == BASE:
             raise
-        opts = replace(opts, schedule="1f1b")  # zb-h1's extra micro-batch on the last stage left no plan
+        opts = replace(opts, schedule=BASE)  # zb-h1's extra micro-batch on the last stage left no plan
         sol, stats = search(cm, global_batch, opts, progress)
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)

@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .groups import SEND_WINDOW
-from .records import CHUNKED, Plan, chunk_group
+from .records import Plan, chunk_group
+from .schedule_kinds import V_SHAPE, kind as schedule_kind
 
 Order = list[tuple[str, int, int]]  # (F|B|W, micro-batch, chunk position)
 TIME_STEPS = 100  # zb-v's list scheduler counts a pass's time in steps of 1/TIME_STEPS of the longest pass
@@ -237,12 +238,12 @@ def one_chunk_order(M: int, S: int, s: int, train: bool = True, split: bool = Fa
 def chunk_orders(plan: Plan, M: int, train: bool = True) -> list[Order]:
     """Per device group, its compute order under the plan's schedule (a one-chunk plan's group g runs chunk g)."""
     p, v = plan.num_stages, plan.num_chunks
-    if plan.schedule == "zb-v":
+    kind = schedule_kind(plan.schedule)
+    if kind.placement == V_SHAPE:
         return zbv_orders([c.last - c.first for c in plan.pipeline], p, M, train, plan.chunk_pass_ms)
-    if plan.schedule in CHUNKED:
+    if kind.chunked:
         return interleaved_orders(p, v, M, train)
-    return [[(kind, mb, g) for kind, mb in one_chunk_order(M, p, g, train, plan.schedule == "zb-h1")]
-            for g in range(p)]
+    return [[(a, mb, g) for a, mb in one_chunk_order(M, p, g, train, kind.split_backward)] for g in range(p)]
 
 
 def chunk_sizes(n_layers: int, v: int) -> list[int]:
@@ -263,7 +264,7 @@ def count_sizes(plan: Plan, schedule: str, v: int) -> list[int]:
         sizes.append(chunk_sizes(st.layer_count(), v))
     taken, flat = [0] * p, []
     for k in range(p * v):
-        g = chunk_group(schedule, p, k) if schedule in CHUNKED else k
+        g = chunk_group(schedule, p, k)
         flat.append(sizes[g][taken[g]])
         taken[g] += 1
     return flat
@@ -280,7 +281,7 @@ def balanced_sizes(plan: Plan, schedule: str, v: int, chunk_s) -> list[int]:
     p = plan.num_stages
     owner = [chunk_group(schedule, p, k) for k in range(p * v)]
     by_count = _polish(count_sizes(plan, schedule, v), owner, p, chunk_s)
-    if schedule != "zb-v":
+    if schedule_kind(schedule).placement != V_SHAPE:
         return by_count
     n_layers = sum(st.layer_count() for st in plan.stages)
     if p * (n_layers + 1) ** 2 > EXACT_V_CELLS:
@@ -408,13 +409,13 @@ def rechunk(plan: Plan, schedule: str, v: int, chunk_s=None) -> Plan:
     then move cut points where that balances the groups' work (``balanced_sizes``), for when the layers' costs
     differ (an embedding or a head far heavier than a block) and a group's chunks change which of them it holds."""
     p = plan.num_stages
-    if schedule not in CHUNKED:
+    if not schedule_kind(schedule).chunked:
         v = 1
     flat = balanced_sizes(plan, schedule, v, chunk_s) if chunk_s is not None else count_sizes(plan, schedule, v)
     chunks: list[list[list[int]]] = [[] for _ in range(p)]
     first = 0
     for k, n in enumerate(flat):
-        g = chunk_group(schedule, p, k) if schedule in CHUNKED else k
+        g = chunk_group(schedule, p, k)
         chunks[g].append([first, first + n])
         first += n
     stages = []
@@ -427,7 +428,7 @@ def rechunk(plan: Plan, schedule: str, v: int, chunk_s=None) -> Plan:
     vendor = [plan.cluster.device_type(st.device_type).vendor for st in plan.stages]
     dtypes = {b.dtype for b in plan.boundaries}
     wire = dtypes.pop() if len(dtypes) == 1 else None
-    placed = [chunk_group(schedule, p, k) if schedule in CHUNKED else k for k in range(p * v)]
+    placed = [chunk_group(schedule, p, k) for k in range(p * v)]
     boundaries = []
     for k in range(p * v - 1):
         host = vendor[placed[k]] != vendor[placed[k + 1]]

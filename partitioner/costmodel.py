@@ -608,15 +608,17 @@ class CostModel:
         """Bytes on the wire of a boundary casting to ``dtype`` relative to the activations' own (None: no cast)."""
         return 1.0 if dtype is None else WIRE_BYTES[dtype] / self.element_bytes
 
+    def link_s(self, nbytes, t_src: str, t_dst: Optional[str], same_host: bool):
+        """Latency + wire time of ``nbytes`` (a number or the MILP's arrays), 0 where none; ``t_dst`` None: a vendor
+        bridge."""
+        gbps, lat = self.cross_vendor_link() if t_dst is None else self._link_gbps(t_src, t_dst, same_host)
+        return np.where(np.asarray(nbytes) > 0, lat + np.asarray(nbytes) * 8 / (gbps * 1e9), 0.0)
+
     def p2p_s(self, nbytes: float, t_src: str, t_dst: str, same_host: bool) -> float:
         """Point-to-point transfer; across vendors add the device->host and host->device copies."""
-        if nbytes <= 0:
-            return 0.0
-        gbps, lat = self._link_gbps(t_src, t_dst, same_host)
-        t = lat + nbytes * 8 / (gbps * 1e9)
-        if self.cluster.device_type(t_src).vendor != self.cluster.device_type(t_dst).vendor:
-            t += 2 * nbytes / (PCIE_GBPS * 1e9)
-        return t
+        cross = self.cluster.device_type(t_src).vendor != self.cluster.device_type(t_dst).vendor
+        return 0.0 if nbytes <= 0 else float(self.link_s(nbytes, t_src, t_dst, same_host) + (
+            host_copies_s(nbytes) if cross else 0.0))
 
     def control_syncs_s(self, plan: Plan, train: bool = True) -> float:
         """The runtime's world-wide control all-reduce of an iteration: one, in training and in evaluation. In
@@ -714,6 +716,19 @@ class CostModel:
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
         return (self.state_bytes_of(params, width, zero1) * OPTIMIZER_PASSES
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
+
+
+def host_copies_s(nbytes):
+    """A transfer between vendors' devices goes device -> host -> device: two PCIe copies of its bytes."""
+    return 2 * np.asarray(nbytes) / (PCIE_GBPS * 1e9)
+
+
+def peak_memory_bytes(state_bytes, activation_bytes, recompute_bytes, boundary_bytes):
+    """A rank's peak: its state (weights, gradients, optimizer), the activations it holds at once, where it
+    recomputes one layer's full activations rebuilt, and a boundary's send and receive buffers (two of the
+    ``boundary_bytes`` a micro-batch's input takes). The planner's candidates solve it for the micro-batches that
+    fit, the evaluator sums it along a group's order: one formula for both."""
+    return state_bytes + activation_bytes + recompute_bytes + 2.0 * boundary_bytes
 
 
 def measured_device_costs(cm: "CostModel", t: str, profiles: list[Profile], split) -> DeviceCosts:

@@ -39,11 +39,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .costmodel import CostModel, pass_times_s, usd_per_million_tokens
+from .costmodel import CostModel, pass_times_s, peak_memory_bytes, usd_per_million_tokens
 from .chunked import chunk_orders
-from .records import CHUNKED, Plan, Predicted
+from .records import Plan, Predicted
 from .schedule import overlaps, trailing_weight_passes
 from .simulator import simulate
+from .schedule_kinds import kind as schedule_kind
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def split_compute_s(cm: CostModel, t: str, first: int, last: int, samples: float
 
 def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
     """Per group its costs; ``orders``: the groups' compute orders (``chunk_orders``), where the caller has them."""
-    if plan.schedule in CHUNKED:
+    if schedule_kind(plan.schedule).chunked:
         return chunked_group_costs(plan, cm, orders)
     S, M = plan.num_stages, plan.num_micro_batches
     orders = orders if orders is not None else chunk_orders(plan, M)
@@ -94,25 +95,10 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
         samples = max(r.samples for r in st.replicas)
         # the slowest replica paces the stage: its share on its own type (mixed-type stages differ per replica)
         tp = st.tensor_parallel
-        split = plan.schedule == "zb-h1" and s > 0
+        split = schedule_kind(plan.schedule).splits(s)
         fwd, bwd = max((split_compute_s(cm, st.type_of(r), first, last, r.samples, st.recompute, tp, split)
                         for r in st.replicas), key=sum)
-        comm = 0.0
-        if s + 1 < S:
-            nxt = plan.stages[s + 1]
-            # A sender's transfers go one after another; inter-node ones also queue on the sending
-            # host's NIC, which all the stage's replicas on that host share.
-            per_sender: dict[int, float] = {}
-            per_nic: dict[str, float] = {}
-            bd = plan.boundary(s)
-            row_bytes = float(cm.layers.out_bytes[last - 1]) * cm.wire_factor(bd.dtype if bd else None)
-            for i, j, lo, hi in boundary_transfers(plan, s):
-                same = st.replicas[i].host == nxt.replicas[j].host
-                t = cm.p2p_s((hi - lo) * row_bytes, st.type_of(st.replicas[i]), nxt.type_of(nxt.replicas[j]), same)
-                per_sender[i] = per_sender.get(i, 0.0) + t
-                if not same:
-                    per_nic[st.replicas[i].host] = per_nic.get(st.replicas[i].host, 0.0) + t
-            comm = 2.0 * max([*per_sender.values(), *per_nic.values()])
+        comm = _boundary_comm_s(plan, cm, s)  # a one-chunk plan's chunk s is stage s
         z = plan.shards_optimizer(st)
         opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
         mem = group_memory_bytes(plan, cm, s, samples, orders[s])
@@ -191,28 +177,29 @@ def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=No
     peak = activation_peak_bytes(plan, cm, s, samples, order)
     state = sum(cm.state_bytes(a, b, st.width, tp, z) for a, b in st.chunk_ranges)
     extra = max(float(full[a:b].max()) * samples for a, b in st.chunk_ranges) if st.recompute else 0.0
-    buffers = sum(2.0 * float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)
-    return state + peak + extra + buffers
+    inputs = sum(float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)
+    return peak_memory_bytes(state, peak, extra, inputs)
 
 
 def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
     """Per device group of a chunked plan, its costs summed over its chunks (compute, boundary traffic: v times a
     one-chunk group's, optimizer), its all-reduce over all of its layers, its memory from its order's peak."""
+    kind = schedule_kind(plan.schedule)
     orders = orders if orders is not None else chunk_orders(plan, plan.num_micro_batches)
     out = []
     for s, st in enumerate(plan.stages):
         tp, z = st.tensor_parallel, plan.shards_optimizer(st)
         ks = plan.chunks_of_group[s]
 
-        def rep_cost(r):  # zb-v splits the backward of every chunk but the first
+        def rep_cost(r):  # a split schedule splits the backward of every chunk but the pipeline's first
             parts = [split_compute_s(cm, st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last, r.samples,
-                                     st.recompute, tp, plan.schedule == "zb-v" and k > 0) for k in ks]
+                                     st.recompute, tp, kind.splits(k)) for k in ks]
             return sum(f for f, _ in parts), sum(b for _, b in parts)
         fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
         comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)
         opt = max(sum(cm.optimizer_s(t, a, b, st.width, tp, z) for a, b in st.chunk_ranges) for t in st.types)
         mem = group_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
-        split = plan.schedule == "zb-v"
+        split = kind.split_backward
         wgrad = max(sum(cm.stage_weight_grad_s(st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last,
                                                r.samples, tp) for k in ks if k > 0) for r in st.replicas)
         ar = cm.stage_sync_s(plan, s, hide_s=0.0)
@@ -248,7 +235,7 @@ def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chun
 def closed_form_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = None) -> float:
     """``costs``: the plan's ``stage_costs``, where the caller has them."""
     costs = costs if costs is not None else stage_costs(plan, cm)
-    if plan.schedule in CHUNKED:
+    if schedule_kind(plan.schedule).chunked:
         return chunked_iteration_s(costs, plan.num_micro_batches, plan.num_chunks)
     return iteration_s(costs, plan.num_micro_batches)
 
@@ -322,7 +309,7 @@ def replay_micro_batches(plan: Plan) -> int:
     rounds of p, its last round shorter."""
     M, p = plan.num_micro_batches, plan.num_stages
     m = min(M, max(2 * _warm_up(plan) + 2, SIM_BUDGET // plan.world_size))
-    return m + (M - m) % p if plan.schedule == "interleaved-1f1b" else m
+    return m + (M - m) % p if schedule_kind(plan.schedule).in_rounds else m
 
 
 def _warm_up(plan: Plan) -> int:
@@ -342,7 +329,7 @@ def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) ->
     if m1 == plan.num_micro_batches:
         return t1 if t1 is not None else simulate(plan, cm).iteration_s
     m2 = max(_warm_up(plan) + 1, m1 // 2)
-    if plan.schedule == "interleaved-1f1b":  # the same remainder mod p as m1 (and M)
+    if schedule_kind(plan.schedule).in_rounds:  # the same remainder mod p as m1 (and M)
         m2 += (m1 - m2) % plan.num_stages
         m2 = m2 if m2 < m1 else m1 - plan.num_stages
     t1 = t1 if t1 is not None else simulate(with_micro_batches(plan, m1), cm).iteration_s
@@ -372,7 +359,7 @@ def with_pass_times(plan: Plan, cm: CostModel) -> Plan:
     """A zb-v plan with ``chunk_pass_ms``: per chunk its forward, input-gradient and weight-gradient pass on its
     group's slowest replica (the one whose three take longest), as the simulator prices them; zb-v's list
     scheduler orders the passes by these. Other schedules: the plan as it is."""
-    if plan.schedule != "zb-v":
+    if not schedule_kind(plan.schedule).orders_by_time:
         return plan
     times = []
     for c in plan.pipeline:

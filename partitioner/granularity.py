@@ -20,7 +20,8 @@ import numpy as np
 
 from .costmodel import CostModel
 from .evaluate import chunk_time_s
-from .records import CHUNKED, Plan
+from .records import Plan
+from .schedule_kinds import kind as schedule_kind
 
 BISECTIONS = 60
 
@@ -67,7 +68,7 @@ def granularity(plan: Plan, cm: CostModel) -> Optional[tuple[float, float, float
     plan's predicted iteration seconds at that pace), or None for a one-stage plan (no cut to move), a chunked
     plan (its groups hold several ranges, which the same sweep does not cover) or one without a prediction. The
     iteration estimate takes the busiest group as pacing all M micro-batches, as it does in the closed form."""
-    if plan.num_stages == 1 or plan.schedule in CHUNKED or plan.predicted is None:
+    if plan.num_stages == 1 or schedule_kind(plan.schedule).chunked or plan.predicted is None:
         return None
     chunk_s = chunk_time_s(plan, cm)
     planned = max(chunk_s(g, *st.layers) for g, st in enumerate(plan.stages))

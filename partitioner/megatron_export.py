@@ -13,6 +13,7 @@ from typing import Optional
 
 from .errors import InputError
 from .records import Plan
+from .schedule_kinds import kind as schedule_kind
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class MegatronExport:
             out.append(f"interleaved-1f1b: the layout's {self.pipeline_model_parallel_size} x {self.virtual_stages} "
                        "segments are Megatron's virtual pipeline (segment k runs on pipeline rank k mod "
                        f"{self.pipeline_model_parallel_size}, {self.virtual_stages} model chunks per rank)")
-        if self.schedule == "zb-h1":
+        if schedule_kind(self.schedule).split_backward:
             out.append("schedule zb-h1: Megatron runs these flags as 1F1B (the weight passes are not split off), "
                        "slower than the plan's prediction, which assumed zb-h1")
         if self.distributed_optimizer:
@@ -116,8 +117,8 @@ def export_megatron(plan: Plan) -> MegatronExport:
     if plan.model.measured:
         raise InputError("plan.model", f"{plan.model.name!r} is a measured model (a script's own layers): Megatron "
                                        f"builds GPT-style models only; run it with hethub's runtime")
-    if plan.schedule == "zb-v":
-        raise InputError("plan.schedule", "zb-v (two chunks per group in a V) has no Megatron flags: re-plan with "
+    if schedule_kind(plan.schedule).megatron is None:
+        raise InputError("plan.schedule", f"{plan.schedule} (two chunks per group in a V) has no Megatron flags: re-plan with "
                                           "`--schedule 1f1b` or `interleaved-1f1b`, or run it with hethub's runtime")
     widths = {s.width for s in plan.stages}
     if len(widths) > 1:

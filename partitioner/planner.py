@@ -20,7 +20,7 @@ from .costmodel import CostModel
 from .errors import InfeasibleError, InputError
 from .evaluate import REPLAY_WITHIN
 from .placement import StageLayout, even_split
-from .records import CHUNKED, MAX_MICRO_BATCHES
+from .records import MAX_MICRO_BATCHES
 from .schedule import SCHEDULES
 from .options import PlannerOptions
 from .search.candidates import (Job, Solution, candidates, objective_of, restrict,
@@ -28,6 +28,7 @@ from .search.candidates import (Job, Solution, candidates, objective_of, restric
 from .search.chain import bottleneck_lower_bound, incumbent, solve_brute_force, solve_milp, sum_lower_bound
 from .search.milp import OPTIMAL_GAP
 from .search.shapes import ShapeSearch, identical_blocks
+from .schedule_kinds import kind as schedule_kind
 
 
 # Models of identical blocks with more planner layers than this go to the shape MILP (``shapes``): on the
@@ -184,8 +185,8 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     """
     if global_batch < 1:
         raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
-    if opts.schedule not in SCHEDULES or opts.schedule in CHUNKED:  # chunks are cut after the MILP (api.solve)
-        raise InputError("PlannerOptions.schedule", f"search() plans one of {', '.join(s for s in SCHEDULES if s not in CHUNKED)}, got "
+    if opts.schedule not in SCHEDULES or schedule_kind(opts.schedule).chunked:  # chunks are cut after the MILP
+        raise InputError("PlannerOptions.schedule", f"search() plans one of {', '.join(s for s in SCHEDULES if not schedule_kind(s).chunked)}, got "
                                        f"{opts.schedule!r} (the MILP plans one chunk per group)"[:160])
     if opts.equal_widths:  # what Megatron-core can run: one width, (here) no tensor parallelism, no per-stage ZeRO
         opts = replace(opts, max_tensor_parallel=1, zero1_stages=False)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from .catalogue import DEVICE_TYPES, MODELS
 from .errors import InputError, from_validation_error, short
+from .schedule_kinds import KINDS, kind
 
 SCHEMA_VERSION = 1
 
@@ -648,18 +649,9 @@ class Replica(Record):
 
 
 # The pipeline schedules a plan may name (``partitioner.schedule`` writes them as action lists).
-SCHEDULES = {
-    "1f1b": "PipeDream-flush: each backward in one pass",
-    "zb-h1": "1F1B whose stages after the first split each backward into B (input gradients, sent upstream at "
-             "once) and W (weight gradients) right after it; the last stage runs its last B before its "
-             "second-to-last W (Qi et al. 2023, ZB-H1's memory: one micro-batch more on the last stage only)",
-    "interleaved-1f1b": "each device group holds v chunks, chunk k on group k mod p (Narayanan et al. 2021): the "
-                        "fill shrinks about v-fold for v times the boundary traffic; any micro-batch count",
-    "zb-v": "each device group holds two chunks in a V (chunk k on group k, then on 2p-1-k), backward split into "
-            "input and weight gradients, weight passes filling the bubbles (Qi et al. 2024) at 1F1B's memory",
-}
+SCHEDULES = {name: k.description for name, k in KINDS.items()}  # the registry's (``schedule_kinds``)
 # Schedules whose groups hold several chunks (``Stage.chunks``); the others run one chunk (``Stage.layers``).
-CHUNKED = ("interleaved-1f1b", "zb-v")
+CHUNKED = tuple(name for name, k in KINDS.items() if k.chunked)
 MAX_CHUNKS = 64  # per device group
 
 
@@ -739,14 +731,8 @@ class Chunk(NamedTuple):
 
 
 def chunk_group(schedule: str, num_groups: int, position: int) -> int:
-    """The device group that holds pipeline chunk ``position`` under ``schedule`` (the contract's placement):
-    round-robin (interleaved-1f1b), V-shaped (zb-v: k for k < p, then 2p-1-k), else chunk k is stage k."""
-    p = num_groups
-    if schedule == "interleaved-1f1b":
-        return position % p
-    if schedule == "zb-v":
-        return position if position < p else 2 * p - 1 - position
-    return position
+    """The device group that holds pipeline chunk ``position`` under ``schedule`` (``ScheduleKind.chunk_group``)."""
+    return kind(schedule).chunk_group(num_groups, position)
 
 
 class Boundary(Record):
@@ -933,7 +919,7 @@ def check_tensor_parallel(m: "ModelConfig", t: int, field: str) -> None:
 
 def _check_layer_cover(plan: Plan) -> None:
     """Stages listed in order, each holding layers, covering the planner's layer list without gap or overlap."""
-    if plan.schedule in CHUNKED or any(st.chunks is not None for st in plan.stages):
+    if kind(plan.schedule).chunked or any(st.chunks is not None for st in plan.stages):
         _check_chunks(plan)
         return
     n_layers = plan.model.num_planner_layers
@@ -959,8 +945,9 @@ def _check_layer_cover(plan: Plan) -> None:
 
 
 def _check_pass_ms(plan: Plan) -> None:
-    if plan.schedule != "zb-v":
-        raise ValueError(f"chunk_pass_ms: only schedule 'zb-v' orders its passes by time, got schedule "
+    if not kind(plan.schedule).orders_by_time:
+        raise ValueError(f"chunk_pass_ms: only {', '.join(n for n, k in KINDS.items() if k.orders_by_time)} orders "
+                         f"its passes by time, got schedule "
                          f"{plan.schedule!r}")
     if len(plan.chunk_pass_ms) != len(plan.pipeline):
         raise ValueError(f"chunk_pass_ms: one [forward, input gradient, weight gradient] per chunk "
@@ -979,11 +966,12 @@ def _check_chunks(plan: Plan) -> None:
         f = f"stages[{i}].{'chunks' if st.chunks is not None else 'layers'}"
         if st.index != i:
             raise ValueError(f"stages[{i}].index: stages must be listed in order, expected {i}, got {st.index}")
-        if plan.schedule not in CHUNKED:
+        if not kind(plan.schedule).chunked:
             raise ValueError(f"{f}: schedule {plan.schedule!r} runs one chunk per group; several need "
                              f"{' or '.join(CHUNKED)}")
-        if plan.schedule == "zb-v" and st.num_chunks != 2:
-            raise ValueError(f"{f}: schedule 'zb-v' gives every group two chunks, got {st.num_chunks}")
+        fixed = kind(plan.schedule).fixed_chunks
+        if fixed is not None and st.num_chunks != fixed:
+            raise ValueError(f"{f}: schedule {plan.schedule!r} gives every group {fixed} chunks, got {st.num_chunks}")
         if st.num_chunks != v:
             raise ValueError(f"{f}: every group holds the same number of chunks ({v}, as stages[0]), "
                              f"got {st.num_chunks}")

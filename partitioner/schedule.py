@@ -36,27 +36,20 @@ from typing import Optional
 
 from .chunked import chunk_orders, one_chunk_order
 from .errors import InputError
-from .records import CHUNKED, SCHEDULES, Plan
+from .records import SCHEDULES, Plan
+from .schedule_kinds import kind as schedule_kind
 
 __all__ = ["SCHEDULES", "Action", "Transfer", "build_schedule", "parse_schedule", "format_schedule"]
 
 
 def peak_in_flight(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak: 1F1B's S - s (capped at M); under
-    zb-h1 the last stage holds two at its end (its last B runs before the W of the one before)."""
-    S, M = num_stages, num_micro_batches
-    k = min(S - stage, M)
-    if schedule == "zb-h1" and stage == S - 1 and S > 1:
-        k = min(2, M)
-    return k
+    """``ScheduleKind.peak_in_flight`` of ``schedule``."""
+    return schedule_kind(schedule).peak_in_flight(num_stages, stage, num_micro_batches)
 
 
 def trailing_weight_passes(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> int:
-    """W actions a stage runs after its last B (before its all-reduce): none under 1F1B or on stage 0; under
-    zb-h1 one, and two on the last stage (its last B comes before its second-to-last W)."""
-    if schedule != "zb-h1" or stage == 0:
-        return 0
-    return min(2, num_micro_batches) if stage == num_stages - 1 else 1
+    """``ScheduleKind.trailing_weight_passes`` of ``schedule``."""
+    return schedule_kind(schedule).trailing_weight_passes(num_stages, stage, num_micro_batches)
 
 
 @dataclass(frozen=True)
@@ -175,11 +168,11 @@ def build_schedule(plan: Plan, train: bool = True, num_micro_batches: Optional[i
     iteration. A tensor-parallel group's other ranks run their lead's list: the lead alone talks to the
     neighbouring stages and shares what it receives within the group (hethub's engine)."""
     M = num_micro_batches or plan.num_micro_batches
-    if plan.schedule in CHUNKED:
+    if schedule_kind(plan.schedule).chunked:
         return _build_chunked(plan, M, train)
     out: dict[int, list[Action]] = {}
     for s, st in enumerate(plan.stages):
-        order = stage_order(M, plan.num_stages, s, train, split=plan.schedule == "zb-h1")
+        order = stage_order(M, plan.num_stages, s, train, split=schedule_kind(plan.schedule).splits(s))
         for j, rep in enumerate(st.replicas):
             nxt, prv = overlaps(plan, s, j, "next"), overlaps(plan, s, j, "prev")
             peers = {"SA": nxt, "RG": nxt, "RA": prv, "SG": prv}

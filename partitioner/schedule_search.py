@@ -15,9 +15,10 @@ from .chunked import rechunk
 from .costmodel import CostModel
 from .errors import InputError
 from .evaluate import chunk_time_s, fits_memory, predict, replay_fits, with_pass_times
-from .records import CHUNKED, SCHEDULES, Plan
+from .records import SCHEDULES, Plan
 
 from .options import AUTO
+from .schedule_kinds import AUTO_MILP, kind as schedule_kind
 MAX_CHUNKS_SEARCHED = 4  # v of interleaved-1f1b tried: 2..4 (the fill shrinks ~v-fold for v x the traffic)
 
 
@@ -27,14 +28,15 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
     chunks than it has layers)."""
     names = list(SCHEDULES) if schedule == AUTO else [schedule]
     if schedule == AUTO and plan.num_stages == 1:  # no pipeline: chunks of one group only add transfers to itself
-        names = [n for n in names if n not in CHUNKED]
+        names = [n for n in names if not schedule_kind(n).chunked]
     chunk_s = chunk_time_s(plan, cm)
     out = []
     for name in names:
-        if name not in CHUNKED:
+        if not schedule_kind(name).chunked:
             out.append(plan.model_copy(update={"schedule": name, "predicted": None}))
             continue
-        counts = [2] if name == "zb-v" else range(2, MAX_CHUNKS_SEARCHED + 1)
+        fixed = schedule_kind(name).fixed_chunks
+        counts = [fixed] if fixed else range(2, MAX_CHUNKS_SEARCHED + 1)
         for v in counts:
             if any(st.layer_count() < v for st in plan.stages):  # a group cannot hold more chunks than layers
                 continue
@@ -54,7 +56,7 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
     ``replay_all`` replays them too (the schedule benchmark lists what each would take)."""
     kept = []
     for q in variants(plan, cm, schedule):
-        if schedule == AUTO and q.schedule in CHUNKED and not replay_fits(q):
+        if schedule == AUTO and schedule_kind(q.schedule).chunked and not replay_fits(q):
             continue
         kept.append((q, fits_memory(q, cm)))
     some_fit = any(fits for _, fits in kept)
@@ -80,8 +82,8 @@ def search_schedule(opts_schedule: str) -> str:
     if opts_schedule not in SCHEDULES and opts_schedule != AUTO:
         raise InputError("PlannerOptions.schedule", f"expected one of {', '.join([*SCHEDULES, AUTO])}, got {opts_schedule!r}"[:160])
     if opts_schedule == AUTO:
-        return "zb-h1"
-    return opts_schedule if opts_schedule not in CHUNKED else "1f1b"
+        return AUTO_MILP
+    return schedule_kind(opts_schedule).milp
 
 
 def explain_schedules(tried: list[tuple[str, int, Optional[float], bool]], chosen: Plan) -> list[str]:

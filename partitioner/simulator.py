@@ -27,8 +27,9 @@ from .errors import InputError, missing_package
 from .groups import SEND_WINDOW, transfer_group
 from .ordering import MispairedError, OrderError, check_order, vstage
 from .outputs import count, write_atomic
-from .records import CHUNKED, Plan
+from .records import Plan
 from .schedule import Action, Transfer, build_schedule, lead_ranks
+from .schedule_kinds import kind as schedule_kind
 
 
 class ScheduleError(InputError):
@@ -107,7 +108,7 @@ def check_structure(plan: Plan, sched: dict[int, list[Action]], train: bool = Tr
     """What the runtime needs of each rank's list: every micro-batch's forward (and backward) once per chunk the
     rank holds and in order of dependence, each fed by exactly one receive of this rank's rows, posted before it."""
     M = plan.num_micro_batches
-    chunked = plan.num_chunks > 1 or plan.schedule in CHUNKED
+    chunked = plan.num_chunks > 1 or schedule_kind(plan.schedule).chunked
     for rank, acts in sched.items():
         s, j = plan.locate(rank)
         mine = plan.chunks_of_group[s]

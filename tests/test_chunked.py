@@ -58,7 +58,7 @@ GOOD = [[[0, 1], [3, 4]], [[1, 2], [4, 5]], [[2, 3], [5, 7]]]  # interleaved: ch
 
 
 @pytest.mark.parametrize("schedule, group, chunks, message", [
-    ("zb-v", 2, [[2, 3], [5, 6], [6, 7]], r"stages\[2\]\.chunks: schedule 'zb-v' gives every group two chunks, got 3"),
+    ("zb-v", 2, [[2, 3], [5, 6], [6, 7]], r"stages\[2\]\.chunks: schedule 'zb-v' gives every group 2 chunks, got 3"),
     ("interleaved-1f1b", 2, [[2, 3], [5, 5]], r"stages\[2\]\.chunks\[1\]: must hold at least one layer, got \[5, 5\)"),
     ("interleaved-1f1b", 2, [[2, 3], [5, 9]], r"stages\[2\]\.chunks\[1\]: model 'stack' has 7 planner layers"),
     ("interleaved-1f1b", 2, [[2, 3], [5, 6], [6, 7]],
@@ -218,7 +218,7 @@ def test_zbv_orders_its_passes_by_their_times_where_groups_run_at_different_spee
                               r"got 5"),
     ("zb-v", [[1, -1, 1]] * 6, r"chunk_pass_ms\[0\]\[1\]: must be >= 0, got -1"),
     ("zb-v", [[0, 0, 0]] * 6, r"chunk_pass_ms\[0\]: a chunk's passes take time, got \[0.0, 0.0, 0.0\]"),
-    ("interleaved-1f1b", [[1, 1, 1]] * 6, r"chunk_pass_ms: only schedule 'zb-v' orders its passes by time"),
+    ("interleaved-1f1b", [[1, 1, 1]] * 6, r"chunk_pass_ms: only zb-v orders its passes by time"),
 ])
 def test_bad_pass_times_are_one_line_naming_the_field(schedule, times, message):
     data = json.loads(rechunk(DEEP, schedule, 2).to_json())

@@ -168,3 +168,23 @@ def test_no_module_shadows_the_standard_library_where_scripts_run():
     for folder in ("hethub/cli", "hethub/emulated", "tests/workers", "tests", "benchmarks", "examples"):
         names = {f[:-3] for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".py")}
         assert not names & set(sys.stdlib_module_names), (folder, names & set(sys.stdlib_module_names))
+
+
+def test_schedule_names_are_compared_only_in_their_registry():
+    """What a schedule is lives in ``partitioner.schedule_kinds``: a module that compares a schedule's name (or
+    tests membership of CHUNKED) would be one more place a new schedule has to be added."""
+    import re
+    names = r'"(1f1b|zb-h1|zb-v|interleaved-1f1b)"'
+    pattern = re.compile(rf'(==|!=)\s*{names}|{names}\s*(==|!=)|\bin CHUNKED\b|\bnot in CHUNKED\b')
+    found = []
+    for root in ("partitioner", "hethub"):
+        for dirpath, _dirs, files in os.walk(os.path.join(ROOT, root)):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                if not name.endswith(".py") or name == "schedule_kinds.py":
+                    continue
+                with open(path) as f:
+                    for i, line in enumerate(f, 1):
+                        if pattern.search(line.split("#")[0]):
+                            found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

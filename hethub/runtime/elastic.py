@@ -24,9 +24,10 @@ from ..partitioner.costmodel import CostModel
 from ..partitioner.errors import InputError
 from ..partitioner.outputs import write_atomic
 from ..partitioner.planner import PlannerOptions
-from ..partitioner.records import CHUNKED, Cluster, Plan, parse_record
+from ..partitioner.records import Cluster, Plan, parse_record
 from .checkpoint import complete_checkpoints, read_meta
 from .control import Control
+from ..partitioner.schedule_kinds import kind as schedule_kind
 
 HOST_ENV = "HETHUB_HOST"  # this worker's host, as the plan's cluster names it (set by ``hethub launch --elastic``)
 REPLAN_TIME_LIMIT_S = 2.0  # the planner's budget at a restart: a 16-device cluster is proven optimal well within it
@@ -90,7 +91,7 @@ def replan(base: Plan, cluster: Cluster) -> Plan:
     groups are planned as 1F1B's; ``hethub plan --schedule`` re-cuts them), tensor parallel no wider than the
     base plan's (the user's layers may split no further)."""
     cm = CostModel(cluster, base.model, dtype=base.dtype or "bf16", zero1=base.zero1)
-    schedule = base.schedule if base.schedule not in CHUNKED else "1f1b"
+    schedule = schedule_kind(base.schedule).milp  # a chunked one is planned for its groups (1F1B), as api.solve does
     opts = PlannerOptions(time_limit_s=REPLAN_TIME_LIMIT_S, schedule=schedule,
                           max_tensor_parallel=max(st.tensor_parallel for st in base.stages))
     return make_plan(cluster, base.model, base.global_batch_size, opts=opts, with_homogeneous_sum=False, cost_model=cm)

@@ -13,9 +13,10 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import PCIE_GBPS, CostModel
+from ..costmodel import CostModel, host_copies_s, peak_memory_bytes
 from ..records import ModelConfig
 from ..schedule import peak_in_flight, trailing_weight_passes
+from ..schedule_kinds import kind as schedule_kind
 
 DEFAULT_MAX_UNITS = 48  # blocks grouped into at most this many units where the chain MILP would be too large
 
@@ -195,23 +196,22 @@ class _Part:
         queues on one link; a tp group's lead sends its replica's rows once. ``cross``: the next stage is
         another vendor's (host copies both ways, cross-vendor link). ``other_host``: the next stage is on other
         hosts (another device type: a host holds one), so the boundary is inter-node whatever the widths."""
-        if cross:
-            gbps, lat = self.cm.cross_vendor_link()
+        if cross:  # the node's share on the bridge's link, this replica's own share through its host copies
             per_x = min(w, self.per_node) * s
-            return np.where(self.out_bytes > 0, 2 * (lat + per_x * self.out_bytes * 8 / (gbps * 1e9)
-                                                     + 2 * s * self.out_bytes / (PCIE_GBPS * 1e9)), 0.0)
+            return 2 * (self.cm.link_s(per_x * self.out_bytes, self.t, None, same_host=False)
+                        + np.where(self.out_bytes > 0, host_copies_s(s * self.out_bytes), 0.0))
         intra = 2 * w <= self.per_node and not other_host
-        gbps, lat = self.cm._link_gbps(self.t, self.t, same_host=intra)
         per_link = s if intra else min(w, self.per_node) * s
-        return np.where(self.out_bytes > 0, 2 * (lat + per_link * self.out_bytes * 8 / (gbps * 1e9)), 0.0)
+        return 2 * self.cm.link_s(per_link * self.out_bytes, self.t, self.t, same_host=intra)
 
     def in_flight(self, width: int, s: int, M: int, zero1: bool = False, waits=0) -> np.ndarray:
         """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
         optimizer state over all of them) and a share of s samples. ``waits``: split backwards held at the peak
         (zb-h1: one right after a B, the last stage's last two), each holding ``wait_over`` more than a forward
         left (``evaluate.activation_peak_bytes`` counts the same along the stage's order)."""
-        cap = (self.cm.memory_limit_bytes(self.t) - self.cm.state_bytes_of(self.params, width, zero1)
-               - 2.0 * self.in_bytes * s - (self.act_max * s if self.rc else 0.0) - waits * self.wait_over * s)
+        cap = self.cm.memory_limit_bytes(self.t) - peak_memory_bytes(
+            self.cm.state_bytes_of(self.params, width, zero1), waits * self.wait_over * s,
+            self.act_max * s if self.rc else 0.0, self.in_bytes * s)
         k = np.floor(np.where(cap > 0, cap / np.maximum(self.act * s, 1.0), 0.0))
         return np.minimum(k, M)
 
@@ -345,7 +345,7 @@ class _Builder:
         self.last_need = peak_in_flight(schedule, 2, 1, M)  # the last stage of any pipeline of two or more
         # zb-h1: a stage after the first sends its input gradient before its weights' (the fill and drain skip
         # them) and runs its last W (the last stage: its last two) before its all-reduce (``evaluate.iteration_s``)
-        self.split = (I > 0) if schedule == "zb-h1" else np.zeros(len(I), dtype=bool)
+        self.split = (I > 0) if schedule_kind(schedule).split_backward else np.zeros(len(I), dtype=bool)
         # (a middle stage as stage 1 of 3, the last as stage 1 of 2; the first never splits)
         # what a split stage holds at its peak from a B to its W (``in_flight``'s ``waits``)
         self.waits = np.where(self.split, np.where(self.ends_pipeline, min(2, M), 1), 0)
