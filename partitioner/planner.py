@@ -47,7 +47,7 @@ def micro_batch_sizes(global_batch: int, opts: PlannerOptions) -> list[int]:
         sizes = [b for b in range(1, min(global_batch, opts.max_micro_batch_size) + 1) if global_batch % b == 0]
     out = [b for b in sizes if global_batch // b <= MAX_MICRO_BATCHES]
     if sizes and not out:
-        raise InfeasibleError("--global-batch", f"{global_batch} needs more than {MAX_MICRO_BATCHES} micro-batches at "
+        raise InfeasibleError("global_batch", f"{global_batch} needs more than {MAX_MICRO_BATCHES} micro-batches at "
                                                 f"micro-batch sizes up to {max(sizes)}; allow larger ones "
                                                 f"(--max-micro-batch / --micro-batch-sizes)")
     return out
@@ -184,9 +184,10 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
     (no stage of a better plan can cost more). Both cuts are exact.
     """
     if global_batch < 1:
-        raise InputError("--global-batch", f"must be >= 1, got {global_batch}")
+        raise InputError("global_batch", f"must be >= 1, got {global_batch}")
     if opts.schedule not in SCHEDULES or schedule_kind(opts.schedule).chunked:  # chunks are cut after the MILP
-        raise InputError("PlannerOptions.schedule", f"search() plans one of {', '.join(s for s in SCHEDULES if not schedule_kind(s).chunked)}, got "
+        one_chunk = ", ".join(s for s in SCHEDULES if not schedule_kind(s).chunked)
+        raise InputError("PlannerOptions.schedule", f"search() plans one of {one_chunk}, got "
                                        f"{opts.schedule!r} (the MILP plans one chunk per group)"[:160])
     if opts.equal_widths:  # what Megatron-core can run: one width, (here) no tensor parallelism, no per-stage ZeRO
         opts = replace(opts, max_tensor_parallel=1, zero1_stages=False)
@@ -201,8 +202,9 @@ def search(cm: CostModel, global_batch: int, opts: PlannerOptions = PlannerOptio
         shape = ShapeSearch(cm, global_batch, opts, progress, types, counts, sizes)
         shape.run()
         if shape.best is None and shape.ran_out():
-            raise InfeasibleError("--time-limit", f"no plan found within {opts.time_limit_s:g} s (some micro-batch "
-                                                  f"sizes were not searched to the end); raise it")
+            raise InfeasibleError("PlannerOptions.time_limit_s", f"no plan found within {opts.time_limit_s:g} s (some "
+                                                                 f"micro-batch sizes were not searched to the end); "
+                                                                 f"raise it")
         if shape.best is None:
             raise _infeasible(cm, global_batch, types, counts, sizes)
         return shape.best, shape.stats()
@@ -242,7 +244,7 @@ def _layer_granular_shapes(cm: CostModel, opts: PlannerOptions) -> bool:
 def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list[int], bs: list[int]):
     """One line saying which constraint fails and by how much."""
     if not bs:
-        return InfeasibleError("--global-batch", f"no micro-batch size divides {global_batch}")
+        return InfeasibleError("global_batch", f"no micro-batch size divides {global_batch}")
     # memory: the whole model's state spread over every device, one layer each at best
     total_state = cm.state_bytes(0, cm.model.num_planner_layers)
     total_mem = sum(cm.memory_limit_bytes(t) * n for t, n in zip(types, counts))

@@ -44,27 +44,33 @@ def test_a_measured_model_is_priced_from_profiles_only():
         CostModel(Cluster.model_validate(CLUSTER), m, dtype="fp32")
 
 
-def _profile(tmp_path, device_type, slowdown):
+def _profile(tmp_path, device_type, slowdown, arch):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(DS_CONFIG))
     return run_cli("profile", "--script", SCRIPT, "--device-type", device_type, "--emulate-slowdown", str(slowdown),
                    "--micro-batch-size", "6", "--reps", "3", "-o", str(tmp_path / "prof"), "--", "--out",
-                   str(tmp_path / "unused"), "--deepspeed_config", str(cfg),
+                   str(tmp_path / "unused"), "--deepspeed_config", str(cfg), "--arch", arch,
                    env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=180)
 
 
+KINDS = {"conv": ["Conv2d", "ReLU", "Conv2d", "ReLU", "Flatten", "Linear", "Tanh", "Linear", "ReLU", "Linear", "Linear"],
+         "mixed": ["Embedding", "TokenMixer", "GatedMLP", "TokenMixer", "GatedMLP", "LayerNorm", "MeanPool", "Linear"]}
+
+
 @pytest.mark.dist
-def test_an_unchanged_script_profiled_planned_and_run_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("arch", ["conv", "mixed"])
+def test_an_unchanged_script_profiled_planned_and_run_trains_like_one_process(tmp_path, arch):
+    """conv: convolutions, in-place ReLUs and a tied pair (DeepSpeed's tutorial shape); mixed: non-transformer
+    blocks of several kinds (an embedding, MLP-Mixer token mixing, gated channel MLPs, pooling)."""
     pytest.importorskip("deepspeed")
     for device_type, slowdown in (("CPU-FAST", 1), ("CPU-SLOW", 2)):
-        r = _profile(tmp_path, device_type, slowdown)
+        r = _profile(tmp_path, device_type, slowdown, arch)
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"{device_type}.json (micro-batch 6, fp32)" in r.stdout
     model = json.loads((tmp_path / "prof" / "model.json").read_text())
-    assert model["architecture"] == "measured" and len(model["measured_layers"]) == 11
-    kinds = [ml["kind"] for ml in model["measured_layers"]]
-    assert kinds[:2] == ["Conv2d", "ReLU"] and kinds[5] == "Linear" and kinds[9] == "Linear"  # the tied pair
-    assert model["measured_layers"][0]["params"] == 2 * 4 * 9 + 4 and model["measured_layers"][1]["params"] == 0
+    assert model["architecture"] == "measured" and [ml["kind"] for ml in model["measured_layers"]] == KINDS[arch]
+    params = [ml["params"] for ml in model["measured_layers"]]
+    assert params[:2] == ([2 * 4 * 9 + 4, 0] if arch == "conv" else [20 * 16, 2 * 16 + 8 * 8 + 8])
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps(CLUSTER))
     plan = tmp_path / "plan.json"
@@ -74,7 +80,7 @@ def test_an_unchanged_script_profiled_planned_and_run_trains_like_one_process(tm
     assert r.returncode == 0 and "priced with: profiles" in r.stdout, r.stderr[-2000:]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HETHUB_EMULATE_SLOWDOWN="CPU-SLOW=2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    common = ["--steps", "2", "--deepspeed_config", str(tmp_path / "ds.json")]
+    common = ["--steps", "2", "--deepspeed_config", str(tmp_path / "ds.json"), "--arch", arch]
     ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
                           str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

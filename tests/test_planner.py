@@ -211,7 +211,7 @@ def test_infeasible_inputs_say_which_constraint():
     with pytest.raises(InfeasibleError, match="micro_batch_sizes: 3 does not divide the global batch 8"):
         make_plan(small, builtin_model("gpt-tiny"), 8, opts=PlannerOptions(micro_batch_sizes=(3,)),
                   with_homogeneous_sum=False)
-    with pytest.raises(InputError, match="--global-batch: must be >= 1"):
+    with pytest.raises(InputError, match="global_batch: must be >= 1"):
         make_plan(small, builtin_model("gpt-tiny"), 0, with_homogeneous_sum=False)
 
 

@@ -105,7 +105,7 @@ FLAG_CASES = {
     "time_limit_nan": (PLAN_ARGS + ["--time-limit", "nan"], "--time-limit: must be in (0"),
     "max_micro_batch_0": (PLAN_ARGS + ["--max-micro-batch", "0"], "--max-micro-batch: must be in 1.."),
     "too_many_micro_batches": (PLAN_ARGS[:6] + ["9000000", "--max-micro-batch", "8"],
-                               "--global-batch: 9000000 needs more than 100000 micro-batches"),
+                               "global_batch: 9000000 needs more than 100000 micro-batches"),
     "output_is_input": (PLAN_ARGS + ["-o", CLUSTER], "--output: "),
     "output_directory": (PLAN_ARGS + ["-o", EXAMPLES], "is a directory"),
     "output_missing_folder": (PLAN_ARGS + ["-o", "/nonexistent-folder/plan.json"], "does not exist"),

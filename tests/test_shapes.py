@@ -154,7 +154,7 @@ def test_a_search_cut_short_by_the_time_limit_falls_back_or_says_so(monkeypatch)
     sol, stats = search(cm, 1024, PlannerOptions(time_limit_s=0.3))
     assert sol.cands is not None and 0 < stats["gap"] < 1
     monkeypatch.setattr("hethub.partitioner.search.shapes.greedy_shapes", lambda *a: None)
-    with pytest.raises(InfeasibleError, match=r"--time-limit: no plan found within 0.3 s"):
+    with pytest.raises(InfeasibleError, match=r"PlannerOptions.time_limit_s: no plan found within 0.3 s"):
         search(cm, 1024, PlannerOptions(time_limit_s=0.3))
 
 

@@ -5,6 +5,7 @@ keys and optimizer, engine.save_checkpoint. Run by DeepSpeed's launcher (the one
 `hethub launch --hetero-plan P` (unchanged). Saves every step's loss to OUT.RANK.
 
 usage: ds_pipeline_script.py --out OUT --steps N --stages S --deepspeed_config CFG [--save DIR] [--local_rank R]
+                             [--arch conv|mixed]   (mixed: an embedding, token and channel mixers, pooling)
 """
 import argparse
 import os
@@ -28,8 +29,49 @@ def specs():
             LayerSpec(nn.ReLU, inplace=True), TiedLayerSpec("proj", nn.Linear, 64, 64), LayerSpec(nn.Linear, 64, 5)]
 
 
+class TokenMixer(nn.Module):
+    """MLP-Mixer's token mixing: a Linear across the sequence, residual (not a transformer block)."""
+
+    def __init__(self, seq: int):
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(16), nn.Linear(seq, seq)
+
+    def forward(self, x):
+        return x + self.mix(self.norm(x).transpose(1, 2)).transpose(1, 2)
+
+
+class GatedMLP(nn.Module):
+    """A SiLU-gated channel MLP, residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class MeanPool(nn.Module):
+    def forward(self, x):
+        return x.mean(1)
+
+
+def mixed_specs():
+    """Non-transformer blocks of mixed kinds: an embedding, token and channel mixers, pooling, a classifier."""
+    return [LayerSpec(nn.Embedding, 20, 16), LayerSpec(TokenMixer, 8), LayerSpec(GatedMLP), LayerSpec(TokenMixer, 8),
+            LayerSpec(GatedMLP), LayerSpec(nn.LayerNorm, 16), LayerSpec(MeanPool), LayerSpec(nn.Linear, 16, 5)]
+
+
+def dataset(arch: str, g: torch.Generator) -> TensorDataset:
+    labels = torch.randint(0, 5, (96,), generator=g)
+    if arch == "mixed":
+        return TensorDataset(torch.randint(0, 20, (96, 8), generator=g), labels)
+    return TensorDataset(torch.randn(96, 2, 4, 4, generator=g), labels)
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", choices=["conv", "mixed"], default="conv")
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3)
@@ -41,8 +83,8 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(7)
     g = torch.Generator().manual_seed(11)
-    data = TensorDataset(torch.randn(96, 2, 4, 4, generator=g), torch.randint(0, 5, (96,), generator=g))
-    net = PipelineModule(layers=specs(), loss_fn=nn.CrossEntropyLoss(), num_stages=args.stages,
+    data = dataset(args.arch, g)
+    net = PipelineModule(layers=specs() if args.arch == "conv" else mixed_specs(), loss_fn=nn.CrossEntropyLoss(), num_stages=args.stages,
                          partition_method="parameters")
     opt = torch.optim.SGD(net.parameters(), lr=0.05) if args.client_sgd else None
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, optimizer=opt,
