@@ -73,6 +73,15 @@ def _call_writer(writer: Callable[[str], None], tmp: str) -> None:
         os.fsync(f.fileno())
 
 
+def num(x: float) -> str:
+    """A number as people read it in a summary: 16,520 and 1.909, never 1.652e+04."""
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) >= 100:
+        return f"{x:.1f}"
+    return f"{x:.4g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
+
+
 def count(n: int, noun: str) -> str:
     """``1 stage``, ``3 stages``: what users read in titles and summaries."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -260,7 +260,8 @@ def _infeasible(cm: CostModel, global_batch: int, types: list[str], counts: list
         return InfeasibleError("memory", f"the largest layer needs {biggest / 2**30:.1f} GiB for one sample, the "
                                          f"largest device holds {largest_dev / 2**30:.1f} GiB after the reserve "
                                          f"(short by {(biggest - largest_dev) / 2**30:.1f} GiB); "
-                                         f"tensor parallelism is not planned yet")
+                                         f"a layer is never split (tensor parallelism splits a block's weights, "
+                                         f"not the embedding, the head or a measured layer)")
     tie = (f"; its tied embedding/head weight is held by both end stages "
            f"({cm.state_bytes(0, 1) / 2**30:.1f} GiB of state on the first)" if cm.tied_params(0, 1) else "")
     return InfeasibleError("memory", f"no stage layout of {cm.model.name!r} fits the devices' memory at any "

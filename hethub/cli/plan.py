@@ -12,7 +12,7 @@ from ..partitioner.costmodel import DS_CONFIG_FOR, CostModel, natural_dtype
 from ..partitioner.errors import InfeasibleError, InputError
 from ..partitioner.explain import explain
 from ..partitioner.loaders import load_model
-from ..partitioner.outputs import check_output_path, count, write_atomic
+from ..partitioner.outputs import check_output_path, count, num, write_atomic
 from ..partitioner.planner import PlannerOptions
 from ..partitioner.provenance import profile_refs
 from ..partitioner.records import load_cluster, load_profiles
@@ -81,6 +81,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = Console(width=None if Console().is_terminal else 160)
     for note in cm.notes:
         console.print(f"note: {note}")
+    if "network" not in cm.cluster.model_fields_set:
+        net = cm.cluster.network
+        console.print(f"note: cluster {cm.cluster.name!r} has no network section: assuming {num(net.intra_gbps(''))} "
+                      f"Gbit/s between devices of a node (NVLink-class; PCIe cards have far less) and "
+                      f"{num(net.inter_node_gbps)} Gbit/s per node NIC; describe yours under network:")
     if args.what_if:
         return _what_if(args, cm, opts, console)
     if args.baseline:
@@ -127,7 +132,7 @@ def _compare(plan, cm: CostModel, opts: PlannerOptions, global_batch: int, conso
         try:
             base = make_baseline(kind, cm.cluster, cm.model, global_batch, opts=opts, cost_model=cm)
             console.print(f"vs {kind}: {plan.predicted.samples_per_s / base.predicted.samples_per_s:.2f}x "
-                          f"({base.predicted.samples_per_s:.4g} samples/s)")
+                          f"({num(base.predicted.samples_per_s)} samples/s)")
         except InfeasibleError as exc:
             console.print(f"vs {kind}: baseline has no feasible plan ({exc.message})")
             continue
@@ -161,12 +166,12 @@ def _what_if(args: argparse.Namespace, cm, opts, console) -> int:
         try:
             plan = solve(model, args.global_batch, opts)
             results.append(plan.predicted.samples_per_s)
-            console.print(f"{label}: {plan.predicted.samples_per_s:.4g} samples/s on {plan.world_size} of "
+            console.print(f"{label}: {num(plan.predicted.samples_per_s)} samples/s on {plan.world_size} of "
                           f"{model.cluster.num_devices} devices, {count(plan.num_stages, 'stage')}")
         except InfeasibleError as exc:
             results.append(0.0)
             console.print(f"{label}: no feasible plan ({exc.message})")
     before, after = results
     change = f"{after / before - 1:+.1%}" if before > 0 else "from infeasible"
-    console.print(f"what-if {args.what_if!r}: {before:.4g} -> {after:.4g} samples/s ({change}); no plan written")
+    console.print(f"what-if {args.what_if!r}: {num(before)} -> {num(after)} samples/s ({change}); no plan written")
     return 0

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..events import plan_files
 from ..partitioner.errors import InputError
-from ..partitioner.outputs import count
+from ..partitioner.outputs import count, num
 from ..partitioner.provenance import as_notes
 from ..partitioner.records import Plan, load_plan
 
@@ -39,6 +39,8 @@ def plan_table(plan: Plan) -> Table:
         t.add_column(col)
     if pred and pred.stage_s:
         t.add_column("stage ms", justify="right")
+        t.caption = ("stage ms: one micro-batch's forward, backward and boundary transfers on the stage's slowest "
+                     "replica, not the iteration's pace (plan --explain breaks that down)")
     # small models (a measured CNN) in MiB: 0.00 GiB would hide what they hold
     mib = bool(pred and pred.memory_gib) and max(pred.memory_gib) < 0.1
     if pred and pred.memory_gib:
@@ -65,9 +67,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                   + (f", dtype {plan.dtype}" if plan.dtype else ""))
     p = plan.predicted
     if p:
-        line = f"predicted: {p.iteration_s * 1e3:.4g} ms/iteration (simulated), {p.samples_per_s:.4g} samples/s"
+        line = f"predicted: {num(p.iteration_s * 1e3)} ms/iteration (simulated), {num(p.samples_per_s)} samples/s"
         if p.upper_bound_samples_per_s:
-            line += f", upper bound {p.upper_bound_samples_per_s:.4g} samples/s"
+            line += f", upper bound {num(p.upper_bound_samples_per_s)} samples/s"
         if p.efficiency is not None:
             line += f", efficiency {p.efficiency:.1%}"
         if p.homogeneous_sum_samples_per_s:
@@ -76,7 +78,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
             if bound and bound > p.homogeneous_sum_samples_per_s * (1 + 1e-6):  # a sub-cluster plan is unproven
                 line += f" (at least {p.samples_per_s / bound:.1%} of what they could reach, by their proven gaps)"
         if p.usd_per_million_tokens is not None:
-            line += f", ${p.usd_per_million_tokens:.4g} per 1M tokens"
+            line += f", ${num(p.usd_per_million_tokens)} per 1M tokens"
         console.print(line)
     console.print("priced with: " + (f"profiles {as_notes(plan.profiles)}" if plan.profiles
                                      else "the analytic cost model"), soft_wrap=True)
@@ -119,6 +121,6 @@ def print_run(checkpoint_dir: str, console: Console | None = None) -> None:
         hosts = sorted({r.host for st in plan.stages for r in st.replicas})
         shape = " | ".join(f"{'+'.join(st.types)} x{st.width} [{st.chunk_ranges[0][0]},{st.chunk_ranges[-1][1]})"
                            for st in plan.stages)
-        rate = f"{plan.predicted.samples_per_s:.4g}" if plan.predicted else ""
+        rate = num(plan.predicted.samples_per_s) if plan.predicted else ""
         t.add_row(str(step), " ".join(hosts), str(plan.world_size), shape, rate)
     console.print(t)

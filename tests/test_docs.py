@@ -1,0 +1,40 @@
+"""The docs a newcomer reads: every relative link in the README, docs/ and the benchmark tables resolves, and the
+summary lines print numbers as people read them."""
+import os
+import re
+
+import pytest
+
+from conftest import ROOT, run_cli
+from hethub.partitioner.outputs import num
+
+PAGES = (["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
+         + [os.path.join("benchmarks", "results", f)
+            for f in sorted(os.listdir(os.path.join(ROOT, "benchmarks", "results")))])
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.endswith(".md")])
+def test_every_relative_link_resolves(page):
+    with open(os.path.join(ROOT, page)) as f:
+        text = f.read()
+    broken = []
+    for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+        link = m.group(1).split("#")[0]
+        if not link or link.startswith(("http://", "https://", "mailto:")):
+            continue
+        if not os.path.exists(os.path.normpath(os.path.join(ROOT, os.path.dirname(page), link))):
+            broken.append(m.group(1))
+    assert not broken, f"{page}: {broken}"
+
+
+def test_numbers_print_without_exponents():
+    assert [num(x) for x in (16520.376, 1.909, 123.45, 0.0, 0.00042)] == ["16,520", "1.909", "123.5", "0", "4.20e-04"]
+
+
+def test_a_cluster_without_a_network_section_is_said(tmp_path):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes:\n  - {host: a, device_type: A100-80GB, count: 2}\n")
+    r = run_cli("plan", "--cluster", str(cluster), "--model", "gpt-125m", "--global-batch", "8", "--time-limit", "2",
+                "--no-compare", "-o", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    assert "has no network section: assuming 2,400 Gbit/s between devices of a node" in " ".join(r.stdout.split())
