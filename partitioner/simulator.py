@@ -474,12 +474,18 @@ def write_trace(result: SimResult, plan: Plan, path: str, inputs: tuple = ()) ->
     write_atomic(path, json.dumps(result.chrome_trace(plan)), "--trace", inputs)
 
 
-def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs: tuple = ()) -> None:
-    """Timeline: one row per rank, colour per micro-batch; forward solid, backward hatched, transfers thin."""
+def require_matplotlib():
+    """matplotlib, or one line saying how to get it (asked before any replay: a missing package is said first)."""
     try:
         import matplotlib
     except ImportError:
         raise missing_package("--png", "matplotlib") from None
+    return matplotlib
+
+
+def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs: tuple = ()) -> None:
+    """Timeline: one row per rank, colour per micro-batch; forward solid, backward hatched, transfers thin."""
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -488,8 +494,8 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     row = {r: k for k, r in enumerate(leads)}
     n = len(leads)
     fig, ax = plt.subplots(figsize=(12, 0.45 * n + 2.0))
-    # tab20 without its two greys, which read as transfers / all-reduce
-    palette = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (14, 15)]
+    # tab20 without its two greys (transfers, all-reduce) and its two oranges (tensor-parallel all-reduce)
+    palette = [c for k, c in enumerate(plt.get_cmap("tab20").colors) if k not in (2, 3, 14, 15)]
     cmap = lambda mb: palette[mb % len(palette)]  # noqa: E731
     scale = 1e3  # ms
     span = result.iteration_s * scale
@@ -517,7 +523,8 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("ms")
     ax.set_title(title or f"{plan.model.name}: {count(plan.num_stages, 'stage')}, {count(plan.world_size, 'rank')}, "
-                          f"{result.iteration_s * 1e3:.1f} ms/iteration, bubble {result.bubble_fraction:.1%}")
+                          f"predicted {result.iteration_s * 1e3:.1f} ms/iteration (simulated), bubble "
+                          f"{result.bubble_fraction:.1%}", fontsize=10)
     fig.legend(handles=[Patch(facecolor="white", edgecolor="black", label="forward"),
                        Patch(facecolor="white", edgecolor="black", hatch="///", label="backward"),
                        Patch(facecolor="dimgray", label="transfer"), Patch(facecolor="lightgray", label="all-reduce"),

@@ -38,3 +38,15 @@ def test_a_cluster_without_a_network_section_is_said(tmp_path):
                 "--no-compare", "-o", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr
     assert "has no network section: assuming 2,400 Gbit/s between devices of a node" in " ".join(r.stdout.split())
+
+
+def test_simulate_png_without_matplotlib_says_so_before_replaying(tmp_path, monkeypatch, capsys):
+    import sys
+    from hethub.cli import simulate as simulate_cli
+    from hethub.cli.main import main
+    plan = os.path.join(ROOT, "examples", "plan.json")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    monkeypatch.setattr(simulate_cli, "simulate", lambda *a, **k: pytest.fail("replayed before saying"))
+    assert main(["simulate", plan, "--png", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --png: ") and "matplotlib" in err and not (tmp_path / "t.png").exists()

@@ -7,11 +7,11 @@ from ..partitioner.costmodel import cost_model_for
 from ..partitioner.errors import InputError
 from ..partitioner.evaluate import (closed_form_s, replay_fits, replay_iteration_s, replay_limit_message,
                                      replay_micro_batches, with_micro_batches)
-from ..partitioner.outputs import check_output_path
+from ..partitioner.outputs import check_output_path, count
 from ..partitioner.provenance import recorded_profiles, unrecorded
 from ..partitioner.records import load_plan, load_profiles
 from ..partitioner.schedule import build_schedule, format_schedule, read_schedule_file
-from ..partitioner.simulator import simulate, write_png, write_trace
+from ..partitioner.simulator import require_matplotlib, simulate, write_png, write_trace
 
 TIMELINE_BUDGET = 1_000  # (rank, micro-batch) pairs drawn in a PNG or Chrome trace
 
@@ -53,6 +53,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for path, flag in ((args.trace, "--trace"), (args.png, "--png")):
         if path:
             check_output_path(path, flag, inputs)
+    if args.png:
+        require_matplotlib()  # before the replay, not after it
     cm = cost_model_for(plan, _profiles(plan, args))
     if not args.schedule and not replay_fits(plan):
         raise InputError("plan", f"{replay_limit_message(plan)}; the closed form predicts "
@@ -84,6 +86,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_trace(res, shown, args.trace, inputs)
         print(f"wrote {args.trace}")
     if args.png:
-        write_png(res, shown, args.png, inputs=inputs)
+        partial = (f" (timeline: the first {shown.num_micro_batches} of {plan.num_micro_batches} micro-batches)"
+                   if shown.num_micro_batches != plan.num_micro_batches else "")
+        title = (f"{plan.model.name}: {count(plan.num_stages, 'stage')}, {count(plan.world_size, 'rank')}, predicted "
+                 f"{it * 1e3:.1f} ms/iteration (simulated){partial}")
+        write_png(res, shown, args.png, title=title, inputs=inputs)
         print(f"wrote {args.png}")
     return 0
