@@ -50,3 +50,16 @@ def test_simulate_png_without_matplotlib_says_so_before_replaying(tmp_path, monk
     assert main(["simulate", plan, "--png", str(tmp_path / "t.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --png: ") and "matplotlib" in err and not (tmp_path / "t.png").exists()
+
+
+def test_show_names_every_host_bridge_between_vendors():
+    from hethub.cli.show import bridge_lines
+    from hethub.partitioner import Cluster, builtin_model
+    from hethub.partitioner.placement import StageLayout, build_plan
+    cluster = Cluster.model_validate({"nodes": [{"host": "nv", "device_type": "A100-80GB", "count": 2},
+                                                {"host": "amd", "device_type": "MI300X", "count": 2}]})
+    model = builtin_model("gpt-125m")
+    plan = build_plan(model, cluster, [StageLayout((0, 7), "A100-80GB", (4,)), StageLayout((7, 10), "A100-80GB", (4,)),
+                                       StageLayout((10, 14), "MI300X", (2, 2))], 4, 4)
+    assert bridge_lines(plan) == ["host bridge after chunk 1 (group 1 nvidia -> group 2 amd): device -> host -> "
+                                  "device over gloo"]

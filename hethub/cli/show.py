@@ -89,10 +89,28 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(f"solver: {s.name}, {s.status}"
                       + (f", gap {s.gap:.2%}" if s.gap is not None else "")
                       + (f", {s.seconds:.2f} s" if s.seconds is not None else ""))
+    for line in bridge_lines(plan):
+        console.print(line)
     idle = plan.idle_devices()
     if idle:
         console.print(f"idle devices ({len(idle)}): "
                       + ", ".join(f"{h}:{k} ({t})" for h, k, t in idle[:12]) + (" ..." if len(idle) > 12 else ""))
+
+
+def bridge_lines(plan: Plan) -> list[str]:
+    """Each boundary between vendors (NVIDIA -> AMD): its traffic goes device -> host -> device over the host
+    bridge (gloo, ``transport: host``), slower than either vendor's own links, so a reader should see where."""
+    vendor = lambda t: plan.cluster.device_type(t).vendor  # noqa: E731
+    out = []
+    for k in range(len(plan.pipeline) - 1):
+        here, there = plan.stages[plan.pipeline[k].group], plan.stages[plan.pipeline[k + 1].group]
+        a, b = {vendor(t) for t in here.types}, {vendor(t) for t in there.types}
+        if a != b or len(a) > 1:
+            bd = plan.boundary(k)
+            wire = f", cast to {bd.dtype} on the wire" if bd is not None and bd.dtype else ""
+            out.append(f"host bridge after chunk {k} (group {here.index} {'+'.join(sorted(a))} -> group "
+                       f"{there.index} {'+'.join(sorted(b))}): device -> host -> device over gloo{wire}")
+    return out
 
 
 def cmd_show(args: argparse.Namespace) -> int:
