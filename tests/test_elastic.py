@@ -27,6 +27,7 @@ pytest.importorskip("deepspeed")
 WORKER = os.path.join("tests", "workers", "elastic.py")
 TWO_HOSTS = two_host_cluster("fast", "slow")
 BOTH, FAST_ONLY = "fast,fast,slow,slow", "fast,fast"
+RESUMED: dict[str, list] = {}  # per phase: rank 0's "resumed from" lines
 
 
 def _base_plan(tmp_path) -> str:
@@ -40,6 +41,7 @@ def _phase(tmp_path, plan, name, hosts, last, ckpt_name="ckpt", background="1"):
     for rank, (rc, _o, err) in enumerate(results):
         assert rc == 0, f"{name} rank {rank}:\n{err[-3000:]}"
     said = [line for line in results[0][2].splitlines() if line.startswith("hethub elastic:")]
+    RESUMED[name] = [line for line in results[0][2].splitlines() if line.startswith("hethub: resumed from")]
     got = [json.load(open(out.replace("{rank}", str(r)))) for r in range(len(results))]
     return got, said
 
@@ -63,6 +65,8 @@ def test_an_elastic_job_replans_for_the_host_left_and_grows_back_losing_nothing(
             for step, loss in g["losses"].items():
                 assert loss == pytest.approx(expect[int(step)], rel=1e-10), (step, g)
     assert "every host present" in said1[0] and "hosts missing: slow" in said2[0] and "every host present" in said3[0]
+    assert RESUMED["both"] == [] and len(RESUMED["alone"]) == len(RESUMED["again"]) == 1
+    assert "global_step4 at step 4 (" in RESUMED["alone"][0] and "global_step6 at step 6 (" in RESUMED["again"][0]
     assert len(said1) == 1 and "first step under this plan (step 5)" in said2[1] and "after the last step before the " \
         "restart (step 5)" in said2[1]  # the job stood still from its step 5 (unsaved) to its step 5 redone
     plans = tmp_path / "ckpt" / "plans"

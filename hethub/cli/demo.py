@@ -2,7 +2,9 @@
 
 The cluster: 2 "FAST" ranks and 4 "SLOW" ranks (SLOW 2x slower than FAST). Every rank is emulated
 (hethub.emulated.slowdown): FAST idles until each layer has taken 4x its fastest time on this CPU, SLOW 8x,
-so six ranks on two cores compute only a fraction of the time and do not steal each other's cycles.
+so six ranks on two cores compute only a fraction of the time and do not steal each other's cycles; every run
+pins each emulated layer to the time its profile gives it (``hethub.emulated.pinned``), so a loaded machine slows
+the runtime's own work and the transfers but not the layers the plans were priced with.
 Steps: profile the model under both emulations; plan with those profiles; then run, back to back on
 the same machine, hethub's plan (through ``hethub launch --local``), the best FAST-only plan (the
 mixed cluster's fastest part alone) and DeepSpeed's own ``parameters`` partition over all six ranks
@@ -28,6 +30,7 @@ from ..partitioner.api import make_baseline, make_plan
 from ..partitioner.costmodel import CostModel
 from ..partitioner.outputs import count, write_atomic
 from ..partitioner.planner import PlannerOptions
+from ..partitioner.provenance import profile_refs
 from ..partitioner.records import Cluster, ModelConfig
 from ..partitioner.simulator import simulate, write_png
 from .profiler import profile_model
@@ -47,8 +50,12 @@ DEMO_CLUSTER = {
     },
     "nodes": [{"host": "fast-node", "device_type": "FAST", "count": 2},
               {"host": "slow-node", "device_type": "SLOW", "count": 4}],
-    "network": {"intra_node_gbps": 40, "inter_node_gbps": 10},
+    # the emulated ranks' links are gloo over loopback through the runtime's lane threads: about a millisecond
+    # from a send's post to the receiver holding it (benchmarks/emulated_cluster.py measures 1.3-1.9 ms)
+    "network": {"intra_node_gbps": 40, "inter_node_gbps": 10, "intra_node_latency_us": 1000,
+                "inter_node_latency_us": 1000},
 }
+PROFILES = "profiles"  # under the demo's folder: what the plan was priced with and the runs are pinned to
 DEMO_MODEL = {"name": "gpt-demo", "architecture": "gpt", "num_layers": 6, "hidden_size": 192,
               "num_attention_heads": 4, "ffn_hidden_size": 768, "vocab_size": 512, "seq_length": 64}
 
@@ -105,6 +112,9 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
     fastest = make_baseline("fastest-only", cluster, model, global_batch, opts=opts, cost_model=cm)
     deepspeed = make_baseline("parameters", cluster, model, global_batch, opts=opts, cost_model=cm)
     plan_path = os.path.join(out_dir, "plan.json")
+    prof_dir = os.path.join(out_dir, PROFILES)
+    # recorded: `hethub simulate demo-out/plan.json` prices with the profiles it was planned with
+    plan = plan.model_copy(update={"profiles": profile_refs(prof_dir, plan_path, sorted(profiles, key=_file_name))})
     write_atomic(plan_path, plan.to_json() + "\n", "--output-dir")
     print_plan(plan, console)
     png = os.path.join(out_dir, "timeline.png")
@@ -114,7 +124,10 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
 
     model_json = os.path.join(out_dir, "model.json")
     write_atomic(model_json, model.to_json() + "\n", "--output-dir")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HETHUB_LOCAL="1")
+    # every emulated layer, DeepSpeed's included, takes the time its profile gives it (hethub.emulated.pinned):
+    # what the runs compare is the plans, not how busy this machine's cores were while each one ran
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HETHUB_LOCAL="1",
+               HETHUB_EMULATE_PROFILES=prof_dir)
     env.setdefault("DS_ACCELERATOR", "cpu")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
     common = ["--model-json", model_json, "--emulate", emulate, "--steps", str(steps), "--warmup",
@@ -152,14 +165,18 @@ def _profile(model, console, out_dir: str) -> list:
             fast = _rounded(profile_model(model, "FAST", mb, "fp32", reps=5, slowdown=FAST_SLOWDOWN, progress=False,
                                           split=False))
             profiles += [fast, _scaled(fast, "SLOW", SLOWDOWN)]
+    os.makedirs(os.path.join(out_dir, PROFILES), exist_ok=True)
     for p in profiles:
-        write_atomic(os.path.join(out_dir, f"profile-{p.device_type}-mb{p.micro_batch_size}.json"),
-                     p.to_json() + "\n", "--output-dir")
+        write_atomic(os.path.join(out_dir, PROFILES, _file_name(p)), p.to_json() + "\n", "--output-dir")
     block = [p.layers[1] for p in profiles if p.micro_batch_size == 2]
     console.print(f"profiled in {time.perf_counter() - t0:.1f} s: block forward+backward at micro-batch 2: "
                   f"FAST {block[0].forward_ms + block[0].backward_ms:.1f} ms, "
                   f"SLOW {block[1].forward_ms + block[1].backward_ms:.1f} ms (SLOW = {SLOWDOWN:g}x FAST)")
     return profiles
+
+
+def _file_name(prof) -> str:
+    return f"profile-{prof.device_type}-mb{prof.micro_batch_size}.json"
 
 
 def _with_times(prof, time_of, **update):
@@ -221,6 +238,8 @@ def _report(console, runs, out_dir: str, plan_path: str, png: str) -> int:
                       f"{res['median_s']:.3f} ({min(res['timed']):.3f}-{max(res['timed']):.3f})",
                       f"{p.global_batch_size / res['median_s']:.1f}")
     console.print(table)
+    console.print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (the emulated layers take their "
+                  f"profiled times whatever the load; the runtime's own work and the transfers do not)")
     ours, ok = runs[0], True
     for label, p, res in runs[1:]:
         m = measured[label] / measured[ours[0]]

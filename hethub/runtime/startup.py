@@ -388,7 +388,10 @@ def _build(layers, loss_fn, config, plan, optimizer, model_parameters, lr_schedu
     if run.hetero.elastic and elastic.newest_checkpoint(run.hetero.checkpoint_dir):
         resume = run.hetero.checkpoint_dir  # the newest complete checkpoint, whichever plan wrote it
     if resume:
-        engine.load_checkpoint(resume)
+        path, _ = engine.load_checkpoint(resume)
+        if run.rank == 0:
+            print(f"hethub: resumed from {path} at step {engine.global_steps} ({engine.global_samples} samples seen)",
+                  file=sys.stderr, flush=True)
     return engine
 
 
