@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from .evaluate import REPLAY_WITHIN
 from .costmodel import CostModel
 from .errors import InfeasibleError
 from .granularity import granularity_line
@@ -69,7 +70,21 @@ def explain(plan: Plan, cm: CostModel, opts: PlannerOptions, solve) -> list[str]
         hint = _bring_in(plan, cm, opts, solve, t, u, plans)
         lines.append(line + (f"; {hint}" if hint else ""))
     layers = granularity_line(plan, cm)
-    return lines + ([layers] if layers else [])
+    return lines + ([layers] if layers else []) + _replay_lines(plan)
+
+
+def _replay_lines(plan: Plan) -> list[str]:
+    """How the written plan was chosen: the closed form ranked, the replay decided (``choose_by_simulation``)."""
+    p = plan.predicted
+    extra = (p.model_extra or {}) if p is not None else {}
+    if p is None or extra.get("closed_form_s") is None:
+        return []
+    line = (f"closed form {extra['closed_form_s'] * 1e3:.1f} ms vs replay {p.iteration_s * 1e3:.1f} ms "
+            f"({extra['closed_form_s'] / p.iteration_s - 1:+.1%})")
+    if extra.get("replayed"):
+        line = (f"replayed {extra['replayed']} of the {extra['ranked']} best plans the MILP ranked (by the closed "
+                f"form, within {REPLAY_WITHIN:g}x of its best); the written one's " + line)
+    return [line]
 
 
 def _bring_in(plan: Plan, cm: CostModel, opts: PlannerOptions, solve, t: str, used: int,
