@@ -63,3 +63,9 @@ def test_show_names_every_host_bridge_between_vendors():
                                        StageLayout((10, 14), "MI300X", (2, 2))], 4, 4)
     assert bridge_lines(plan) == ["host bridge after chunk 1 (group 1 nvidia -> group 2 amd): device -> host -> "
                                   "device over gloo"]
+
+
+@pytest.mark.parametrize("profiles", ["nope", "README.md"])
+def test_simulate_with_a_profiles_folder_that_is_not_one_is_one_line(profiles):
+    r = run_cli("simulate", os.path.join("examples", "plan.json"), "--profiles", profiles)
+    assert r.returncode == 2 and r.stderr == f"error: --profiles: no such directory {profiles!r}\n", r.stderr

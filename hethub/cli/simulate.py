@@ -31,9 +31,10 @@ def _busy(stage, busy: dict[int, float]) -> str:
 def _profiles(plan, args: argparse.Namespace) -> list:
     """--profiles DIR, else the profiles the plan records (where their bytes still match); says which."""
     if args.profiles:
+        profiles = load_profiles(args.profiles)  # first: a missing folder is one line, not a traceback
         for note in unrecorded(plan, args.profiles):
             print(f"note: {note}")
-        return load_profiles(args.profiles)
+        return profiles
     if not plan.profiles:
         return []
     found, missing = recorded_profiles(plan, args.plan)
