@@ -56,12 +56,19 @@ def main():
              LayerSpec(nn.Linear, 256, 10)]
     net = PipelineModule(layers=specs, loss_fn=nn.CrossEntropyLoss(), num_stages=2)
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, training_data=data)
+    from hethub.runtime.activations import ActivationMeter  # the benchmark's instrument, not the script's
     times = []
-    for _ in range(args.steps):
+    for step in range(args.steps):
         t0 = time.perf_counter()
         engine.train_batch()
         times.append(time.perf_counter() - t0)
-    if int(os.environ.get("RANK", "0")) == 0:
+    meter = ActivationMeter(engine.module.parameters())
+    with meter:  # one more step, its activations metered (untimed: the hooks cost host time)
+        engine.train_batch()
+    rank = int(os.environ.get("RANK", "0"))
+    with open(f"{args.out}.{rank}", "w") as f:
+        json.dump({"activation_peak_bytes": meter.peak}, f)
+    if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"times_s": times}, f)
 
@@ -75,6 +82,23 @@ def sh(cmd, env=None, timeout=900):
     if r.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd[:6])}\n{(r.stdout + r.stderr)[-3000:]}")
     return r.stdout
+
+
+def memory_rows(name: str, plan_path: str, prof: str, out: str) -> list[str]:
+    """Per rank of the plan: the activation peak it held against the cost model's."""
+    from hethub.partitioner.costmodel import cost_model_for
+    from hethub.partitioner.evaluate import activation_peak_bytes
+    from hethub.partitioner.records import load_plan, load_profiles
+    plan = load_plan(plan_path)
+    cm = cost_model_for(plan, load_profiles(prof))
+    rows = []
+    for st in plan.stages:
+        for rep in st.replicas:
+            with open(f"{out}.{rep.rank}") as f:
+                held = json.load(f)["activation_peak_bytes"]
+            pred = activation_peak_bytes(plan, cm, st.index, rep.samples)
+            rows.append(f"| {name} | {rep.rank} | {pred / 2**20:.2f} | {held / 2**20:.2f} | {held / pred:.3f} |")
+    return rows
 
 
 def pipelined_plan(tmp: str, cluster_path: str, prof: str) -> str:
@@ -127,7 +151,7 @@ def main():
                 "--micro-batch-sizes", str(MICRO_BATCH), "--time-limit", "20", "-o", plan], env)
     run_env = dict(env, HETHUB_EMULATE_SLOWDOWN=",".join(f"{t}={k:g}" for t, k in SLOWDOWN.items()),
                    HETHUB_EMULATE_PROFILES=prof)
-    rows = []
+    rows, memory = [], []
     for name, path in (("the planner's plan", plan), ("a pipeline: FAST [0, 6) -> SLOW x2 [6, 14)",
                                                        pipelined_plan(tmp, cluster, prof))):
         out = os.path.join(tmp, "times.json")
@@ -139,6 +163,7 @@ def main():
             predicted = json.load(f)["predicted"]["iteration_s"]
         median = times[len(times) // 2]
         rows.append(f"| {name} | {predicted * 1e3:.1f} | {median * 1e3:.1f} | {median / predicted:.3f} |")
+        memory += memory_rows(name, path, prof, out)
     table = "\n".join(l for l in shown.splitlines() if l.startswith(("┃", "│")))
     text = (f"# A measured model on an emulated two-type cluster (benchmarks/measured_model.py)\n\n"
             f"One run, load average {os.getloadavg()[0]:.1f} at the end. A 14-layer CNN DeepSpeed script, profiled by "
@@ -147,7 +172,11 @@ def main():
             f"micro-batch {MICRO_BATCH}; median of {len(times)} steps after {a.warmup} warm-up.\n\n"
             f"```\n{table}\n```\n\n"
             f"| plan | predicted ms | measured ms (median) | measured / predicted |\n|---|---|---|---|\n"
-            + "\n".join(rows) + "\n")
+            + "\n".join(rows) + "\n\n"
+            "Activation memory: what autograd held at its peak on each rank (`ActivationMeter` over one more step) "
+            "against the cost model's `evaluate.activation_peak_bytes` for that replica (from the measured "
+            "activation bytes).\n\n| plan | rank | predicted MiB | held MiB | held / predicted |\n|---|---|---|---|---|\n"
+            + "\n".join(memory) + "\n")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "measured_model.md"), "w") as f:
         f.write(text)
