@@ -257,6 +257,17 @@ def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chun
             + max(c.optimizer_s for c in costs))
 
 
+def no_overlap_s(plan: Plan, cm: CostModel) -> float:
+    """The iteration as a network model without overlap prices it (Sailor's simulator): every micro-batch's
+    boundary transfers add to its stage's compute instead of hiding behind it, and each stage's whole gradient
+    all-reduce runs after its last backward. A plan that wins under both models does not depend on which is
+    right for a fleet. (A chunked plan is priced as its groups' 1F1B: a group's step is all its chunks'.)"""
+    costs = stage_costs(plan, cm)
+    steps = [c.compute_s + c.comm_s for c in costs]
+    ar = max(cm.stage_sync_s(plan, s, hide_s=0.0) for s in range(plan.num_stages))
+    return ((plan.num_micro_batches - 1) * max(steps) + sum(steps) + ar + max(c.optimizer_s for c in costs))
+
+
 def closed_form_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = None) -> float:
     """``costs``: the plan's ``stage_costs``, where the caller has them."""
     costs = costs if costs is not None else stage_costs(plan, cm)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from .evaluate import REPLAY_WITHIN
+from .evaluate import REPLAY_WITHIN, no_overlap_s
 from .costmodel import CostModel
 from .errors import InfeasibleError
 from .granularity import granularity_line
@@ -70,10 +70,10 @@ def explain(plan: Plan, cm: CostModel, opts: PlannerOptions, solve) -> list[str]
         hint = _bring_in(plan, cm, opts, solve, t, u, plans)
         lines.append(line + (f"; {hint}" if hint else ""))
     layers = granularity_line(plan, cm)
-    return lines + ([layers] if layers else []) + _replay_lines(plan)
+    return lines + ([layers] if layers else []) + _replay_lines(plan, cm)
 
 
-def _replay_lines(plan: Plan) -> list[str]:
+def _replay_lines(plan: Plan, cm: CostModel) -> list[str]:
     """How the written plan was chosen: the closed form ranked, the replay decided (``choose_by_simulation``)."""
     p = plan.predicted
     extra = (p.model_extra or {}) if p is not None else {}
@@ -81,6 +81,9 @@ def _replay_lines(plan: Plan) -> list[str]:
         return []
     line = (f"closed form {extra['closed_form_s'] * 1e3:.1f} ms vs replay {p.iteration_s * 1e3:.1f} ms "
             f"({extra['closed_form_s'] / p.iteration_s - 1:+.1%})")
+    line += (f"; without overlap (transfers on the compute's path, the whole all-reduce after the last backward, "
+             f"as Sailor's simulator prices them) {plan.global_batch_size / no_overlap_s(plan, cm):,.1f} samples/s, "
+             f"{p.samples_per_s:,.1f} with it")
     if extra.get("replayed"):
         line = (f"replayed {extra['replayed']} of the {extra['ranked']} best plans the MILP ranked (by the closed "
                 f"form, within {REPLAY_WITHIN:g}x of its best); the written one's " + line)

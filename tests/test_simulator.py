@@ -441,3 +441,28 @@ def test_the_closed_form_prices_a_host_nic_shared_by_several_stages():
     assert nic_pace_s(plan, cm) > max(c.pace_s for c in stage_costs(plan, cm))  # the shared NIC paces
     assert without < 0.9 * replay
     assert abs(closed_form_s(plan, cm) / replay - 1) < 0.05
+
+
+def test_without_overlap_an_iteration_is_never_faster_and_explain_says_both():
+    """The no-overlap network model (Sailor's simulator: transfers on the compute's path, the whole all-reduce
+    after the last backward) prices every plan at least as slow as the overlapping closed form."""
+    from hethub.partitioner.evaluate import closed_form_s, no_overlap_s
+    from hethub.partitioner.explain import _replay_lines
+    from instances import random_instance
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.costmodel import CostModel
+    from hethub.partitioner.errors import InfeasibleError
+    from hethub.partitioner.planner import PlannerOptions
+    checked = 0
+    for seed in range(3):
+        cluster, model, batch = random_instance(seed)
+        cm = CostModel(cluster, model)
+        try:
+            plan = make_plan(cluster, model, batch, opts=PlannerOptions(time_limit_s=3), cost_model=cm,
+                             with_homogeneous_sum=False)
+        except InfeasibleError:  # an instance no plan fits is not this test's subject
+            continue
+        assert no_overlap_s(plan, cm) >= closed_form_s(plan, cm) * (1 - 1e-9)
+        assert "without overlap" in _replay_lines(plan, cm)[0]
+        checked += 1
+    assert checked >= 2
