@@ -13,6 +13,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+from results_io import write_result  # noqa: E402
+
 BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"
 
 
@@ -56,10 +59,7 @@ def main():
             f"work on the machine as it came) then {a.runs} with two busy Python processes beside it. Targets: "
             ">= 1.2x over DeepSpeed, >= 1.3x over fastest-only, predicted within 15%: "
             f"**{'met in every run' if ok else 'missed in some run'}**.\n\n" + "\n".join(lines) + "\n")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "demo_load.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_result("demo_load.md", text)
 
 
 if __name__ == "__main__":

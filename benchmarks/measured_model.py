@@ -20,6 +20,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 from emulated_cluster import measured  # noqa: E402
+from results_io import write_result  # noqa: E402
 
 SLOWDOWN = {"FAST": 4.0, "SLOW": 8.0}
 MICRO_BATCH, GLOBAL_BATCH = 8, 64
@@ -177,10 +178,7 @@ def main():
             "against the cost model's `evaluate.activation_peak_bytes` for that replica (from the measured "
             "activation bytes).\n\n| plan | rank | predicted MiB | held MiB | held / predicted |\n|---|---|---|---|---|\n"
             + "\n".join(memory) + "\n")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "measured_model.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_result("measured_model.md", text)
 
 
 if __name__ == "__main__":
