@@ -157,7 +157,8 @@ class HeteroPipelineEngine(PipelineEngine):
         # A checkpoint written in the background (from the end of the previous step) is completed here: it had this
         # step to be written, what is left of the write this step waits for, so one taken at step k is complete
         # once step k + 1 is, always (a restart loses at most the interval plus one step)
-        self.saver.poll(self.checkpoint_parts(), wait=True)
+        if self.saver.pending is not None:
+            self.saver.poll(self.checkpoint_parts(), wait=True)
         if self.autosave.every_steps and self.global_steps % self.autosave.every_steps == 0:
             self.saver.save(self.checkpoint_parts(), self.autosave.dir, background=self.autosave.background)
         if self.heartbeat is not None:
