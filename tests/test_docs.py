@@ -69,3 +69,13 @@ def test_show_names_every_host_bridge_between_vendors():
 def test_simulate_with_a_profiles_folder_that_is_not_one_is_one_line(profiles):
     r = run_cli("simulate", os.path.join("examples", "plan.json"), "--profiles", profiles)
     assert r.returncode == 2 and r.stderr == f"error: --profiles: no such directory {profiles!r}\n", r.stderr
+
+
+def test_a_dtype_set_by_types_the_plan_leaves_idle_is_said(tmp_path):
+    """examples/cluster.yaml has V100s (no bf16), so the plan trains fp16; a small model's plan leaves them all
+    idle, and the A100s it uses compute bf16."""
+    r = run_cli("plan", "--cluster", os.path.join("examples", "cluster.yaml"), "--model", "gpt-125m",
+                "--global-batch", "4", "--time-limit", "3", "--no-compare", "-o", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "V100-32GB 0/4" in out and "the plan leaves every V100-32GB idle; the types it uses compute bf16" in out

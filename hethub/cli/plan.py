@@ -94,6 +94,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with _SolveStatus(console) as status:
             plan = make_plan(cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm,
                              with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective)
+    if args.dtype == "auto" and not args.what_if:
+        used = [t for t, n in plan.devices_by_type().items() if n]
+        better, _ = natural_dtype(cm.cluster, used)
+        if used and better != cm.dtype:  # the dtype was set by types the plan leaves idle
+            idle = sorted(set(cm.cluster.type_names) - set(used))
+            console.print(f"note: the plan leaves every {', '.join(idle)} idle; the types it uses compute {better}: "
+                          f"`--dtype {better}` plans in it (it may then choose other devices)")
     if args.profiles:  # recorded, so that simulate and show find them again
         plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output, cm.profiles)})
     print_plan(plan, console)
