@@ -27,7 +27,10 @@ all-reduces (``CostModel.control_syncs_s``: the same for every plan of a world, 
 them after its last action, as the runtime runs them.
 
 In the steady state a stage's transfers (posted non-blocking) overlap its compute, so the slower of the
-two paces the pipeline; the fill and drain pay both. (Charging compute + transfers per micro-batch put
+two (one way's transfers: activations and gradients travel on separate groups) paces the pipeline; the fill and
+drain pay both. Two more bounds pace it where transfers are slow: the busiest host NIC direction
+(``nic_pace_s``), and two neighbours' dependency cycle, their compute plus the boundary's latency
+(``link_cycle_s``). (Charging compute + transfers per micro-batch put
 the closed form up to 28% above the replay on the planner benchmark's 4-type plans, so the MILP ranked
 plans by a cost the runtime does not pay; this form is within 1% there.) The closed form stays a little
 pessimistic (the downstream stages' fill and every all-reduce as if none overlapped), so the planner
@@ -58,6 +61,12 @@ class StageCost:
     memory_bytes: float  # peak on the replica with the largest share
     weight_grad_s: float = 0.0  # the part of backward_s a zb-h1 stage runs as W, off the path upstream
     tail_s: float = 0.0  # W's a zb-h1 stage still runs after its last B
+    latency_s: float = 0.0  # output boundary, one way: mean seconds from a send's post to its arrival
+
+    @property
+    def path_s(self) -> float:
+        """The compute on the pipeline's dependency path per micro-batch (a zb-h1 W waits off it)."""
+        return self.compute_s - self.weight_grad_s
 
     @property
     def per_micro_batch_s(self) -> float:
@@ -65,8 +74,9 @@ class StageCost:
 
     @property
     def pace_s(self) -> float:
-        """Steady state: the transfers are posted non-blocking and overlap the compute; the slower paces."""
-        return max(self.compute_s, self.comm_s)
+        """Steady state: the transfers are posted non-blocking and overlap the compute; the slower paces. The
+        activations and their gradients travel on separate groups (and NIC directions): one way's time counts."""
+        return max(self.compute_s, self.comm_s / 2)
 
 
 def boundary_transfers(plan: Plan, s: int) -> list[tuple[int, int, int, int]]:
@@ -109,13 +119,15 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
                                                                 tp)[1] for r in st.replicas)
         ar = cm.stage_sync_s(plan, s, hide_s=hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
-        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail))
+        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail,
+                             boundary_latency_s(plan, cm, s)))
     return out
 
 
 def _boundary_legs(plan: Plan, cm: CostModel, k: int):
-    """(sending replica's index, its host, the receiving host, seconds) of every transfer of chunk k's output (a
-    rank handing over to itself moves nothing); its gradient comes back the same way, reversed."""
+    """(sending replica's index, its host, the receiving host, seconds, receiving replica's index) of every
+    transfer of chunk k's output (a rank handing over to itself moves nothing); its gradient comes back the same
+    way, reversed."""
     if k + 1 >= len(plan.pipeline):
         return
     here, there = plan.stages[plan.pipeline[k].group], plan.stages[plan.pipeline[k + 1].group]
@@ -125,9 +137,10 @@ def _boundary_legs(plan: Plan, cm: CostModel, k: int):
         for t in overlaps(plan, k, i, "next"):
             if t.peer == here.replicas[i].rank:
                 continue
-            a, b = here.replicas[i], there.replicas[plan.locate(t.peer)[1]]
+            j = plan.locate(t.peer)[1]
+            a, b = here.replicas[i], there.replicas[j]
             yield i, a.host, b.host, cm.p2p_s((t.stop - t.start) * row_bytes, here.type_of(a), there.type_of(b),
-                                              a.host == b.host)
+                                              a.host == b.host), j
 
 
 def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
@@ -135,11 +148,50 @@ def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
     transfers in turn, inter-node ones also queued on its host's NIC."""
     per_sender: dict[int, float] = {}
     per_nic: dict[str, float] = {}
-    for i, src, dst, dt in _boundary_legs(plan, cm, k):
+    for i, src, dst, dt, _j in _boundary_legs(plan, cm, k):
         per_sender[i] = per_sender.get(i, 0.0) + dt
         if src != dst:
             per_nic[src] = per_nic.get(src, 0.0) + dt
     return 2.0 * max([*per_sender.values(), *per_nic.values()], default=0.0)
+
+
+def _arrivals_s(legs: list[tuple]) -> dict:
+    """Per receiver, when its last piece lands if every transfer is posted at once, in order, and each waits for
+    the ones before it on the resources it holds (the sender's and the receiver's group lanes; an inter-node one
+    also the sending host's NIC egress and the receiving host's ingress). ``legs``: (sender, receiver, sending
+    host, receiving host, seconds)."""
+    busy: dict[tuple, float] = {}
+    landed: dict = {}
+    for snd, rcv, src, dst, dt in legs:
+        held = [("send", snd), ("recv", rcv)] + ([("out", src), ("in", dst)] if src != dst else [])
+        end = max(busy.get(r, 0.0) for r in held) + dt
+        for r in held:
+            busy[r] = end
+        landed[rcv] = max(landed.get(rcv, 0.0), end)
+    return landed
+
+
+def boundary_latency_s(plan: Plan, cm: CostModel, k: int) -> float:
+    """One way, chunk k's output: the mean over receivers of when the last of its pieces lands, activations and
+    (reversed) their gradients averaged, where a rank's transfers on a group go in turn and inter-node ones
+    queue on their hosts' NICs (``_arrivals_s``). A receiver of several senders' rows waits for all of them."""
+    legs = list(_boundary_legs(plan, cm, k))
+    if not legs:
+        return 0.0
+    act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs])
+    grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs))
+    return (sum(act.values()) / len(act) + sum(grad.values()) / len(grad)) / 2
+
+
+def link_cycle_s(costs: list[StageCost]) -> float:
+    """The steady state's period as two neighbouring stages' dependency cycle sets it: under 1F1B stage s+1's
+    backward of micro-batch m+2 waits for stage s to run its backward of m (whose gradient crossed the boundary)
+    and then its next forward (whose activations crossed it), so two periods hold both stages' compute on the
+    path and the boundary's latency both ways:  T >= (compute_s + path_s+1) / 2 + latency_s. (Under zb-h1 stage s
+    runs its W between that B and that forward, on the path; stage s+1's W runs while the gradient travels.)
+    Where a host's NIC queues many one-sample replicas, this (not the NIC's load) paced Sailor-like plans
+    15% past a closed form without it."""
+    return max(((a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])), default=0.0)
 
 
 def nic_pace_s(plan: Plan, cm: CostModel) -> float:
@@ -151,7 +203,7 @@ def nic_pace_s(plan: Plan, cm: CostModel) -> float:
     egress: dict[str, float] = {}
     ingress: dict[str, float] = {}
     for k in range(len(plan.pipeline) - 1):
-        for _i, src, dst, dt in _boundary_legs(plan, cm, k):
+        for _i, src, dst, dt, _j in _boundary_legs(plan, cm, k):
             if src == dst:
                 continue
             for out, inn in ((src, dst), (dst, src)):  # the activations, then the gradient back
@@ -234,7 +286,7 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     """The closed form. Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its
     W), and its last W's come before its all-reduce instead. ``nic_s``: the busiest host NIC's seconds per
     micro-batch (``nic_pace_s``), which paces the steady state where it exceeds every stage's own pace."""
-    pace = max(max(c.pace_s for c in costs), nic_s)
+    pace = max(max(c.pace_s for c in costs), nic_s, link_cycle_s(costs))
     if not any(c.weight_grad_s for c in costs):
         return ((num_micro_batches - 1) * pace + sum(c.per_micro_batch_s for c in costs)
                 + max(c.allreduce_s for c in costs) + max(c.optimizer_s for c in costs))

@@ -68,8 +68,11 @@ def _take_slots(cluster: Cluster, free: dict[int, list[int]], i: int, device_typ
                                                       f"slots on one node; the {have} left are spread over nodes")
             raise InfeasibleError(f"stages[{i}]", f"needs {need * tp} {device_type} devices, only {have} left")
         k = pool[0]
-        slots.append((entries[k][0].host, free[k][0]))
-        del free[k][:tp]
+        # all of this node's free groups the stage still needs (one at a time spread a 32-replica stage over 24
+        # nodes: their NICs then carried several stages' boundaries and the all-reduce crossed 24 hosts)
+        for _ in range(min(rest, len(free[k]) // tp)):
+            slots.append((entries[k][0].host, free[k][0]))
+            del free[k][:tp]
     return slots
 
 

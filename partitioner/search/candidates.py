@@ -50,6 +50,10 @@ class Candidates:
     # extra per-micro-batch seconds when the next stage is another device type's, or mixes types: a host holds
     # one type, so the output boundary then crosses hosts whatever ``comm_s`` assumed (``_hopped``)
     hop_s: np.ndarray
+    # one way, the mean seconds from a send's post to its arrival on the busier of the stage's two boundaries
+    # (a node's share queued on its NIC): two neighbours' dependency cycle adds it to their compute
+    # (``evaluate.link_cycle_s``, which averages the two neighbours' compute where this charges each its own)
+    latency_s: np.ndarray
 
     def __len__(self) -> int:
         return len(self.cost_s)
@@ -62,18 +66,26 @@ class Candidates:
     @property
     def pace_s(self) -> np.ndarray:
         """Steady-state seconds per micro-batch: sends are posted non-blocking, so a stage's compute and its
-        transfers overlap and the slower of the two paces the pipeline (fill and drain still pay both)."""
-        return np.maximum(self.compute_s, self.comm_s)
+        transfers (one way's) overlap and the slower of the two paces the pipeline (fill and drain pay both); but a
+        stage's next pass waits for its neighbour's data, so the compute on the dependency path plus the
+        boundary's latency paces it too (``latency_s``)."""
+        return self._paced(0.0)
 
     @property
     def hopped_pace_s(self) -> np.ndarray:
         """``pace_s`` when the next stage is on other hosts (another device type, or a mixed stage)."""
-        return np.maximum(self.compute_s, self.comm_s + self.hop_s)
+        return self._paced(self.hop_s)
 
     @property
     def bridged_pace_s(self) -> np.ndarray:
         """``pace_s`` when the next stage is another vendor's (the transfer goes through the host bridge)."""
-        return np.maximum(self.compute_s, self.comm_s + self.hop_s + self.bridge_s)
+        return self._paced(self.hop_s + self.bridge_s)
+
+    def _paced(self, extra_s) -> np.ndarray:
+        """``extra_s``: what the output boundary's transfers take more, both ways (half of it one way)."""
+        path = self.cost_s - self.comm_s  # forward + backward, less a zb-h1 stage's W (off the path)
+        # the activations and their gradients travel on separate groups and NIC directions: one way's time paces
+        return np.maximum(np.maximum(self.compute_s, (self.comm_s + extra_s) / 2), path + self.latency_s + extra_s / 2)
 
     def uses(self, ti: int) -> np.ndarray:
         """Devices of type ``ti`` each candidate occupies."""
@@ -86,7 +98,7 @@ class Candidates:
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "zero1", "cost_s", "compute_s", "comm_s",
           "allreduce_s", "optimizer_s", "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2",
-          "hop_s")
+          "hop_s", "latency_s")
 
 
 @dataclass
@@ -203,6 +215,16 @@ class _Part:
         intra = 2 * w <= self.per_node and not other_host
         per_link = s if intra else min(w, self.per_node) * s
         return 2 * self.cm.link_s(per_link * self.out_bytes, self.t, self.t, same_host=intra)
+
+    def latency_s(self, w: int, s: int, inbound: bool, other_host: bool = False) -> np.ndarray:
+        """One way, the mean seconds from a send's post to its arrival on the output (``inbound``: input)
+        boundary: inter-node, the node's share of transfers queue on its NIC one after another
+        (``evaluate.boundary_latency_s``)."""
+        nbytes = self.in_bytes if inbound else self.out_bytes
+        intra = 2 * w <= self.per_node and not other_host
+        queued = 1 if intra else min(w, self.per_node)
+        one = self.cm.link_s(s * nbytes, self.t, self.t, same_host=intra)
+        return np.where(nbytes > 0, one * (queued + 1) / 2, 0.0)
 
     def in_flight(self, width: int, s: int, M: int, zero1: bool = False, waits=0) -> np.ndarray:
         """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
@@ -362,7 +384,9 @@ class _Builder:
         away = pa.comm_s(wa, sa, False, other_host=True)
         k, wg = pa.in_flight(w, sa, M, z, self.waits), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
+        lat = self._latency_s(pa, wa, sa, pb is not None)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
+            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True))
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = np.maximum(comp, pb.split_compute_s(sb, self.split)), away
@@ -389,9 +413,15 @@ class _Builder:
                              ("in_flight", k[keep]), ("vendor", np.full(n, self.vendor_ids[self.vendor_of[pa.t]])),
                              ("bridge_s", np.maximum(cross - np.maximum(away, comm), 0.0)[keep]),
                              ("hop_s", np.maximum(away - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
+                             ("latency_s", lat[keep]),
                              ("type2_idx", np.full(n, self.index[pb.t] if pb is not None else -1)),
                              ("width2", np.full(n, wb)), ("samples2", np.full(n, sb))):
             self.cols[name].append(values)
+
+    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool) -> np.ndarray:
+        """The busier boundary's one-way latency (``Candidates.latency_s``); the first stage has no input."""
+        return np.maximum(part.latency_s(w, s, False, mixed),
+                          np.where(self.I > 0, part.latency_s(w, s, True, mixed), 0.0))
 
     def add_mixed(self, parts: dict, b: int, counts: dict[str, int], max_tp: int) -> None:
         """Stages mixing two device types of one vendor (the faster first), at a degree both have."""
