@@ -85,8 +85,10 @@ def _replay_lines(plan: Plan, cm: CostModel) -> list[str]:
              f"as Sailor's simulator prices them) {plan.global_batch_size / no_overlap_s(plan, cm):,.1f} samples/s, "
              f"{p.samples_per_s:,.1f} with it")
     if extra.get("replayed"):
+        apart = (f", their closed forms at most {extra['replay_apart']:.1%} from their replays"
+                 if extra.get("replay_apart") is not None else "")
         line = (f"replayed {extra['replayed']} of the {extra['ranked']} best plans the MILP ranked (by the closed "
-                f"form, within {REPLAY_WITHIN:g}x of its best); the written one's " + line)
+                f"form, within {REPLAY_WITHIN:g}x of its best{apart}); the written one's " + line)
     return [line]
 
 
