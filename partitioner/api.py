@@ -36,14 +36,21 @@ def _placed(cm: CostModel, global_batch: int, opts: PlannerOptions, progress) ->
     return plans
 
 
-def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float) -> Plan:
-    """The best replayed of the placed plans, re-cut and re-scheduled where ``wanted`` is chunked or auto."""
-    plan = choose_by_simulation(plans, cm, deadline=deadline)
+def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float, overlap: bool) -> Plan:
+    """The best replayed of the placed plans (``overlap`` False: the best without overlap), re-cut and
+    re-scheduled where ``wanted`` is chunked or auto."""
+    plan = choose_by_simulation(plans, cm, deadline=deadline, overlap=overlap)
     if wanted != plan.schedule:  # chunked or auto: the MILP's groups, re-cut and re-scheduled
         plan, tried = choose_schedule(plan, cm, wanted)
         plan = plan.model_copy(update={"solver": plan.solver.model_copy(update={"schedules": [
             {"schedule": name, "chunks": v, "iteration_s": it, "fits_memory": fits} for name, v, it, fits in tried]})})
     return plan
+
+
+def _rank(plan: Plan, overlap: bool) -> tuple:
+    """Plans fitting memory first, then the faster: by the replay, or (``overlap`` False) without overlap."""
+    extra = plan.predicted.model_extra or {}
+    return (not extra.get("fits_memory", True), plan.predicted.iteration_s if overlap else extra["no_overlap_s"])
 
 
 # ``auto`` also plans 1F1B's groups when at least this share of the time limit is left after zb-h1's: on one-sample
@@ -69,19 +76,19 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     # on how busy the machine was)
     def deadline() -> float:
         return max(started + opts.time_limit_s, time.perf_counter() + 0.1 * opts.time_limit_s)
-    plan = _chosen(plans, cm, wanted, deadline())
+    overlap = opts.network == "overlap"
+    plan = _chosen(plans, cm, wanted, deadline(), overlap)
     left = opts.time_limit_s - (time.perf_counter() - started)
     if wanted == AUTO and milp != BASE and left >= AUTO_SECOND_SHARE * opts.time_limit_s:
         try:
             other = _chosen(_placed(cm, global_batch, replace(opts, schedule=BASE, time_limit_s=left / 2), progress),
-                            cm, wanted, deadline())
+                            cm, wanted, deadline(), overlap)
         except InfeasibleError:
             other = None
-        fits = lambda q: bool((q.predicted.model_extra or {}).get("fits_memory", True))  # noqa: E731
-        if other is not None and (fits(other), -other.predicted.iteration_s) > (fits(plan), -plan.predicted.iteration_s):
+        if other is not None and _rank(other, overlap) < _rank(plan, overlap):
             plan = other
     return plan.model_copy(update={"zero1": cm.zero1, "solver": plan.solver.model_copy(
-        update={"seconds": time.perf_counter() - started})})
+        update={"seconds": time.perf_counter() - started, "network": opts.network})})
 
 
 def homogeneous_plans(cm: CostModel, global_batch: int, opts: PlannerOptions) -> dict[str, Optional[Plan]]:

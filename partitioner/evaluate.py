@@ -309,12 +309,12 @@ def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chun
             + max(c.optimizer_s for c in costs))
 
 
-def no_overlap_s(plan: Plan, cm: CostModel) -> float:
+def no_overlap_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = None) -> float:
     """The iteration as a network model without overlap prices it (Sailor's simulator): every micro-batch's
     boundary transfers add to its stage's compute instead of hiding behind it, and each stage's whole gradient
     all-reduce runs after its last backward. A plan that wins under both models does not depend on which is
     right for a fleet. (A chunked plan is priced as its groups' 1F1B: a group's step is all its chunks'.)"""
-    costs = stage_costs(plan, cm)
+    costs = costs if costs is not None else stage_costs(plan, cm)
     steps = [c.compute_s + c.comm_s for c in costs]
     ar = max(cm.stage_sync_s(plan, s, hide_s=0.0) for s in range(plan.num_stages))
     return ((plan.num_micro_batches - 1) * max(steps) + sum(steps) + ar + max(c.optimizer_s for c in costs))
@@ -344,14 +344,19 @@ REPLAY_KEEP = 8
 
 
 def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = REPLAY_KEEP, within: float = REPLAY_WITHIN,
-                         deadline: Optional[float] = None) -> Plan:
+                         deadline: Optional[float] = None, overlap: bool = True) -> Plan:
     """Of plans (any order), the one the simulator finds fastest among the ``keep`` best by closed form
     (and within ``within`` x the best closed form): the closed form ranks, the replay decides. ``deadline``
     (``time.perf_counter()``): no further replay that would end after it, judging by the longest one's time (on
     768 devices each replay takes 0.5-1.3 s). The returned plan carries its ``predicted``, with how many plans
-    were replayed and how far their closed forms were from their replays at most (``--explain``)."""
+    were replayed and how far their closed forms were from their replays at most (``--explain``). ``overlap``
+    False (``PlannerOptions.network`` no-overlap): the plan with the fewest ``no_overlap_s`` is chosen instead,
+    and only it is replayed (for its ``predicted``)."""
     if not plans:
         raise ValueError("choose_by_simulation: no plans")
+    if not overlap:
+        plan = min(plans, key=lambda p: no_overlap_s(p, cm))
+        return plan.model_copy(update={"predicted": predict(plan, cm).model_copy(update={"network": "no-overlap"})})
     closed = sorted(((closed_form_s(p, cm), k, p) for k, p in enumerate(plans)), key=lambda x: x[:2])
     pool = [p for c, _, p in closed[:keep] if c <= within * closed[0][0]]
     scored, took = [], 0.0
@@ -447,7 +452,8 @@ def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | No
                      stage_s=[c.per_micro_batch_s for c in costs],
                      memory_gib=[c.memory_bytes / 2 ** 30 for c in costs],
                      allreduce_s=[c.allreduce_s for c in costs], optimizer_s=[c.optimizer_s for c in costs],
-                     fits_memory=fits_memory(plan, cm, orders), closed_form_s=closed)
+                     fits_memory=fits_memory(plan, cm, orders), closed_form_s=closed,
+                     no_overlap_s=no_overlap_s(plan, cm, costs))
 
 
 def with_pass_times(plan: Plan, cm: CostModel) -> Plan:

@@ -14,6 +14,11 @@ from .records import MAX_BATCH, SCHEDULES
 
 AUTO = "auto"  # the schedule: the fastest of every schedule that fits memory (``schedule_search``)
 SOLVERS = ("highs", "cbc", "brute-force")
+# How the objective prices the network: "overlap" (the runtime's: transfers posted non-blocking overlap compute,
+# the all-reduce hides behind the last backward) or "no-overlap" (Sailor's simulator: every boundary transfer on
+# the compute's path, the whole all-reduce after the last backward). A plan planned for both is robust to which
+# one a fleet turns out to follow.
+NETWORKS = ("overlap", "no-overlap")
 MAX_TIME_LIMIT_S = 86400.0  # a day: past it a time limit is a typo
 
 
@@ -46,11 +51,13 @@ class PlannerOptions:
     # A stage may shard its optimizer state over its replicas (ZeRO-1) where that lets it hold more micro-batches
     # in flight; --zero1 (the cost model's) shards every stage instead.
     zero1_stages: bool = True
+    network: str = "overlap"  # NETWORKS: the network model the search and the choice among plans price
 
     def __post_init__(self):
         """Checked where made (the CLI, the elastic re-plan, a user's script): one line naming the option."""
         _one_of("solver", self.solver, SOLVERS)
         _one_of("schedule", self.schedule, (*SCHEDULES, AUTO))
+        _one_of("network", self.network, NETWORKS)
         _number_in("time_limit_s", self.time_limit_s, 0.0, MAX_TIME_LIMIT_S, low_open=True)
         _number_in("max_micro_batch_size", self.max_micro_batch_size, 1, MAX_BATCH, integer=True)
         _number_in("max_tensor_parallel", self.max_tensor_parallel, 1, 1024, integer=True)

@@ -87,7 +87,8 @@ class _Search:
             M = self.global_batch // b
             cand = candidates(self.cm, units, b, M, self.types, dict(zip(self.types, self.counts)),
                               opts.allow_recompute, width=w, max_tp=opts.max_tensor_parallel, mixed=opts.mixed_types,
-                              schedule=opts.schedule, zero1=opts.zero1_stages)
+                              schedule=opts.schedule, zero1=opts.zero1_stages,
+                              overlap=opts.network == "overlap")
             t_lb = bottleneck_lower_bound(cand, U, N, M) if len(cand) else math.inf
             lb = (M - 1) * t_lb + sum_lower_bound(cand, U, N, M) if math.isfinite(t_lb) else math.inf
             jobs.append(Job(lb, b, M, cand, t_lb, w))

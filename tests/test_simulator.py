@@ -508,3 +508,32 @@ def test_the_closed_form_prices_the_latency_neighbouring_stages_wait_for():
     assert link_cycle_s(costs) > max(max(c.pace_s for c in costs), nic_pace_s(plan, cm))  # the cycle paces
     assert without < 0.87 * replay
     assert 0.92 * replay < closed_form_s(plan, cm) < 1.05 * replay
+
+
+def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_path, capsys):
+    """``--network no-overlap``: the MILP's candidates and the choice among plans price the network as Sailor's
+    simulator does, so the written plan is at least as fast under that model as the plan planned for overlap
+    (both proven optimal here); the plan records the model and ``plan`` prints both figures."""
+    from hethub.cli.main import main
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.evaluate import no_overlap_s
+    from hethub.partitioner.planner import PlannerOptions
+    from instances import random_instance
+    cluster, model, batch = random_instance(0)
+    cm = CostModel(cluster, model)
+    plans = {net: make_plan(cluster, model, batch, opts=PlannerOptions(time_limit_s=5, network=net), cost_model=cm,
+                            with_homogeneous_sum=False) for net in ("overlap", "no-overlap")}
+    assert all(p.solver.status == "optimal" for p in plans.values())
+    assert no_overlap_s(plans["no-overlap"], cm) < no_overlap_s(plans["overlap"], cm)  # 0.234 vs 0.242 s
+    assert plans["no-overlap"].solver.network == "no-overlap"
+    assert plans["no-overlap"].predicted.iteration_s == predict(plans["no-overlap"], cm).iteration_s  # the replay
+    (tmp_path / "c.json").write_text(cluster.model_dump_json())
+    (tmp_path / "m.json").write_text(model.model_dump_json())
+    assert main(["plan", "--cluster", str(tmp_path / "c.json"), "--model", str(tmp_path / "m.json"), "--global-batch",
+                 str(batch), "--time-limit", "5", "--no-compare", "--network", "no-overlap", "--dtype", cm.dtype,
+                 "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"network: planned without overlap .*: [\d,.]+ samples/s so; [\d,.]+ as the runtime overlaps them",
+                     out), out
+    with pytest.raises(Exception, match=r"PlannerOptions.network: expected one of overlap, no-overlap"):
+        PlannerOptions(network="sailor")

@@ -107,6 +107,11 @@ def _add_plan(sub) -> None:
                          "computing the weights' (1F1B's memory but one micro-batch more on the last stage); "
                          "interleaved-1f1b (each group holds v = 2..4 chunks, the fastest kept) or zb-v (two chunks "
                          "in a V, the backward split as zb-h1's)")
+    sp.add_argument("--network", choices=["overlap", "no-overlap"], default="overlap",
+                    help="the network model plans are priced and chosen by: overlap (default: the runtime's; "
+                         "transfers overlap compute, the all-reduce hides behind the last backward) or no-overlap "
+                         "(as Sailor's simulator: transfers on the compute's path, the whole all-reduce after the "
+                         "last backward), for a plan robust to a fleet whose network overlaps less")
     sp.add_argument("--equal-widths", action="store_true",
                     help="every stage the same width and even splits: plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "

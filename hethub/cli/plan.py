@@ -72,7 +72,7 @@ def _inputs(args: argparse.Namespace) -> tuple[CostModel, PlannerOptions, list[s
                           max_micro_batch_size=args.max_micro_batch, allow_recompute=not args.no_recompute,
                           max_units=args.max_units, equal_widths=args.equal_widths,
                           max_tensor_parallel=args.max_tensor_parallel, mixed_types=not args.no_mixed_stages,
-                          schedule=args.schedule, zero1_stages=not args.no_zero1_stages)
+                          schedule=args.schedule, zero1_stages=not args.no_zero1_stages, network=args.network)
     return cm, opts, inputs
 
 
@@ -104,6 +104,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profiles:  # recorded, so that simulate and show find them again
         plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output, cm.profiles)})
     print_plan(plan, console)
+    no_overlap = (plan.predicted.model_extra or {}).get("no_overlap_s") if plan.predicted else None
+    if opts.network == "no-overlap" and no_overlap:
+        console.print(f"network: planned without overlap (transfers on the compute's path, the whole all-reduce "
+                      f"after the last backward): {plan.global_batch_size / no_overlap:,.1f} samples/s so; "
+                      f"{plan.predicted.samples_per_s:,.1f} as the runtime overlaps them (the replay)", soft_wrap=True)
     tried = getattr(plan.solver, "schedules", None) if plan.solver else None
     if tried:  # --schedule auto / a chunked schedule: what each variant of the chosen groups predicted
         console.print(f"schedule: {plan.schedule}, {count(plan.num_chunks, 'chunk')} per group, of:")

@@ -87,13 +87,14 @@ def renumber(plan: Plan, ranks: Sequence[tuple[str, int]]) -> Plan:
 
 
 def replan(base: Plan, cluster: Cluster) -> Plan:
-    """The best plan for ``cluster`` with ``base``'s model, global batch, dtype and schedule (a chunked schedule's
-    groups are planned as 1F1B's; ``hethub plan --schedule`` re-cuts them), tensor parallel no wider than the
-    base plan's (the user's layers may split no further)."""
+    """The best plan for ``cluster`` with ``base``'s model, global batch, dtype, schedule and network model (a
+    chunked schedule's groups are planned as 1F1B's; ``hethub plan --schedule`` re-cuts them), tensor parallel no
+    wider than the base plan's (the user's layers may split no further)."""
     cm = CostModel(cluster, base.model, dtype=base.dtype or "bf16", zero1=base.zero1)
     schedule = schedule_kind(base.schedule).milp  # a chunked one is planned for its groups (1F1B), as api.solve does
+    network = getattr(base.solver, "network", None) or "overlap"  # plans written before it was recorded: overlap
     opts = PlannerOptions(time_limit_s=REPLAN_TIME_LIMIT_S, schedule=schedule,
-                          max_tensor_parallel=max(st.tensor_parallel for st in base.stages))
+                          max_tensor_parallel=max(st.tensor_parallel for st in base.stages), network=network)
     return make_plan(cluster, base.model, base.global_batch_size, opts=opts, with_homogeneous_sum=False, cost_model=cm)
 
 

@@ -320,7 +320,7 @@ def mixed_splits(fixed_a: float, per_a: float, fixed_b: float, per_b: float, b: 
 def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, types: Sequence[str],
                counts: dict[str, int], allow_recompute: bool = True, width: Optional[int] = None,
                max_tp: int = 1, pairs: Optional[tuple[np.ndarray, np.ndarray]] = None,
-               mixed: bool = True, schedule: str = "1f1b", zero1: bool = False) -> Candidates:
+               mixed: bool = True, schedule: str = "1f1b", zero1: bool = False, overlap: bool = True) -> Candidates:
     """Every feasible candidate stage for micro-batch size b (vectorised over unit ranges).
 
     ``width``: only stages of exactly this width (plans Megatron-core can express: equal widths; no mixed types).
@@ -331,10 +331,11 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     when M >= 2; 1F1B's other counts are the chain's, checked by the solvers).
     ``zero1``: also pure stages of two or more replicas that shard their optimizer state (ZeRO-1), for the unit
     ranges where that lets them hold more micro-batches in flight (like recompute: never where it cannot help).
+    ``overlap``: False prices the network as ``evaluate.no_overlap_s`` does (``PlannerOptions.network``).
     """
     bounds = np.array([u[0] for u in units] + [units[-1][1]])
     I, J = pairs if pairs is not None else np.triu_indices(len(bounds), k=1)
-    build = _Builder(cm, types, M, bounds, I, J, schedule)
+    build = _Builder(cm, types, M, bounds, I, J, schedule, overlap)
     parts: dict[tuple[str, int], list[_Part]] = {}
     for t in types:
         avail_of = lambda tp: counts[t] // tp  # noqa: E731
@@ -356,8 +357,9 @@ class _Builder:
     """Collects candidate stages (one vectorised column per field) for ``candidates``."""
 
     def __init__(self, cm: CostModel, types: Sequence[str], M: int, bounds: np.ndarray, I: np.ndarray, J: np.ndarray,
-                 schedule: str):
+                 schedule: str, overlap: bool = True):
         self.cm, self.types, self.M, self.I, self.J = cm, types, M, I, J
+        self.overlap = overlap
         self.tied = cm.tied_params(bounds[I], bounds[J])  # a tied embedding/head weight shared with another stage
         self.vendor_of = {t: cm.cluster.device_type(t).vendor for t in types}
         self.vendor_ids = {v: n for n, v in enumerate(sorted(set(self.vendor_of.values())))}
@@ -398,6 +400,8 @@ class _Builder:
         # ... plus the tied weight's all-reduce, over this stage and (about) as many replicas of the other
         # (what the last gradient pass leaves of the bucketed all-reduce: the last W under zb-h1, else the last B)
         hide = np.where(self.split, wg, bwd)
+        if not self.overlap:  # ``evaluate.no_overlap_s``: transfers on the path, nothing hides the all-reduce
+            comp, wg, lat, hide, tail = comp + comm, np.zeros_like(comp), np.zeros_like(comp), 0.0, 0.0
         ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z, hide)
               + cm.tie_sync_s(self.tied, ts, 2 * w) + self.tail_ws * tail)
         opt = np.max([cm.optimizer_s_of(pa.params, t, w, z) for t in ts], axis=0)

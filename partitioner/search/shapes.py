@@ -80,11 +80,11 @@ def shape_blocks(c: Candidates, n: int) -> np.ndarray:
 
 def shape_candidates(cm: CostModel, b: int, M: int, types: Sequence[str], counts: dict[str, int],
                      allow_recompute: bool, max_tp: int, mixed: bool = True, schedule: str = "1f1b",
-                     zero1: bool = False) -> Candidates:
+                     zero1: bool = False, overlap: bool = True) -> Candidates:
     n = cm.model.num_planner_layers
     units = [(l, l + 1) for l in range(n)]
     return candidates(cm, units, b, M, types, counts, allow_recompute, max_tp=max_tp, pairs=shape_pairs(n),
-                      mixed=mixed, schedule=schedule, zero1=zero1)
+                      mixed=mixed, schedule=schedule, zero1=zero1, overlap=overlap)
 
 
 def blocks_lower_bound(c: Candidates, n: int, counts: Sequence[int], M: int,
@@ -670,7 +670,7 @@ class ShapeSearch:
             M = global_batch // b
             c = shape_candidates(cm, b, M, types, dict(zip(types, counts)), opts.allow_recompute,
                                  opts.max_tensor_parallel, mixed=opts.mixed_types, schedule=opts.schedule,
-                                 zero1=opts.zero1_stages)
+                                 zero1=opts.zero1_stages, overlap=opts.network == "overlap")
             t_lb = blocks_lower_bound(c, self.n, counts, M, self.sample_s) if len(c) else math.inf
             lb = (M - 1) * t_lb + blocks_sum_lower_bound(c, self.n) if math.isfinite(t_lb) else math.inf
             self.jobs.append(Job(lb, b, M, c, t_lb))
