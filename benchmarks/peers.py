@@ -109,13 +109,14 @@ def main(argv=None) -> None:
     for key in args.cases.split(","):
         title, cl = CASES[key]
         cm = CostModel(cl, OPT_350M, profiles=profiles, dtype="fp16")
-        for schedule in ("auto", "1f1b"):
+        for schedule, network in (("auto", "overlap"), ("1f1b", "overlap"), ("auto", "no-overlap")):
             t0 = time.perf_counter()
             plan = make_plan(cl, OPT_350M, GLOBAL_BATCH, opts=PlannerOptions(time_limit_s=args.time_limit,
-                                                                             schedule=schedule),
+                                                                             schedule=schedule, network=network),
                              cost_model=cm, with_homogeneous_sum=False)
             took = time.perf_counter() - t0
-            rows.append(score(f"{title}: hethub --schedule {schedule} (gap {plan.solver.gap:.1%})", plan, cm, took))
+            flags = f"--schedule {schedule}" + (f" --network {network}" if network != "overlap" else "")
+            rows.append(score(f"{title}: hethub {flags} (gap {plan.solver.gap:.1%})", plan, cm, took))
             print(rows[-1], flush=True)
         rows.append(score(f"{title}: Metis-shaped", metis_shaped(cm), cm, None))
         print(rows[-1], flush=True)

@@ -41,8 +41,11 @@ def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float, over
     re-scheduled where ``wanted`` is chunked or auto."""
     plan = choose_by_simulation(plans, cm, deadline=deadline, overlap=overlap)
     if wanted != plan.schedule:  # chunked or auto: the MILP's groups, re-cut and re-scheduled
+        chosen = {k: v for k, v in (plan.predicted.model_extra or {}).items()
+                  if k in ("replayed", "ranked", "replay_apart")}  # how the groups were chosen, for --explain
         plan, tried = choose_schedule(plan, cm, wanted)
-        plan = plan.model_copy(update={"solver": plan.solver.model_copy(update={"schedules": [
+        plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(update=chosen),
+                                       "solver": plan.solver.model_copy(update={"schedules": [
             {"schedule": name, "chunks": v, "iteration_s": it, "fits_memory": fits} for name, v, it, fits in tried]})})
     return plan
 
@@ -56,7 +59,11 @@ def _rank(plan: Plan, overlap: bool) -> tuple:
 # ``auto`` also plans 1F1B's groups when at least this share of the time limit is left after zb-h1's: on one-sample
 # replicas queued on shared NICs, groups planned for 1F1B replayed 4% faster than zb-h1's under every schedule
 # (benchmarks/results/peers.md), which the MILP's closed form cannot see.
-AUTO_SECOND_SHARE = 0.25
+AUTO_SECOND_SHARE = 0.5
+# A schedule to choose after the MILP (auto, or a chunked one) replays each variant of the chosen groups after the
+# search: the search gets this share of the time limit, so that the whole plan keeps to it (768 devices, auto:
+# 11.3 s at --time-limit 10 with the search given all of it; two variant replays took 2.0 s).
+RESCHEDULE_SEARCH_SHARE = 0.75
 
 
 def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
@@ -64,18 +71,22 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     started = time.perf_counter()
     wanted = opts.schedule
     milp = search_schedule(wanted)
+    share = RESCHEDULE_SEARCH_SHARE if wanted != milp else 1.0
     try:
-        plans = _placed(cm, global_batch, replace(opts, schedule=milp), progress)
+        plans = _placed(cm, global_batch, replace(opts, schedule=milp, time_limit_s=share * opts.time_limit_s),
+                        progress)
     except InfeasibleError:
         if wanted != AUTO or milp == BASE:
             raise
         milp = BASE  # zb-h1's extra micro-batch on the last stage left no plan
-        plans = _placed(cm, global_batch, replace(opts, schedule=milp), progress)
+        plans = _placed(cm, global_batch, replace(opts, schedule=milp, time_limit_s=share * opts.time_limit_s),
+                        progress)
     # the placements above and the replays count against the time limit too (at least one replay is made, and a
     # tenth of the limit is theirs even when the search used it all: cheap replays of small plans must not depend
     # on how busy the machine was)
-    def deadline() -> float:
-        return max(started + opts.time_limit_s, time.perf_counter() + 0.1 * opts.time_limit_s)
+    def deadline() -> float:  # the re-scheduling's replays come after these
+        end = started + opts.time_limit_s * (1 + share) / 2
+        return max(end, time.perf_counter() + 0.1 * opts.time_limit_s)
     overlap = opts.network == "overlap"
     plan = _chosen(plans, cm, wanted, deadline(), overlap)
     left = opts.time_limit_s - (time.perf_counter() - started)
