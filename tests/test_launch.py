@@ -259,3 +259,25 @@ def test_the_demo_tells_deepspeed_it_runs_on_cpu_before_deepspeed_is_imported(mo
     monkeypatch.setattr(cli_main.importlib, "import_module", fake)
     assert cli_main.main(["demo"]) == 0
     assert seen == {"DS_ACCELERATOR": "cpu"}
+
+
+def test_a_dry_run_needs_no_deepspeed_and_a_launch_without_it_is_one_line():
+    """A planning laptop has no DeepSpeed: ``launch --dry-run`` prints the command and the hostfile all the same
+    (launcher flags written --name=value; one that takes its value apart needs DeepSpeed's parser), and a real
+    launch there is one line naming what to install, before anything starts."""
+    block = "import sys; sys.modules['deepspeed'] = None; sys.modules['torch'] = None; from hethub.cli.main import main; "
+    plan = os.path.join(EXAMPLES, "plan.json")
+    script = os.path.join(EXAMPLES, "train_gpt.py")
+
+    def launch(*args):
+        return subprocess.run([sys.executable, "-c", block + f"sys.exit(main({['launch', '--hetero-plan', plan, *args]!r}))"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+    r = launch("--dry-run", "--master_port=29600", script, "--steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "-m deepspeed.launcher.runner --log_level=warning --master_port=29600 --hostfile HOSTFILE" in r.stdout
+    assert r.stdout.rstrip().endswith("node1 slots=8\nnode2 slots=4"), r.stdout
+    for args in (("--dry-run", "--master_port", "29600", script), (script,)):
+        r = launch(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "needs deepspeed, which this install lacks" in lines[0], \
+            r.stderr[-2000:]

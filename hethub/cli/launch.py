@@ -11,7 +11,9 @@ machine (by host name or address) gives it.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import shutil
@@ -74,11 +76,12 @@ def split_script(rest: Sequence[str]) -> tuple[list[str], str, list[str]]:
 
 def parse_deepspeed_flags(args: list[str]):
     """DeepSpeed's runner parser on ``args``; its usage text and error become one line (hethub's own flags
-    must come first, and a misplaced one is the usual cause)."""
+    must come first, and a misplaced one is the usual cause). Where DeepSpeed is not installed (a planning
+    laptop's dry run; ``run`` refuses a real launch there first), ``_plain_flags`` stands in."""
     try:
         from deepspeed.launcher import runner  # lazy: a planning-only install has no DeepSpeed (one line below)
     except ImportError:
-        raise missing_package("launch", "deepspeed") from None
+        return _plain_flags(args)
     usage = io.StringIO()
     try:
         with contextlib.redirect_stderr(usage):
@@ -89,6 +92,22 @@ def parse_deepspeed_flags(args: list[str]):
         if why.startswith("unrecognized arguments"):
             why += " (hethub launch's own flags --local, --resume, --dry-run come before deepspeed's)"
         raise InputError("launch", f"deepspeed's launcher: {why}") from None
+
+
+def _plain_flags(args: list[str]) -> argparse.Namespace:
+    """``parse_deepspeed_flags`` without DeepSpeed: launcher flags written ``--name=value`` (or none), then the
+    script; ``--name value`` cannot be told from a script without DeepSpeed's parser, so it is one line."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        if "=" not in args[i]:
+            raise missing_package(f"launch {args[i][:40]}", "deepspeed")
+        i += 1
+    if i == len(args):
+        raise InputError("launch", "no training script given")
+    values = dict(a[2:].partition("=")[::2] for a in args[:i])
+    return argparse.Namespace(user_script=args[i], user_args=args[i + 1:], no_ssh=False,
+                              launcher=values.get("launcher", "pdsh"), master_addr=values.get("master_addr", ""),
+                              node_rank=-1)
 
 
 def build_command(plan_path: str, plan: Plan, rest: Sequence[str], local: bool, hostfile_path: str,
@@ -306,6 +325,8 @@ def run(plan_path: str, rest: Sequence[str], local: bool = False, dry_run: bool 
             print(f"# {DRY_RUN_HOSTFILE} (the launch writes it to a temporary folder; a dry run writes nothing):\n"
                   + hostfile_text(plan), end="")
         return 0
+    if importlib.util.find_spec("deepspeed") is None:  # a dry run needs none (it prints the command)
+        raise missing_package("launch", "deepspeed")
     folder = tempfile.mkdtemp(prefix="hethub-")
     try:
         cmd, env = build_command(os.path.abspath(plan_path), plan, rest, local, os.path.join(folder, "hostfile"))
