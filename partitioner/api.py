@@ -156,17 +156,21 @@ def _cheapest(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=N
                                         f"(set it under the cluster's device_types)")
     subsets = type_subsets(types)
     share = max(opts.time_limit_s / len(subsets), 0.5)
-    best = None
+    best, priced = None, []
     for sub in subsets:
         try:
             plan = solve(cm, global_batch, replace(opts, device_types=sub, time_limit_s=share), progress)
         except InfeasibleError:
+            priced.append({"device_types": list(sub), "usd_per_million_tokens": None, "samples_per_s": None})
             continue
+        priced.append({"device_types": list(sub), "usd_per_million_tokens": plan.predicted.usd_per_million_tokens,
+                       "samples_per_s": plan.predicted.samples_per_s})
         if best is None or plan.predicted.usd_per_million_tokens < best.predicted.usd_per_million_tokens:
             best = plan
     if best is None:
         return solve(cm, global_batch, opts, progress)  # raises the planner's own infeasibility line
-    return best
+    # what each choice of types would cost (all of them included): `plan` prints it beside the cheapest
+    return best.model_copy(update={"solver": best.solver.model_copy(update={"cost_subsets": priced})})
 
 
 def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profiles: Sequence[Profile] = (),

@@ -54,6 +54,12 @@ def test_dollars_per_million_tokens_and_the_cost_objective():
     singles = [solve(cm, 64, PlannerOptions(**{**OPTS.__dict__, "device_types": (t,)})) for t in cl.type_names]
     assert all(cheap.predicted.usd_per_million_tokens <= p.predicted.usd_per_million_tokens * (1 + 1e-9)
                for p in [fast, *singles])
+    # what each set of types would cost, all of them included, is said beside the cheapest (written: *)
+    from hethub.cli.plan import cost_lines
+    lines = cost_lines(cheap)
+    assert len(lines) == 1 + 3 and lines[1].startswith("* ")
+    assert re.search(r"^  A100-80GB \+ V100-32GB: \$[\d.]+ at [\d,.]+ samples/s$", "\n".join(lines), re.M), lines
+    assert cost_lines(fast) == []
     assert type_subsets(["a", "b"]) == [("a",), ("b",), ("a", "b")]
     assert len(type_subsets(list("abcdef"))) == 6 + 1 + 6
     unpriced = CostModel(Cluster.model_validate({**PRICED, "device_types": {}}), model)

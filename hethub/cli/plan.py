@@ -76,6 +76,23 @@ def _inputs(args: argparse.Namespace) -> tuple[CostModel, PlannerOptions, list[s
     return cm, opts, inputs
 
 
+def cost_lines(plan) -> list[str]:
+    """--objective cost: what each choice of device types would cost, every type included, cheapest first."""
+    priced = getattr(plan.solver, "cost_subsets", None) if plan.solver else None
+    if not priced:
+        return []
+    lines = ["cost: $ per 1M tokens by the device types rented (each set planned for throughput; * written):"]
+    rows = sorted(priced, key=lambda r: (r["usd_per_million_tokens"] is None, r["usd_per_million_tokens"] or 0))
+    for k, row in enumerate(rows):
+        types = " + ".join(row["device_types"])
+        if row["usd_per_million_tokens"] is None:
+            lines.append(f"  {types}: no plan fits")
+            continue
+        mark = "*" if k == 0 else " "  # the cheapest is the one written
+        lines.append(f"{mark} {types}: ${num(row['usd_per_million_tokens'])} at {row['samples_per_s']:,.1f} samples/s")
+    return lines
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cm, opts, inputs = _inputs(args)
     console = Console(width=None if Console().is_terminal else 160)
@@ -109,6 +126,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"network: planned without overlap (transfers on the compute's path, the whole all-reduce "
                       f"after the last backward): {plan.global_batch_size / no_overlap:,.1f} samples/s so; "
                       f"{plan.predicted.samples_per_s:,.1f} as the runtime overlaps them (the replay)", soft_wrap=True)
+    for line in cost_lines(plan):
+        console.print(line, soft_wrap=True)
     tried = getattr(plan.solver, "schedules", None) if plan.solver else None
     if tried:  # --schedule auto / a chunked schedule: what each variant of the chosen groups predicted
         console.print(f"schedule: {plan.schedule}, {count(plan.num_chunks, 'chunk')} per group, of:")
