@@ -5,6 +5,7 @@ import re
 import pytest
 
 from conftest import ROOT
+from hethub.partitioner import Plan
 
 
 def _readme_commands():
@@ -95,3 +96,6 @@ def test_the_quickstart_runs_as_written(tmp_path):
             assert re.search(r"^step +2 +loss [\d.]+", r.stdout + r.stderr, re.M), r.stdout[-2000:]
     for out in ("my-cluster.yaml", "plan.json", "plan.png", "tiny.json"):
         assert (tmp_path / out).is_file(), out
+    # the --local run is a heterogeneous one: both types of the workstation, in the dtype the scripts train in
+    tiny = Plan.model_validate_json((tmp_path / "tiny.json").read_text())
+    assert set(tiny.devices_by_type()) == {"BIG", "SMALL"} and tiny.dtype == "fp32", tiny.devices_by_type()
