@@ -16,7 +16,8 @@ RUNTIME = [
     "triton>=3.0; platform_system == 'Linux'",
 ]
 HF = ["transformers>=5.24,<6"]  # hethub.hf: the v5 masking/cache API the block wrappers call
-TEST = ["pytest>=8", "hypothesis>=6", "setuptools>=70.1", "matplotlib>=3.7", "megatron-core>=0.16,<0.17", *HF]
+# pytest-xdist: the README runs the suite on three workers (its multi-process tests wait more than they compute)
+TEST = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "setuptools>=70.1", "matplotlib>=3.7", "megatron-core>=0.16,<0.17", *HF]
 
 setup(
     name="hethub",

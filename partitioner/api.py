@@ -71,7 +71,8 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     started = time.perf_counter()
     wanted = opts.schedule
     milp = search_schedule(wanted)
-    share = RESCHEDULE_SEARCH_SHARE if wanted != milp else 1.0
+    # (brute force: small instances, whose replays take milliseconds; it keeps the limit the user gave)
+    share = RESCHEDULE_SEARCH_SHARE if wanted != milp and opts.solver != "brute-force" else 1.0
     try:
         plans = _placed(cm, global_batch, replace(opts, schedule=milp, time_limit_s=share * opts.time_limit_s),
                         progress)

@@ -23,8 +23,10 @@ from plans import unequal_plan
 pytest.importorskip("deepspeed")
 
 HOSTS_WORK, UNSHARE_WORKS = probe()
-pytestmark = [pytest.mark.dist, pytest.mark.skipif(not HOSTS_WORK, reason="needs root and iproute2 to make two "
-                                                                          "hosts in network namespaces")]
+# one xdist worker runs them all, one after another: they make the same two network namespaces
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("two-hosts"),
+              pytest.mark.skipif(not HOSTS_WORK, reason="needs root and iproute2 to make two hosts in network "
+                                                        "namespaces")]
 TRAIN = [os.path.join(EXAMPLES, "train_gpt.py")]
 
 
