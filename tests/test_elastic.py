@@ -233,3 +233,19 @@ def test_under_torch_elastic_a_job_the_hosts_present_cannot_hold_ends_at_once(tm
     assert r.returncode == 2 and len(ended) == 1, r.stderr[-3000:]
     assert "a worker ended on input no restart can fix: elastic: memory:" in ended[0], ended[0]
     assert (ckpt / "plans" / ".stop").exists() and not os.path.exists(tmp_path / "log.jsonl")  # no step ran
+
+
+def test_the_re_plan_keeps_the_plans_network_model_and_refuses_an_unknown_one(tmp_path):
+    """A plan planned with ``--network no-overlap`` is re-planned so too; a plan file naming a model hethub does
+    not have is one line naming the field (before any planning)."""
+    from hethub.partitioner import InputError
+    from hethub.runtime.elastic import replan
+    from hethub.partitioner.records import Plan
+    base = load_plan(_base_plan(tmp_path))
+    assert base.solver.network == "overlap"
+    robust = base.model_copy(update={"solver": base.solver.model_copy(update={"network": "no-overlap"})})
+    assert replan(robust, base.cluster).solver.network == "no-overlap"
+    odd = Plan.model_validate_json(base.model_copy(update={"solver": base.solver.model_copy(
+        update={"network": "sailor"})}).to_json())
+    with pytest.raises(InputError, match=r"^plan.solver.network: expected one of overlap, no-overlap, got 'sailor'"):
+        replan(odd, base.cluster)

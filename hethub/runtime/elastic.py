@@ -23,6 +23,7 @@ from ..partitioner.api import make_plan
 from ..partitioner.costmodel import CostModel
 from ..partitioner.errors import InputError
 from ..partitioner.outputs import write_atomic
+from ..partitioner.options import NETWORKS
 from ..partitioner.planner import PlannerOptions
 from ..partitioner.records import Cluster, Plan, parse_record
 from .checkpoint import complete_checkpoints, read_meta
@@ -93,6 +94,8 @@ def replan(base: Plan, cluster: Cluster) -> Plan:
     cm = CostModel(cluster, base.model, dtype=base.dtype or "bf16", zero1=base.zero1)
     schedule = schedule_kind(base.schedule).milp  # a chunked one is planned for its groups (1F1B), as api.solve does
     network = getattr(base.solver, "network", None) or "overlap"  # plans written before it was recorded: overlap
+    if network not in NETWORKS:
+        raise InputError("plan.solver.network", f"expected one of {', '.join(NETWORKS)}, got {str(network)[:40]!r}")
     opts = PlannerOptions(time_limit_s=REPLAN_TIME_LIMIT_S, schedule=schedule,
                           max_tensor_parallel=max(st.tensor_parallel for st in base.stages), network=network)
     return make_plan(cluster, base.model, base.global_batch_size, opts=opts, with_homogeneous_sum=False, cost_model=cm)
