@@ -10,6 +10,10 @@ hosts, 10 on V100 hosts, 12 Gbit/s between hosts). Per-layer times are the analy
 - no overlap: the network model of Sailor's simulator (boundary transfers add to compute, the whole all-reduce
   after the last backward; ``evaluate.no_overlap_s``).
 
+Each case is priced twice: by the analytic cost model, and by profiles standing in for measured ones (the same
+times, each layer's forward and backward off by up to ``--noise``, 3% by default, seeded: measured blocks are
+never identical, which took the search off its shape MILP before blocks within noise were priced alike).
+
 Plans scored: hethub's (``--schedule auto`` and ``1f1b``), a Metis-shaped plan per case (three stages on
 32 V100 | 64 V100 | 32 A100 devices, or the same proportions at the larger case, its layer cuts and micro-batch
 size the best this cost model finds for that shape), and every plan file given with ``--plan`` (e.g. a peer's
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import random
 import sys
 import time
 
@@ -38,7 +43,7 @@ from hethub.partitioner.evaluate import closed_form_s, fits_memory, no_overlap_s
 from hethub.partitioner.records import load_profiles  # noqa: E402
 from hethub.partitioner.placement import StageLayout, build_plan, even_split  # noqa: E402
 from hethub.partitioner.planner import PlannerOptions  # noqa: E402
-from hethub.partitioner.records import Plan  # noqa: E402
+from hethub.partitioner.records import Plan, Profile  # noqa: E402
 from hethub.partitioner.simulator import simulate  # noqa: E402
 
 GLOBAL_BATCH = 1024
@@ -79,6 +84,20 @@ def metis_shaped(cm: CostModel) -> Plan:
     return best[1]
 
 
+def noisy_profiles(cm: CostModel, noise: float, seed: int = 1) -> list[Profile]:
+    """Profiles of every device type at micro-batch 1: the cost model's layer times, each off by up to ``noise``."""
+    rng = random.Random(seed)
+    kinds = [li.kind for li in cm.model.layers()]
+    out = []
+    for t in cm.cluster.type_names:
+        fwd, bwd, _, _ = cm.layer_times(t)
+        layers = [{"index": i, "kind": kinds[i], "forward_ms": f * 1e3 * (1 + rng.uniform(-noise, noise)),
+                   "backward_ms": b * 1e3 * (1 + rng.uniform(-noise, noise))} for i, (f, b) in enumerate(zip(fwd, bwd))]
+        out.append(Profile.model_validate({"device_type": t, "model": cm.model.model_dump(), "micro_batch_size": 1,
+                                           "dtype": cm.dtype, "layers": layers}))
+    return out
+
+
 def shape(plan: Plan) -> str:
     parts = []
     for st in plan.stages:
@@ -103,12 +122,18 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default="1,2")
     ap.add_argument("--profiles", help="a folder of `hethub profile` files for A100-40GB and V100-16GB")
     ap.add_argument("--plan", action="append", default=[], help="a plan file to score (its cluster and model)")
+    ap.add_argument("--noise", type=float, default=0.03, help="the measured-like profiles' noise (0: analytic only)")
     args = ap.parse_args(argv)
     profiles = load_profiles(args.profiles) if args.profiles else ()
     rows = []
-    for key in args.cases.split(","):
+    pricings = [("analytic" if not profiles else "profiles", profiles)]
+    if args.noise and not profiles:
+        pricings.append((f"noisy {args.noise:.0%}", noisy_profiles(CostModel(CASES["1"][1], OPT_350M, dtype="fp16"),
+                                                                   args.noise)))
+    for key, (pricing, profs) in itertools.product(args.cases.split(","), pricings):
         title, cl = CASES[key]
-        cm = CostModel(cl, OPT_350M, profiles=profiles, dtype="fp16")
+        title = f"{title} ({pricing})"
+        cm = CostModel(cl, OPT_350M, profiles=profs, dtype="fp16")
         for schedule, network in (("auto", "overlap"), ("1f1b", "overlap"), ("auto", "no-overlap")):
             t0 = time.perf_counter()
             plan = make_plan(cl, OPT_350M, GLOBAL_BATCH, opts=PlannerOptions(time_limit_s=args.time_limit,
@@ -127,7 +152,7 @@ def main(argv=None) -> None:
     load = os.getloadavg()[0]
     write_result("peers.md", "\n".join([
         f"# The planner against its peers' plan shapes (2 cores, load {load:.1f}; time limit {args.time_limit:g} s; "
-        f"per-layer times: {'profiles ' + args.profiles if args.profiles else 'analytic cost model'})", "",
+        f"per-layer times: {'profiles ' + args.profiles if args.profiles else 'analytic, and noisy profiles'})", "",
         "OPT-350M-shaped model, global batch 1024, fp16, 4-GPU hosts, Sailor's link figures (intra-node 14 Gbit/s "
         "on A100 hosts, 10 on V100 hosts; 12 Gbit/s between hosts). closed form: what the MILP ranks by; replay: "
         "`hethub simulate` of the plan (what `plan` predicts); closed / replay: iteration times (target 0.95-1.05); "

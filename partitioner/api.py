@@ -14,6 +14,7 @@ from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
 from .schedule_search import AUTO, choose_schedule, search_schedule
 from .schedule_kinds import BASE
+from .search.noise import block_averaged
 
 
 
@@ -22,15 +23,19 @@ def fastest_type(cm: CostModel) -> str:
 
 
 def _placed(cm: CostModel, global_batch: int, opts: PlannerOptions, progress) -> list[Plan]:
-    """The MILP's best chain of every micro-batch size (planned for ``opts.schedule``), placed."""
-    sol, stats = search(cm, global_batch, opts, progress)
+    """The MILP's best chain of every micro-batch size (planned for ``opts.schedule``), placed. Measured blocks
+    that differ by noise only are priced alike for the search (``search.noise``); the plans are replayed with
+    the times as measured."""
+    averaged = block_averaged(cm)
+    sol, stats = search(averaged[0] if averaged else cm, global_batch, opts, progress)
+    noise = {"blocks_averaged_spread": averaged[1]} if averaged else {}
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)
     plans = []
     for alt in stats["alternatives"]:
         solver = SolverInfo(name=opts.solver, status=stats["status"], gap=stats["gap"], seconds=stats["seconds"],
                             objective_s=alt.objective, candidates=stats["candidates"], units=stats["units"],
-                            micro_batch_sizes=stats["micro_batch_sizes"])
+                            micro_batch_sizes=stats["micro_batch_sizes"], **noise)
         plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
                                 solver=solver, schedule=opts.schedule, dtype=cm.dtype))
     return plans

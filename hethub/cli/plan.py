@@ -93,6 +93,22 @@ def cost_lines(plan) -> list[str]:
     return lines
 
 
+def _how_planned(plan, opts: PlannerOptions, console) -> None:
+    """What the plan was priced by, where that is not the default: the network model, what each set of device
+    types would cost (--objective cost), blocks priced at their mean."""
+    no_overlap = (plan.predicted.model_extra or {}).get("no_overlap_s") if plan.predicted else None
+    if opts.network == "no-overlap" and no_overlap:
+        console.print(f"network: planned without overlap (transfers on the compute's path, the whole all-reduce "
+                      f"after the last backward): {plan.global_batch_size / no_overlap:,.1f} samples/s so; "
+                      f"{plan.predicted.samples_per_s:,.1f} as the runtime overlaps them (the replay)", soft_wrap=True)
+    for line in cost_lines(plan):
+        console.print(line, soft_wrap=True)
+    spread = getattr(plan.solver, "blocks_averaged_spread", None) if plan.solver else None
+    if spread:
+        console.print(f"note: the search priced every block at the blocks' mean (measured up to {spread:.1%} apart, "
+                      f"within noise); the prediction replays them as measured", soft_wrap=True)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cm, opts, inputs = _inputs(args)
     console = Console(width=None if Console().is_terminal else 160)
@@ -121,13 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profiles:  # recorded, so that simulate and show find them again
         plan = plan.model_copy(update={"profiles": profile_refs(args.profiles, args.output, cm.profiles)})
     print_plan(plan, console)
-    no_overlap = (plan.predicted.model_extra or {}).get("no_overlap_s") if plan.predicted else None
-    if opts.network == "no-overlap" and no_overlap:
-        console.print(f"network: planned without overlap (transfers on the compute's path, the whole all-reduce "
-                      f"after the last backward): {plan.global_batch_size / no_overlap:,.1f} samples/s so; "
-                      f"{plan.predicted.samples_per_s:,.1f} as the runtime overlaps them (the replay)", soft_wrap=True)
-    for line in cost_lines(plan):
-        console.print(line, soft_wrap=True)
+    _how_planned(plan, opts, console)
     tried = getattr(plan.solver, "schedules", None) if plan.solver else None
     if tried:  # --schedule auto / a chunked schedule: what each variant of the chosen groups predicted
         console.print(f"schedule: {plan.schedule}, {count(plan.num_chunks, 'chunk')} per group, of:")
