@@ -7,8 +7,9 @@ optimises is kept beside it (``closed_form_s``), with the plan's real placement:
 use intra-node links where sender and receiver share a host, cross-vendor transfers pay host copies,
 a stage's all-reduce is intra-node only when all its replicas share a host.
 
-    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s)
+    closed_form_s = (M - 1) * pace + sum_s (compute_s + comm_s)
                     + max_s allreduce_s + max_s optimizer_s                                  (1f1b)
+    pace = max(max_s max(compute_s, comm_s / 2), nic_pace_s, link_cycle_s)
 
 where allreduce_s is what the stage's last backward leaves of its bucketed all-reduce
 (``CostModel.allreduce_end_s``).
@@ -18,7 +19,7 @@ drain's path skips them; each such stage still runs its last W (the last stage i
 before its all-reduce, while the drain goes on below it (drain_s: the input-gradient backwards and
 gradient transfers of stages < s):
 
-    closed_form_s = (M - 1) * max_s max(compute_s, comm_s) + sum_s (compute_s + comm_s - wgrad_s)
+    closed_form_s = (M - 1) * pace + sum_s (compute_s + comm_s - wgrad_s)
                     + max_s (tail_s + allreduce_s + optimizer_s - drain_s)                    (zb-h1)
 
 (The MILP's zb-h1 form leaves out the drain credit, which is not linear in the chain; the replay, which
