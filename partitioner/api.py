@@ -61,10 +61,9 @@ def _rank(plan: Plan, overlap: bool) -> tuple:
     return (not extra.get("fits_memory", True), plan.predicted.iteration_s if overlap else extra["no_overlap_s"])
 
 
-# ``auto`` also plans 1F1B's groups when at least this share of the time limit is left after zb-h1's (its search proved its
-# plans early): on one-sample
-# replicas queued on shared NICs, groups planned for 1F1B replayed 4% faster than zb-h1's under every schedule
-# (benchmarks/results/peers.md), which the MILP's closed form cannot see.
+# ``auto`` also plans 1F1B's groups when at least this share of the time limit is left after zb-h1's (its search
+# proved its plans early): on one-sample replicas queued on shared NICs, groups planned for 1F1B replayed 4% faster
+# than zb-h1's under every schedule (benchmarks/results/peers.md), which the MILP's closed form cannot see.
 AUTO_SECOND_SHARE = 0.5
 # A schedule to choose after the MILP (auto, or a chunked one) replays each variant of the chosen groups after the
 # search: the search gets this share of the time limit, so that the whole plan keeps to it (768 devices, auto:
