@@ -31,13 +31,18 @@ def _placed(cm: CostModel, global_batch: int, opts: PlannerOptions, progress) ->
     noise = {"blocks_averaged_spread": averaged[1]} if averaged else {}
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)
-    plans = []
+    plans, unplaced = [], None
     for alt in stats["alternatives"]:
         solver = SolverInfo(name=opts.solver, status=stats["status"], gap=stats["gap"], seconds=stats["seconds"],
                             objective_s=alt.objective, candidates=stats["candidates"], units=stats["units"],
                             micro_batch_sizes=stats["micro_batch_sizes"], **noise)
-        plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
-                                solver=solver, schedule=opts.schedule, dtype=cm.dtype))
+        try:
+            plans.append(build_plan(cm.model, cm.cluster, solution_layouts(alt, units, types), alt.b, alt.M,
+                                    solver=solver, schedule=opts.schedule, dtype=cm.dtype))
+        except InfeasibleError as exc:  # the MILP counts devices per type, not how nodes pack several TP groups
+            unplaced = exc
+    if not plans and unplaced is not None:
+        raise unplaced
     return plans
 
 

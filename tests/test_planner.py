@@ -388,3 +388,23 @@ def test_measured_blocks_within_noise_are_priced_alike_for_the_search_and_replay
     assert plan.predicted.iteration_s == pytest.approx(predict(plan, cm).iteration_s, rel=1e-12)  # as measured
     apart = CostModel(TWO_TYPE, model, profiles=_noisy_profiles(analytic, 0.0, block_offset=0.3))
     assert block_averaged(apart) is None and block_averaged(analytic) is None
+
+
+def test_tensor_parallel_groups_are_counted_per_node():
+    """A tensor-parallel group takes consecutive slots of one node: nodes of 1 and 3 devices hold one group of 2,
+    not two (the MILP offered a stage of two such groups, which placement then could not put anywhere: the
+    random instance of seed 9)."""
+    import numpy as np
+
+    from hethub.partitioner.search.candidates import candidates
+    cluster = Cluster.model_validate({"nodes": [{"host": "a", "device_type": "V100-32GB", "count": 1},
+                                                {"host": "b", "device_type": "V100-32GB", "count": 3}]})
+    model = builtin_model("gpt-1.3b")
+    cm = CostModel(cluster, model)
+    c = candidates(cm, units_for(model, 8), 4, 2, ["V100-32GB"], cluster.count_by_type(), max_tp=2)
+    assert (c.tp == 2).any() and c.width[c.tp == 2].max() == 1
+    assert c.width[c.tp == 1].max() == 4  # one device a replica: every device counts
+    cluster9, model9, batch9 = random_instance(9)
+    plan = make_plan(cluster9, model9, batch9, opts=PlannerOptions(time_limit_s=2, schedule="1f1b"),
+                     with_homogeneous_sum=False)
+    assert plan.world_size >= 1

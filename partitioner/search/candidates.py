@@ -338,7 +338,9 @@ def candidates(cm: CostModel, units: list[tuple[int, int]], b: int, M: int, type
     build = _Builder(cm, types, M, bounds, I, J, schedule, overlap)
     parts: dict[tuple[str, int], list[_Part]] = {}
     for t in types:
-        avail_of = lambda tp: counts[t] // tp  # noqa: E731
+        # a tensor-parallel group is one node's (consecutive slots): nodes of 1 and 3 devices hold one group of 2
+        avail_of = lambda tp: min(counts[t] // tp, sum(n.count // tp for n in cm.cluster.nodes  # noqa: E731
+                                                       if n.device_type == t))
         for tp in tensor_parallel_degrees(cm, t, max_tp):
             parts[t, tp] = _parts(cm, t, tp, allow_recompute, bounds, I, J)
             for part in parts[t, tp]:
