@@ -535,6 +535,8 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
     out = capsys.readouterr().out
     assert re.search(r"network: planned without overlap .*: [\d,.]+ samples/s so; [\d,.]+ as the runtime overlaps them",
                      out), out
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    assert "planned without overlap (--network no-overlap)" in capsys.readouterr().out
     with pytest.raises(Exception, match=r"PlannerOptions.network: expected one of overlap, no-overlap"):
         PlannerOptions(network="sailor")
 

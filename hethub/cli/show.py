@@ -88,7 +88,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         s = plan.solver
         console.print(f"solver: {s.name}, {s.status}"
                       + (f", gap {s.gap:.2%}" if s.gap is not None else "")
-                      + (f", {s.seconds:.2f} s" if s.seconds is not None else ""))
+                      + (f", {s.seconds:.2f} s" if s.seconds is not None else "")
+                      + (", planned without overlap (--network no-overlap)"
+                         if getattr(s, "network", None) == "no-overlap" else ""))
     for line in bridge_lines(plan):
         console.print(line)
     idle = plan.idle_devices()
