@@ -19,8 +19,11 @@ Plans scored: hethub's (``--schedule auto`` and ``1f1b``), a Metis-shaped plan p
 size the best this cost model finds for that shape), and every plan file given with ``--plan`` (e.g. a peer's
 plan written as a hethub plan).
 
-Run: python benchmarks/peers.py [--time-limit 60] [--cases 1,2] [--profiles DIR] [--plan FILE ...]
-Writes benchmarks/results/peers.md.
+Cases 3 and 4 are hethub's own at that scale (128 devices on 8-GPU hosts and 100 Gbit/s; 320 on 4-GPU hosts and
+25 Gbit/s): ``--cases 3,4 --out peers-own.md``.
+
+Run: python benchmarks/peers.py [--time-limit 60] [--cases 1,2] [--profiles DIR] [--plan FILE ...] [--out NAME]
+Writes benchmarks/results/peers.md (or NAME).
 """
 from __future__ import annotations
 
@@ -53,14 +56,19 @@ OPT_350M = ModelConfig.model_validate({
 NETWORK = {"intra_node_gbps": {"A100-40GB": 14, "V100-16GB": 10}, "inter_node_gbps": 12}
 
 
-def cluster(a100_hosts: int, v100_hosts: int) -> Cluster:
-    nodes = ([{"host": f"a{i}", "device_type": "A100-40GB", "count": 4} for i in range(a100_hosts)]
-             + [{"host": f"v{i}", "device_type": "V100-16GB", "count": 4} for i in range(v100_hosts)])
-    return Cluster.model_validate({"name": f"sailor-{4 * (a100_hosts + v100_hosts)}", "nodes": nodes,
-                                   "network": NETWORK})
+def cluster(a100_hosts: int, v100_hosts: int, per_host: int = 4, network: dict = NETWORK) -> Cluster:
+    nodes = ([{"host": f"a{i}", "device_type": "A100-40GB", "count": per_host} for i in range(a100_hosts)]
+             + [{"host": f"v{i}", "device_type": "V100-16GB", "count": per_host} for i in range(v100_hosts)])
+    return Cluster.model_validate({"name": f"sailor-{per_host * (a100_hosts + v100_hosts)}", "nodes": nodes,
+                                   "network": network})
 
 
-CASES = {"1": ("32 A100-40 + 96 V100-16", cluster(8, 24)), "2": ("80 A100-40 + 240 V100-16", cluster(20, 60))}
+# Sailor's two cases, then two of hethub's own at that scale (8-GPU hosts on 100 Gbit/s; 4-GPU hosts on 25)
+CASES = {"1": ("32 A100-40 + 96 V100-16", cluster(8, 24)), "2": ("80 A100-40 + 240 V100-16", cluster(20, 60)),
+         "3": ("64 A100-40 + 64 V100-16, 8-GPU hosts, 100 Gbit/s",
+               cluster(8, 8, 8, {"intra_node_gbps": 2400, "inter_node_gbps": 100})),
+         "4": ("160 A100-40 + 160 V100-16, 25 Gbit/s",
+               cluster(40, 40, 4, {"intra_node_gbps": {"A100-40GB": 14, "V100-16GB": 10}, "inter_node_gbps": 25}))}
 
 
 def metis_shaped(cm: CostModel) -> Plan:
@@ -123,6 +131,7 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", help="a folder of `hethub profile` files for A100-40GB and V100-16GB")
     ap.add_argument("--plan", action="append", default=[], help="a plan file to score (its cluster and model)")
     ap.add_argument("--noise", type=float, default=0.03, help="the measured-like profiles' noise (0: analytic only)")
+    ap.add_argument("--out", default="peers.md", help="the results file's name under benchmarks/results")
     args = ap.parse_args(argv)
     profiles = load_profiles(args.profiles) if args.profiles else ()
     rows = []
@@ -150,11 +159,12 @@ def main(argv=None) -> None:
         cm = CostModel(plan.cluster, plan.model, profiles=profiles, dtype=plan.dtype or "fp16")
         rows.append(score(os.path.basename(path), plan.model_copy(update={"predicted": predict(plan, cm)}), cm, None))
     load = os.getloadavg()[0]
-    write_result("peers.md", "\n".join([
+    write_result(args.out, "\n".join([
         f"# The planner against its peers' plan shapes (2 cores, load {load:.1f}; time limit {args.time_limit:g} s; "
         f"per-layer times: {'profiles ' + args.profiles if args.profiles else 'analytic, and noisy profiles'})", "",
-        "OPT-350M-shaped model, global batch 1024, fp16, 4-GPU hosts, Sailor's link figures (intra-node 14 Gbit/s "
-        "on A100 hosts, 10 on V100 hosts; 12 Gbit/s between hosts). closed form: what the MILP ranks by; replay: "
+        "OPT-350M-shaped model, global batch 1024, fp16. Cases 1 and 2: 4-GPU hosts, Sailor's link figures "
+        "(intra-node 14 Gbit/s on A100 hosts, 10 on V100 hosts; 12 Gbit/s between hosts); cases 3 and 4 as named. "
+        "gap: the search's proven gap on its closed form. closed form: what the MILP ranks by; replay: "
         "`hethub simulate` of the plan (what `plan` predicts); closed / replay: iteration times (target 0.95-1.05); "
         "no overlap: samples/s as Sailor's simulator's network model prices the plan. A Metis-shaped plan: "
         "Metis's case-1 stage shape (V100 | V100 | A100 on a quarter, a half and a quarter of the devices), its "

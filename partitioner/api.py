@@ -53,7 +53,7 @@ def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float, over
     if wanted != plan.schedule:  # chunked or auto: the MILP's groups, re-cut and re-scheduled
         chosen = {k: v for k, v in (plan.predicted.model_extra or {}).items()
                   if k in ("replayed", "ranked", "replay_apart")}  # how the groups were chosen, for --explain
-        plan, tried = choose_schedule(plan, cm, wanted)
+        plan, tried = choose_schedule(plan, cm, wanted, overlap=overlap)
         plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(update=chosen),
                                        "solver": plan.solver.model_copy(update={"schedules": [
             {"schedule": name, "chunks": v, "iteration_s": it, "fits_memory": fits} for name, v, it, fits in tried]})})

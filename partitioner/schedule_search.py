@@ -44,7 +44,7 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
     return out
 
 
-def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool = False
+def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool = False, overlap: bool = True
                     ) -> tuple[Plan, list[tuple[str, int, Optional[float], bool]]]:
     """The fastest variant (``variants``) that fits memory, with its prediction, and what each variant predicted:
     (schedule, chunks per group, iteration seconds, fits memory). None fits: the fastest, marked as not fitting,
@@ -53,7 +53,9 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
 
     Where some variant fits, the ones that do not are not replayed (iteration None): none of them can be chosen,
     and on the 768-device benchmark their replays were 19 of the 21 s ``auto`` took after the MILP's 10.
-    ``replay_all`` replays them too (the schedule benchmark lists what each would take)."""
+    ``replay_all`` replays them too (the schedule benchmark lists what each would take). ``overlap`` False
+    (``--network no-overlap``): the variant fastest without overlap is kept (an interleaved one replayed fastest
+    but moved more boundary traffic: 21% slower so on 128 devices)."""
     kept = []
     for q in variants(plan, cm, schedule):
         if schedule == AUTO and schedule_kind(q.schedule).chunked and not replay_fits(q):
@@ -69,7 +71,9 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
         pred = predict(q, cm, homog)
         tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits))
     fitting = [t for t in tried if t[2]] or tried
-    best = min(fitting, key=lambda t: t[1])[0]
+    if not overlap:  # a variant not replayed does not fit memory (and fitting ones exist): never chosen
+        fitting = [t for t in fitting if t[1] is not None]
+    best = min(fitting, key=lambda t: t[1] if overlap else t[0].predicted.model_extra["no_overlap_s"])[0]
     return best, [(q.schedule, q.num_chunks, it, fits) for q, it, fits in tried]
 
 

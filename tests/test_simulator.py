@@ -510,7 +510,7 @@ def test_the_closed_form_prices_the_latency_neighbouring_stages_wait_for():
     assert 0.92 * replay < closed_form_s(plan, cm) < 1.05 * replay
 
 
-def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_path, capsys):
+def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_path, capsys, monkeypatch):
     """``--network no-overlap``: the MILP's candidates and the choice among plans price the network as Sailor's
     simulator does, so the written plan is at least as fast under that model as the plan planned for overlap
     (both proven optimal here); the plan records the model and ``plan`` prints both figures."""
@@ -539,6 +539,23 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
     assert "planned without overlap (--network no-overlap)" in capsys.readouterr().out
     with pytest.raises(Exception, match=r"PlannerOptions.network: expected one of overlap, no-overlap"):
         PlannerOptions(network="sailor")
+    # auto's schedule among the chosen groups' variants: the fastest without overlap, not the fastest replay
+    from hethub.partitioner.evaluate import fits_memory
+    from hethub.partitioner.schedule_search import choose_schedule, variants
+    from hethub.partitioner import schedule_search
+    real = schedule_search.predict
+
+    def interleaved_replays_fastest(q, *a):  # as on a 128-device case: fastest replayed, slowest without overlap
+        pred = real(q, *a)
+        return pred.model_copy(update={"iteration_s": pred.iteration_s / 10}) if q.num_chunks > 1 else pred
+    monkeypatch.setattr(schedule_search, "predict", interleaved_replays_fastest)
+    base = plans["no-overlap"]
+    fitting = [q for q in variants(base, cm, "auto") if fits_memory(q, cm)]
+    assert len(fitting) >= 3
+    assert choose_schedule(base, cm, "auto")[0].num_chunks > 1
+    best, _ = choose_schedule(base, cm, "auto", overlap=False)
+    assert no_overlap_s(best, cm) == pytest.approx(min(no_overlap_s(q, cm) for q in fitting), rel=1e-12)
+    assert best.num_chunks == 1
 
 
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
