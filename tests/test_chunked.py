@@ -484,7 +484,7 @@ def test_auto_keeps_the_faster_replay_of_groups_planned_for_zb_h1_and_for_1f1b(m
                 update={"iteration_s": 3 * plan.predicted.iteration_s})})
         return plan
     monkeypatch.setattr(api, "choose_by_simulation", slower_zb)
-    monkeypatch.setattr(api, "choose_schedule", lambda plan, cm_, wanted: (plan, []))
+    monkeypatch.setattr(api, "choose_schedule", lambda plan, cm_, wanted, overlap=True: (plan, []))
     plan = api.solve(cm, 8, PlannerOptions(time_limit_s=5, schedule="auto"))
     assert plan.schedule == "1f1b"
     monkeypatch.setattr(api, "AUTO_SECOND_SHARE", 1.01)  # never time left
