@@ -17,6 +17,7 @@ from .partitioner.errors import InputError
 from .partitioner.records import Plan, Record, parse_record, read_data_file
 
 DEFAULT_TIMEOUT_S = 300
+DEFAULT_JOIN_TIMEOUT_S = 600  # hosts are started one after another, by hand or by ssh (hethub.runtime.join)
 MAX_SLOWDOWN = 1e4  # as `hethub profile --emulate-slowdown` allows: past it a factor is a typo
 
 
@@ -46,6 +47,8 @@ class HeteroSection(Record):
     resume: Optional[str] = None  # load the newest complete checkpoint in this directory at initialize
     emulate_slowdown: Optional[dict[str, float]] = None  # {device type: k}: emulated heterogeneity (hethub.emulated.slowdown)
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)  # torch.distributed's, for every collective
+    # how long the ranks that started wait for every other rank of the plan to start (hethub.runtime.join)
+    join_timeout_s: float = Field(DEFAULT_JOIN_TIMEOUT_S, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S)
     # the data-parallel gradient all-reduce's bucket size (hethub.runtime.buckets; the cost model's default)
     bucket_mb: float = Field(DEFAULT_BUCKET_MB, ge=MIN_BUCKET_MB, le=MAX_BUCKET_MB)
     # The engine saves ``checkpoint_dir/global_step<k>`` every ``checkpoint_every`` steps by itself (0: never).

@@ -55,13 +55,15 @@ def _launch_cmd(plan_path: str) -> list[str]:
 
 
 def _start_on_hosts(hosts, plan_path: str, script_args: list[str], own_flags: tuple = (), private_dir: str = "",
-                    private_source: str = "") -> list[subprocess.Popen]:
+                    private_source: str = "", nodes: tuple = (0, 1)) -> list[subprocess.Popen]:
     """One `hethub launch --no_ssh` per host. No --node_rank: node 0 holds the plan's address ADDRS[0],
     node 1 is named 'big' in a UTS namespace of its own (given --node_rank 1 where unshare is missing).
     ``private_dir``: node 1 sees there, in a mount namespace of its own, ``private_source`` (or an empty tmpfs):
-    a directory the hosts do not share."""
+    a directory the hosts do not share. ``nodes``: the hosts to start it on."""
     procs = []
     for node, (ns, link, _) in enumerate(hosts):
+        if node not in nodes:
+            continue
         cmd = ["ip", "netns", "exec", ns, *_launch_cmd(plan_path), *own_flags, "--no_ssh", "--master_addr", ADDRS[0]]
         if node == 1 and private_dir:
             mount = f"mount --bind {private_source}" if private_source else "mount -t tmpfs hethub-test"
@@ -129,7 +131,14 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     train = [*TRAIN, "--steps", "1000000", "--deepspeed_config", str(config)]
     with two_hosts() as hosts:
         procs = _start_on_hosts(hosts, path, train)
-        wait_for_line(procs[0].stdout, r"^step +2 ", timeout=120)  # training under way across the link
+        try:
+            wait_for_line(procs[0].stdout, r"^step +2 ", timeout=120)  # training under way across the link
+        except AssertionError as exc:  # say what the ranks printed instead
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+            outs = [proc.communicate()[0] for proc in procs]
+            raise AssertionError(f"{exc}:\n" + "\n".join(o[-3000:] for o in outs)) from None
         assert ip("-n", hosts[0].namespace, "link", "set", hosts[0].interface, "down").returncode == 0
         t_cut = time.monotonic()
         outs = _finish(procs, 60)
@@ -139,6 +148,30 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     ranks = sorted(int(re.match(r"error: rank (\d+) ", l).group(1)) for l in errors)
     assert ranks == list(range(plan.world_size)) and all(" lost rank(s) " in l for l in errors), errors
     assert took_s < 5 + 30, took_s  # the timeout, plus the launcher reaping its ranks (a hang would be 60 s)
+
+
+def test_a_host_started_late_joins_and_one_never_started_is_named(tmp_path):
+    """Hosts are started one after another: node 1's launch starts after node 0 has waited past its collective
+    timeout (hetero.timeout_s = 1 s), and the run trains, rank 0 having said whom it waits for. A host never started
+    ends every rank that did after hetero.join_timeout_s, each with one line naming the ranks and their host."""
+    plan, path = _two_host_plan(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"hetero": {"timeout_s": 1, "join_timeout_s": 30}}))
+    train = [*TRAIN, "--steps", "1", "--deepspeed_config", str(config)]
+    with two_hosts() as hosts:
+        first = _start_on_hosts(hosts, path, train, nodes=(0,))
+        note = wait_for_line(first[0].stdout, r"^hethub: 2 ranks of 5 joined; waiting up to 30 s", timeout=120)
+        assert "for rank(s) 2-4 (host big)" in note, note
+        outs = _finish(first + _start_on_hosts(hosts, path, train, nodes=(1,)), 240)
+        assert [p.returncode for p in first] == [0], "\n".join(o[-2000:] for o in outs)
+        config.write_text(json.dumps({"hetero": {"join_timeout_s": 2}}))
+        alone = _start_on_hosts(hosts, path, train, nodes=(0,))
+        out = _finish(alone, 120)[0]
+    assert alone[0].returncode == 3, out[-2000:]
+    errors = sorted(l for l in out.splitlines() if l.startswith("error:"))
+    assert errors == [f"error: rank {r}: rank(s) 2-4 (host big) did not join within hetero.join_timeout_s = 2 s: "
+                      "start `hethub launch` on every host of the plan, with the same --master_addr and "
+                      "--master_port" for r in (0, 1)], out[-2000:]
 
 
 @pytest.mark.skipif(not UNSHARE_WORKS, reason="needs unshare for a mount namespace")

@@ -33,6 +33,7 @@ def record_world_start(monkeypatch, plan, rank: int) -> list:
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(startup.deepspeed.comm, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setattr(startup, "_joined_store", lambda plan, join_timeout_s: {})  # the join: hethub.runtime.join
     monkeypatch.setattr(startup.deepspeed, "init_distributed",
                         lambda dist_backend, **kw: calls.append(("deepspeed", dist_backend, "device_id" in kw)))
     for k, v in {"RANK": rank, "LOCAL_RANK": rank % 4, "WORLD_SIZE": plan.world_size, "MASTER_ADDR": "h",

@@ -34,7 +34,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from .._version import __version__
-from ..dsconfig import DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
+from ..dsconfig import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_TIMEOUT_S, HeteroSection, hetero_section, load_config
 from ..emulated.device import EmulatedDevice
 from ..emulated.device import for_rank as emulated_device
 from ..emulated.pinned import check_pin_profiles, load_pin_profiles
@@ -45,7 +45,7 @@ from ..partitioner.errors import InputError
 from ..partitioner.groups import GLOO, world_start
 from ..partitioner.outputs import count
 from ..partitioner.records import Plan, Profile
-from . import capture, ds_seams, elastic, frontdoor, tp
+from . import capture, ds_seams, elastic, frontdoor, join, tp
 from .checks import (check_against_world, connections_note, launched_world, load_checked_schedule,
                      local_device_index, on_gpu, resolve_plan)
 from .control import Control
@@ -153,11 +153,13 @@ def _fix_local_rank(plan: Plan, rank: int) -> None:
         torch.cuda.set_device(local)
 
 
-def init_distributed(timeout_s: float, plan: Optional[Plan] = None) -> None:
+def init_distributed(timeout_s: float, plan: Optional[Plan] = None,
+                     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
     """Create the world group, once, as ``partitioner.groups.world_start`` says for ``plan`` (gloo on CPU and
     where the plan spans vendors; the device bound only where no gloo subgroup of some ranks exists), then hand it
-    to DeepSpeed's ``init_distributed`` (its own, where ``routing`` replaced it), which finds it. Shared with the
-    adapters that start ranks themselves."""
+    to DeepSpeed's ``init_distributed`` (its own, where ``routing`` replaced it), which finds it. Every rank first
+    joins on rank 0's store, waiting up to ``join_timeout_s`` (``join``); collectives then time out after
+    ``timeout_s``. Shared with the adapters that start ranks themselves."""
     accel = get_accelerator()
     cpu = accel.device_name() == "cpu"
     start = world_start(plan, cpu)
@@ -173,10 +175,24 @@ def init_distributed(timeout_s: float, plan: Optional[Plan] = None) -> None:
         kwargs: dict[str, Any] = {"timeout": timeout}
         if start.bind_device:
             kwargs["device_id"] = accel.device(int(os.environ.get("LOCAL_RANK", 0)))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # an elastic agent's workers use its store
+            kwargs.update(_joined_store(plan, join_timeout_s))
         dist.init_process_group(backend, **kwargs)
     # else DeepSpeed discovers the world (MPI) and creates it, binding CUDA devices as it does
     if not deepspeed.comm.is_initialized():
         inspect.unwrap(deepspeed.init_distributed)(dist_backend=backend, timeout=timeout, verbose=False)
+
+
+def _joined_store(plan: Optional[Plan], join_timeout_s: float) -> dict[str, Any]:
+    """``init_process_group``'s store, rank and world size, once every rank has joined on the store."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = join.open_store(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                            join_timeout_s)
+    hosts = None
+    if plan is not None and world_size == plan.world_size:
+        hosts = [plan.stages[s].replicas[j].host for s, j in map(plan.locate, range(world_size))]
+    join.join(store, rank, world_size, join_timeout_s, hosts)
+    return {"store": store, "rank": rank, "world_size": world_size}
 
 
 def _digest(text: str) -> int:
@@ -319,7 +335,7 @@ def _elastic_start(config: RunConfig, plan, args) -> tuple[Any, Optional[Control
         elastic.this_host(base)  # before any collective: a worker that cannot say where it runs ends here
     except InputError as exc:
         fail(str(exc))
-    init_distributed(hetero.timeout_s, base)
+    init_distributed(hetero.timeout_s, base, hetero.join_timeout_s)
     control = Control(hetero.timeout_s)
     try:
         return elastic.elastic_plan(base, control, hetero.checkpoint_dir), control
@@ -403,7 +419,7 @@ def _start_world(run: _Checked, control: Optional[Control], note: str) -> Contro
         check_device_dtype(run.config.precision, torch.device(get_accelerator().current_device_name()))
     except InputError as exc:
         fail(str(exc))
-    init_distributed(run.hetero.timeout_s, run.plan)
+    init_distributed(run.hetero.timeout_s, run.plan, run.hetero.join_timeout_s)
     control = control or Control(run.hetero.timeout_s)
     _register_clean_shutdown(control)
     _check_every_rank_agrees(run.plan, control)
