@@ -638,9 +638,12 @@ class CostModel:
         another stage, over both stages' replicas). ``allreduce_end_s`` overlaps the first with the backward."""
         st, ranges = plan.stages[s], plan.stages[s].chunk_ranges  # a chunked group syncs all its chunks at once
         one_node = len({r.host for r in st.replicas}) == 1
-        params = sum(self.range_params(a, b, st.tensor_parallel) for a, b in ranges)
-        ar = self._sync_s(params, st.types, st.width, one_node, False) if st.width > 1 else 0.0
-        rest = self.sync_s(params, st.types, st.width, one_node, plan.shards_optimizer(st)) - ar
+        # replicas of one degree reduce their shards, one group per shard; of different degrees, whole-size
+        # gradients over every rank of the stage (hethub.runtime.mixed_tp)
+        tp, n = (st.tensor_parallel, st.width) if st.uniform_tp else (1, st.device_count)
+        params = sum(self.range_params(a, b, tp) for a, b in ranges)
+        ar = self._sync_s(params, st.types, n, one_node, False) if st.width > 1 else 0.0
+        rest = self.sync_s(params, st.types, n, one_node, plan.shards_optimizer(st)) - ar
         tied = self.tied_params(min(a for a, _ in ranges), max(b for _, b in ranges))  # 0 if it holds both ends
         if tied:
             ends = [plan.stages[plan.pipeline[0].group], plan.stages[plan.pipeline[-1].group]]

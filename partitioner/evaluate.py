@@ -104,20 +104,21 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
     for s, st in enumerate(plan.stages):
         first, last = st.layers
         samples = max(r.samples for r in st.replicas)
-        # the slowest replica paces the stage: its share on its own type (mixed-type stages differ per replica)
-        tp = st.tensor_parallel
+        # the slowest replica paces the stage: its share on its own type and tensor-parallel degree (mixed stages
+        # differ per replica)
         split = schedule_kind(plan.schedule).splits(s)
-        fwd, bwd = max((split_compute_s(cm, st.type_of(r), first, last, r.samples, st.recompute, tp, split)
-                        for r in st.replicas), key=sum)
+        fwd, bwd = max((split_compute_s(cm, st.type_of(r), first, last, r.samples, st.recompute, st.degree_of(r),
+                                        split) for r in st.replicas), key=sum)
         comm = _boundary_comm_s(plan, cm, s)  # a one-chunk plan's chunk s is stage s
         z = plan.shards_optimizer(st)
-        opt = max(cm.optimizer_s(t, first, last, st.width, tp, z) for t in st.types)
+        opt = max(cm.optimizer_s(st.type_of(r), first, last, st.width, st.degree_of(r), z) for r in st.replicas)
         mem = group_memory_bytes(plan, cm, s, samples, orders[s])
-        wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, tp) for r in st.replicas]
+        wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, st.degree_of(r))
+                  for r in st.replicas]
         wgrad = max(wgrads)
         # what the last gradient pass hides of the buckets: the shortest replica's pass (it may end as late)
         hide = min(wgrads) if split else min(cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute,
-                                                                tp)[1] for r in st.replicas)
+                                                                st.degree_of(r))[1] for r in st.replicas)
         ar = cm.stage_sync_s(plan, s, hide_s=hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail,
@@ -213,7 +214,8 @@ def nic_pace_s(plan: Plan, cm: CostModel) -> float:
     return max([*egress.values(), *ingress.values()], default=0.0)
 
 
-def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
+def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None,
+                          tp: Optional[int] = None) -> float:
     """The most activation bytes a rank of group s holds at once under the plan's compute order
     (``chunked.chunk_orders``, one-chunk plans included): a chunk-micro-batch is held from its forward to its
     backward; where the backward is split, from its B to its W it holds what the weight pass waits with
@@ -222,8 +224,9 @@ def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order
     ``samples``: the rank's rows of a micro-batch. What ``benchmarks/chunked.py`` checks against a run."""
     st = plan.stages[s]
     order = order if order is not None else chunk_orders(plan, plan.num_micro_batches)[s]
-    act = cm.layers.act_bytes_recompute if st.recompute else cm.act_bytes(st.tensor_parallel)
-    waits = cm.wait_bytes(st.tensor_parallel)  # recomputed or not: B rebuilt the graph the W needs
+    tp = tp or min(st.degrees)  # the rank's tensor-parallel degree (default: the stage's that splits least)
+    act = cm.layers.act_bytes_recompute if st.recompute else cm.act_bytes(tp)
+    waits = cm.wait_bytes(tp)  # recomputed or not: B rebuilt the graph the W needs
     mine = [c for c in plan.pipeline if c.group == s]
     per_chunk = {c.position: float(act[c.first:c.last].sum()) * samples for c in mine}
     wait = {c.position: float(waits[c.first:c.last].sum()) * samples for c in mine}
@@ -242,15 +245,15 @@ def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order
     return peak
 
 
-def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None) -> float:
+def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None, tp: Optional[int] = None) -> float:
     """Peak bytes on a rank of group s: every chunk's state, plus the most activations its order holds at once
     (``activation_peak_bytes``), plus a boundary's send and receive buffers per chunk. One rule for every
     schedule: under zb-h1 a stage holds, from each B to its W, what the weight pass waits with, and its last
     stage ends holding two of those (counting in-flight micro-batches as 1F1B's missed that)."""
     st = plan.stages[s]
-    tp, z = st.tensor_parallel, plan.shards_optimizer(st)
+    tp, z = tp or min(st.degrees), plan.shards_optimizer(st)  # default: the stage's degree that splits least
     full = cm.act_bytes(tp)
-    peak = activation_peak_bytes(plan, cm, s, samples, order)
+    peak = activation_peak_bytes(plan, cm, s, samples, order, tp)
     state = sum(cm.state_bytes(a, b, st.width, tp, z) for a, b in st.chunk_ranges)
     extra = max(float(full[a:b].max()) * samples for a, b in st.chunk_ranges) if st.recompute else 0.0
     inputs = sum(float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)
@@ -264,20 +267,21 @@ def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCos
     orders = orders if orders is not None else chunk_orders(plan, plan.num_micro_batches)
     out = []
     for s, st in enumerate(plan.stages):
-        tp, z = st.tensor_parallel, plan.shards_optimizer(st)
+        z = plan.shards_optimizer(st)
         ks = plan.chunks_of_group[s]
 
         def rep_cost(r):  # a split schedule splits the backward of every chunk but the pipeline's first
             parts = [split_compute_s(cm, st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last, r.samples,
-                                     st.recompute, tp, kind.splits(k)) for k in ks]
+                                     st.recompute, st.degree_of(r), kind.splits(k)) for k in ks]
             return sum(f for f, _ in parts), sum(b for _, b in parts)
         fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
         comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)
-        opt = max(sum(cm.optimizer_s(t, a, b, st.width, tp, z) for a, b in st.chunk_ranges) for t in st.types)
+        opt = max(sum(cm.optimizer_s(st.type_of(r), a, b, st.width, st.degree_of(r), z) for a, b in st.chunk_ranges)
+                  for r in st.replicas)
         mem = group_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
         split = kind.split_backward
         wgrad = max(sum(cm.stage_weight_grad_s(st.type_of(r), plan.pipeline[k].first, plan.pipeline[k].last,
-                                               r.samples, tp) for k in ks if k > 0) for r in st.replicas)
+                                               r.samples, st.degree_of(r)) for k in ks if k > 0) for r in st.replicas)
         ar = cm.stage_sync_s(plan, s, hide_s=0.0)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, 0.0))
     return out
@@ -333,7 +337,8 @@ def closed_form_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = 
 def fits_memory(plan: Plan, cm: CostModel, orders=None) -> bool:
     """Every replica's peak (its share, its schedule's order) within its own type's memory."""
     orders = orders if orders is not None else chunk_orders(plan, plan.num_micro_batches)
-    return all(group_memory_bytes(plan, cm, s, r.samples, orders[s]) <= cm.memory_limit_bytes(st.type_of(r))
+    return all(group_memory_bytes(plan, cm, s, r.samples, orders[s], st.degree_of(r))
+               <= cm.memory_limit_bytes(st.type_of(r))
                for s, st in enumerate(plan.stages) for r in st.replicas)
 
 
@@ -467,8 +472,8 @@ def with_pass_times(plan: Plan, cm: CostModel) -> Plan:
     for c in plan.pipeline:
         st = plan.stages[c.group]
         slowest = (0.0, 0.0, 0.0)
-        for t, n in {(st.type_of(r), r.samples) for r in st.replicas}:  # chunk 0's backward is not split
-            passes = pass_times_s(cm, t, c.first, c.last, n, st.recompute, st.tensor_parallel, c.position > 0)
+        for t, n, tp in {(st.type_of(r), r.samples, st.degree_of(r)) for r in st.replicas}:  # chunk 0: not split
+            passes = pass_times_s(cm, t, c.first, c.last, n, st.recompute, tp, c.position > 0)
             slowest = max(slowest, tuple(x * 1e3 for x in passes), key=sum)
         times.append(tuple(round(x, 6) for x in slowest))
     data = plan.model_dump(exclude_none=True)
@@ -481,6 +486,6 @@ def chunk_time_s(plan: Plan, cm: CostModel):
     replica (its share of the micro-batch, its own type)."""
     def chunk_s(g: int, first: int, last: int) -> float:
         st = plan.stages[g]
-        shares = {(st.type_of(r), r.samples) for r in st.replicas}
-        return max(sum(cm.stage_compute_s(t, first, last, n, st.recompute, st.tensor_parallel)) for t, n in shares)
+        shares = {(st.type_of(r), r.samples, st.degree_of(r)) for r in st.replicas}
+        return max(sum(cm.stage_compute_s(t, first, last, n, st.recompute, tp)) for t, n, tp in shares)
     return chunk_s

@@ -56,9 +56,9 @@ def group_prefix_s(plan: Plan, cm: CostModel) -> np.ndarray:
     type; a mixed group's shares are split by speed, so its types' prefixes nearly agree)."""
     out = []
     for st in plan.stages:
-        tp, rc = st.tensor_parallel, st.recompute
+        rc = st.recompute
         shares = [cm.prefix(t, rc, tp) * n + cm.prefix_fixed(t, rc, tp)
-                  for t, n in {(st.type_of(r), r.samples) for r in st.replicas}]
+                  for t, n, tp in {(st.type_of(r), r.samples, st.degree_of(r)) for r in st.replicas}]
         out.append(np.max(shares, axis=0))
     return np.array(out)
 

@@ -56,7 +56,7 @@ def vendor_of_rank(plan: Plan) -> dict[int, str]:
     for st in plan.stages:
         for rep in st.replicas:
             vendor = plan.cluster.device_type(st.type_of(rep)).vendor
-            for r in rep.group_ranks(st.tensor_parallel):
+            for r in st.ranks_of(rep):
                 out[r] = vendor
     return out
 
@@ -128,14 +128,12 @@ def group_specs(plan: Plan, tie_layers: Sequence[Sequence[int]] = ()) -> list[Gr
     vendors = vendor_of_rank(plan)
     out: list[GroupSpec] = []
     for st in plan.stages:
-        if st.tensor_parallel > 1:
-            for j, rep in enumerate(st.replicas):
-                ranks = tuple(rep.group_ranks(st.tensor_parallel))
+        for j, rep in enumerate(st.replicas):
+            if st.degree_of(rep) > 1:
+                ranks = tuple(st.ranks_of(rep))
                 out.append(GroupSpec("tp", ranks, _backend(ranks, vendors), st.index, j))
     for st in plan.stages:
-        for k in range(st.tensor_parallel):
-            ranks = tuple(rep.group_ranks(st.tensor_parallel)[k] for rep in st.replicas)
-            out.append(GroupSpec("dp", ranks, _backend(ranks, vendors), st.index, k))
+        out += _reduce_groups(st, vendors)
     for r in range(plan.world_size):
         out.append(GroupSpec("self", (r,), ACCEL, plan.locate(r)[0]))
     for s in range(len(plan.pipeline) - 1):
@@ -151,9 +149,21 @@ def group_specs(plan: Plan, tie_layers: Sequence[Sequence[int]] = ()) -> list[Gr
         stages = sorted({layer_stage[layer] for layer in layers})
         if len(stages) > 1:
             ranks = tuple(sorted(r for k in stages for rep in plan.stages[k].replicas
-                                 for r in rep.group_ranks(plan.stages[k].tensor_parallel)))
+                                 for r in plan.stages[k].ranks_of(rep)))
             out.append(GroupSpec("tie", ranks, _backend(ranks, vendors), None, i))
     return out
+
+
+def _reduce_groups(st, vendors: dict[int, str]) -> list[GroupSpec]:
+    """The groups a stage's gradients are reduced over. Replicas of one degree: one group per shard index (the
+    ranks holding the same shard). Replicas of different degrees hold shards that do not align (halves beside
+    thirds): one group of every rank of the stage, which sums whole-size gradients (``hethub.runtime.mixed_tp``)."""
+    if not st.uniform_tp:
+        ranks = tuple(sorted(r for rep in st.replicas for r in st.ranks_of(rep)))
+        return [GroupSpec("dp", ranks, _backend(ranks, vendors), st.index, 0)]
+    return [GroupSpec("dp", tuple(st.ranks_of(rep)[k] for rep in st.replicas),
+                      _backend([st.ranks_of(rep)[k] for rep in st.replicas], vendors), st.index, k)
+            for k in range(st.tensor_parallel)]
 
 
 def transfer_group(kind: str, stage: int) -> tuple[str, int]:

@@ -23,9 +23,15 @@ class StageLayout:
     tensor_parallel: int = 1
     zero1: bool = False  # the stage shards its optimizer state over its replicas
     replica_types: tuple[str, ...] = ()  # per replica, for a stage that mixes types (empty: all device_type)
+    # per replica, for a stage whose replicas differ in tensor-parallel degree (empty: all tensor_parallel, which is
+    # then the largest)
+    replica_tp: tuple[int, ...] = ()
 
     def type_of(self, replica: int) -> str:
         return self.replica_types[replica] if self.replica_types else self.device_type
+
+    def tp_of(self, replica: int) -> int:
+        return self.replica_tp[replica] if self.replica_tp else self.tensor_parallel
 
 
 def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[str, int]]]:
@@ -42,9 +48,10 @@ def place(cluster: Cluster, layouts: Sequence[StageLayout]) -> list[list[tuple[s
     for i in sorted(range(len(layouts)), key=lambda k: -layouts[k].tensor_parallel):
         lay = layouts[i]
         slots = {}
-        for t in dict.fromkeys(lay.type_of(r) for r in range(len(lay.samples))):  # a mixed stage: type by type
-            mine = [r for r in range(len(lay.samples)) if lay.type_of(r) == t]
-            slots.update(zip(mine, _take_slots(cluster, free, i, t, len(mine), lay.tensor_parallel)))
+        kinds = dict.fromkeys((lay.type_of(r), lay.tp_of(r)) for r in range(len(lay.samples)))
+        for t, tp in sorted(kinds, key=lambda k: -k[1]):  # a mixed stage: type by type, larger groups first
+            mine = [r for r in range(len(lay.samples)) if (lay.type_of(r), lay.tp_of(r)) == (t, tp)]
+            slots.update(zip(mine, _take_slots(cluster, free, i, t, len(mine), tp)))
         out[i] = [slots[r] for r in range(len(lay.samples))]
     return out
 
@@ -91,18 +98,18 @@ def build_plan(model: ModelConfig, cluster: Cluster, layouts: Sequence[StageLayo
         for host, _ in slots:
             if host not in host_order:
                 host_order.append(host)
-    used = sorted((host_order.index(h), slot + t) for lay, slots in zip(layouts, placement) for h, slot in slots
-                  for t in range(lay.tensor_parallel))
+    used = sorted((host_order.index(h), slot + t) for lay, slots in zip(layouts, placement)
+                  for r, (h, slot) in enumerate(slots) for t in range(lay.tp_of(r)))
     rank_of = {(host_order[h], slot): r for r, (h, slot) in enumerate(used)}
     stages = []
     for i, (lay, slots) in enumerate(zip(layouts, placement)):
         reps = []
         for r in sorted(range(len(slots)), key=lambda r: rank_of[slots[r]]):
             (host, slot), n = slots[r], lay.samples[r]
-            if lay.tensor_parallel == 1:
+            if lay.tp_of(r) == 1 and (lay.tensor_parallel == 1 or lay.replica_tp):
                 rep = {"rank": rank_of[(host, slot)], "host": host, "slot": slot, "samples": int(n)}
             else:  # a tensor-parallel group: consecutive slots of one host
-                group = [slot + k for k in range(lay.tensor_parallel)]
+                group = [slot + k for k in range(lay.tp_of(r))]
                 rep = {"ranks": [rank_of[(host, g)] for g in group], "host": host, "slots": group, "samples": int(n)}
             if lay.type_of(r) != lay.device_type:
                 rep["device_type"] = lay.type_of(r)

@@ -282,6 +282,8 @@ def solution_layouts(sol: Solution, units: list[tuple[int, int]], types: list[st
         out.append(StageLayout(layers=(units[c.first_unit[k]][0], units[c.end_unit[k] - 1][1]),
                                device_type=types[c.type_idx[k]], samples=samples, recompute=bool(c.recompute[k]),
                                zero1=bool(c.zero1[k]),
-                               tensor_parallel=int(c.tp[k]),
+                               tensor_parallel=max(int(c.tp[k]), int(c.tp2[k])),
+                               replica_tp=((int(c.tp[k]),) * int(c.width[k]) + (int(c.tp2[k]),) * wb
+                                           if wb and c.tp2[k] != c.tp[k] else ()),
                                replica_types=(types[c.type_idx[k]],) * int(c.width[k]) + second if wb else ()))
     return out

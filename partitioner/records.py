@@ -706,6 +706,36 @@ class Stage(Record):
         """The accelerator type a replica runs on: its own, else the stage's."""
         return replica.device_type or self.device_type
 
+    def degree_of(self, replica: "Replica") -> int:
+        """A replica's tensor-parallel degree: ``len(ranks)``; 1 with ``rank`` alone, except in a stage where no
+        replica lists ``ranks`` (then every replica is a group of the stage's ``tensor_parallel``, from ``rank``)."""
+        if replica.ranks is not None:
+            return len(replica.ranks)
+        return self.tensor_parallel if self.uniform_tp else 1
+
+    @property
+    def uniform_tp(self) -> bool:
+        """Every replica has the stage's ``tensor_parallel`` (else the stage mixes degrees: per-replica TP)."""
+        return all(r.ranks is None or len(r.ranks) == self.tensor_parallel for r in self.replicas) and (
+            self.tensor_parallel == 1 or all(r.ranks is not None for r in self.replicas)
+            or all(r.ranks is None for r in self.replicas))
+
+    def ranks_of(self, replica: "Replica") -> list[int]:
+        """A replica's ranks, lead first."""
+        return replica.group_ranks(self.degree_of(replica))
+
+    def slots_of(self, replica: "Replica") -> list[int]:
+        return replica.group_slots(self.degree_of(replica))
+
+    @property
+    def degrees(self) -> list[int]:
+        """Each replica's tensor-parallel degree, in replica order."""
+        return [self.degree_of(r) for r in self.replicas]
+
+    @property
+    def device_count(self) -> int:
+        return sum(self.degrees)
+
     @property
     def types(self) -> list[str]:
         """The stage's distinct device types, the stage's own first."""
@@ -807,7 +837,7 @@ class Plan(Record):
 
     @property
     def world_size(self) -> int:
-        return sum(s.width * s.tensor_parallel for s in self.stages)
+        return sum(s.device_count for s in self.stages)
 
     @property
     def num_chunks(self) -> int:
@@ -838,7 +868,7 @@ class Plan(Record):
         out: dict[str, int] = {}
         for st in self.stages:
             for r in st.replicas:
-                out[st.type_of(r)] = out.get(st.type_of(r), 0) + st.tensor_parallel
+                out[st.type_of(r)] = out.get(st.type_of(r), 0) + st.degree_of(r)
         return out
 
     def shards_optimizer(self, stage: "Stage") -> bool:
@@ -858,7 +888,7 @@ class Plan(Record):
     @cached_property
     def _rank_map(self) -> dict[int, tuple[int, int]]:
         return {rank: (s.index, j) for s in self.stages for j, r in enumerate(s.replicas)
-                for rank in r.group_ranks(s.tensor_parallel)}
+                for rank in s.ranks_of(r)}
 
     def boundary(self, after_stage: int) -> Optional[Boundary]:
         """The boundary after stage ``after_stage`` (None: direct, no cast)."""
@@ -866,7 +896,7 @@ class Plan(Record):
 
     def idle_devices(self) -> list[tuple[str, int, str]]:
         """(host, slot, device_type) of cluster devices the plan leaves unused."""
-        used = {(r.host, slot) for s in self.stages for r in s.replicas for slot in r.group_slots(s.tensor_parallel)}
+        used = {(r.host, slot) for s in self.stages for r in s.replicas for slot in s.slots_of(r)}
         return [(n.host, k, n.device_type) for n in self.cluster.nodes for k in range(n.count)
                 if (n.host, k) not in used]
 
@@ -896,6 +926,7 @@ def validate_plan(plan: Plan) -> None:
                                  f"(it has {', '.join(plan.cluster.type_names)})")
         if st.tensor_parallel > 1:
             check_tensor_parallel(plan.model, st.tensor_parallel, f"{f}.tensor_parallel")
+        _check_degrees(plan, st, f)
         total = sum(r.samples for r in st.replicas)
         if total != plan.micro_batch_size:
             raise ValueError(f"{f}.replicas: samples must sum to micro_batch_size={plan.micro_batch_size}, "
@@ -907,6 +938,20 @@ def validate_plan(plan: Plan) -> None:
     missing = sorted(set(range(world)) - set(seen_ranks))
     if missing:
         raise ValueError(f"stages: ranks must be 0..{world - 1} without gaps, missing rank {missing[0]}")
+
+
+def _check_degrees(plan: Plan, st: Stage, f: str) -> None:
+    """A stage mixing tensor-parallel degrees: its ``tensor_parallel`` is the largest, and each replica's degree
+    splits the model."""
+    if st.uniform_tp:
+        return
+    degrees = st.degrees
+    if max(degrees) != st.tensor_parallel:
+        raise ValueError(f"{f}.tensor_parallel: a stage whose replicas differ in tensor parallelism ({'/'.join(map(str, degrees))}) "
+                         f"names the largest degree, {max(degrees)}, got {st.tensor_parallel}")
+    for j, (r, d) in enumerate(zip(st.replicas, degrees)):
+        if d > 1:
+            check_tensor_parallel(plan.model, d, f"{f}.replicas[{j}].ranks")
 
 
 def check_tensor_parallel(m: "ModelConfig", t: int, field: str) -> None:
@@ -1008,14 +1053,13 @@ def _check_replica(plan: Plan, st: Stage, r: Replica, rf: str, seen_ranks: dict,
     if held is not None and held != st.type_of(r):
         at = f" at slot {r.slot}" if len(cluster._entries_by_host[r.host]) > 1 else ""  # a host of several types
         raise ValueError(f"{rf}.host: {r.host!r} holds {held}{at}, but the replica runs on {st.type_of(r)}")
-    t = st.tensor_parallel
+    t = st.degree_of(r)
     for many, one in (("ranks", "rank"), ("slots", "slot")):
         group = getattr(r, many)
         if group is None:
             continue
-        if len(group) != t:
-            raise ValueError(f"{rf}.{many}: a replica of a stage with tensor_parallel {t} lists {t} {many}, "
-                             f"got {len(group)}")
+        if len(group) != t:  # slots against ranks (ranks make the degree)
+            raise ValueError(f"{rf}.{many}: a replica of {t} rank(s) lists {t} {many}, got {len(group)}")
         if getattr(r, one) != group[0]:
             raise ValueError(f"{rf}.{one}: must be the first of {many} ({group[0]}), got {getattr(r, one)}")
     slots = r.group_slots(t)

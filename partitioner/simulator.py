@@ -269,14 +269,14 @@ class _Replay:
         if a.kind in ("L", "OPT"):  # the loader is not modelled; the optimizer steps all of the rank's chunks
             st, rep = self.where[rank]
             return 0.0 if a.kind == "L" else sum(
-                self.cm.optimizer_s(st.type_of(rep), c0, c1, st.width, st.tensor_parallel,
+                self.cm.optimizer_s(st.type_of(rep), c0, c1, st.width, st.degree_of(rep),
                                     self.plan.shards_optimizer(st)) for c0, c1 in st.chunk_ranges)
         k = (rank, a.chunk)
         if k not in self.durations:
             st, rep = self.where[rank]
             first, last = st.layers if a.chunk is None else self.plan.pipeline[a.chunk][3:]
             t = st.type_of(rep)
-            tp = st.tensor_parallel
+            tp = st.degree_of(rep)
             tp_f, tp_b = self.cm.stage_tp_allreduce_s(t, first, last, rep.samples, st.recompute, tp)
             # a chunk whose list has W actions runs each backward in two: input gradients (B), weights' (W)
             split = any(b.kind == "W" and b.chunk == a.chunk for b in self.sched[rank])
@@ -517,7 +517,7 @@ def write_png(result: SimResult, plan: Plan, path: str, title: str = "", inputs:
     for r in reversed(leads):
         s, j = plan.locate(r)
         st = plan.stages[s]
-        tp = f" tp{st.tensor_parallel}" if st.tensor_parallel > 1 else ""
+        tp = f" tp{st.degree_of(st.replicas[j])}" if st.degree_of(st.replicas[j]) > 1 else ""
         labels.append(f"r{r} s{s} {st.type_of(st.replicas[j])}{tp}")
     ax.set_yticks(range(n))
     ax.set_yticklabels(labels, fontsize=8)

@@ -33,8 +33,9 @@ def test_a_tensor_parallel_replica_lists_its_ranks_and_slots_and_round_trips():
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda d: d["stages"][1]["replicas"][0].update(ranks=[2]), r"stages\[1\]\.replicas\[0\]\.ranks: a replica of "
-                                                                  r"a stage with tensor_parallel 2 lists 2 ranks, got 1"),
+    # one rank makes a replica of degree 1 (per-replica tensor parallelism): its two slots are then one too many
+    (lambda d: d["stages"][1]["replicas"][0].update(ranks=[2]), r"stages\[1\]\.replicas\[0\]\.slots: a replica of "
+                                                                  r"1 rank\(s\) lists 1 slots, got 2"),
     (lambda d: d["stages"][1]["replicas"][0].update(slots=[2, 9]), r"replicas\[0\]\.slots: host 'n0' has slots 0\.\.7, "
                                                                    r"got 9"),
     (lambda d: d["stages"][1]["replicas"][1].update(slots=[0, 1]), r"replicas\[1\]\.slot: n0:0 is already used"),
@@ -261,3 +262,123 @@ def test_a_bad_tp_plan_ends_every_rank_with_exit_2_before_any_collective(tmp_pat
             f"                  tp_plan={tp_plan!r}, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))\n")
     for rc, _out, err in spawn(plan.world_size, ["-c", code], timeout=60):
         assert rc == 2 and err.strip().splitlines()[-1].startswith("error: " + message), err[-1500:]
+
+
+# ------------------------------------------------------------------ replicas of different degrees in one stage
+MIXED = ModelConfig(name="gpt-mixed-tp", architecture="gpt", num_layers=3, hidden_size=24, num_attention_heads=6,
+                    ffn_hidden_size=48, vocab_size=64, seq_length=8)
+
+
+def mixed_tp_plan(degrees=(1, 2, 3), samples=(1, 2, 3), zero1=False) -> Plan:
+    """Stage 0: layers [0, 2) on rank 0. Stage 1: layers [2, 5), one replica per degree (ranks after rank 0, in
+    order), each taking its samples of the micro-batch of 6."""
+    reps, rank = [], 1
+    for t, n in zip(degrees, samples):
+        reps.append({"ranks": list(range(rank, rank + t)), "host": "localhost", "slots": list(range(rank, rank + t)),
+                     "samples": n})
+        rank += t
+    data = {"model": MIXED.model_dump(), "cluster": CPU_CLUSTER_DUMP(), "global_batch_size": 12,
+            "micro_batch_size": 6, "num_micro_batches": 2, "zero1": zero1,
+            "stages": [{"index": 0, "layers": [0, 2], "device_type": "CPU", "tensor_parallel": 1,
+                        "replicas": [{"rank": 0, "host": "localhost", "slot": 0, "samples": 6}]},
+                       {"index": 1, "layers": [2, 5], "device_type": "CPU", "tensor_parallel": max(degrees),
+                        "replicas": reps}]}
+    return Plan.model_validate(data)
+
+
+def CPU_CLUSTER_DUMP():
+    from plans import CPU_CLUSTER
+    return CPU_CLUSTER.model_dump()
+
+
+def test_a_stage_may_mix_tensor_parallel_degrees_and_says_so():
+    plan = mixed_tp_plan()
+    st = plan.stages[1]
+    assert st.degrees == [1, 2, 3] and not st.uniform_tp and plan.world_size == 7
+    assert Plan.model_validate_json(plan.to_json()) == plan
+    assert plan.locate(5) == (1, 2) and st.ranks_of(st.replicas[0]) == [1]
+    from hethub.partitioner.groups import group_specs
+    specs = group_specs(plan)
+    assert [s.ranks for s in specs if s.purpose == "tp"] == [(2, 3), (4, 5, 6)]
+    # shards of halves and thirds do not align: one reduce group of every rank of the stage
+    assert [s.ranks for s in specs if s.purpose == "dp" and s.stage == 1] == [(1, 2, 3, 4, 5, 6)]
+    from hethub.cli.show import plan_table
+    from rich.console import Console
+    console = Console(width=200, record=True)
+    console.print(plan_table(plan))
+    assert "1+2+3" in console.export_text()
+    # the simulator runs each replica at its own degree: its forward takes its share of the work at that degree
+    from hethub.partitioner.simulator import simulate
+    cm = CostModel(plan.cluster, plan.model)
+    events = simulate(plan, cm).events
+    for rank, t, n in ((1, 1, 1), (2, 2, 2), (4, 3, 3)):
+        fwd = next(e for e in events if e.rank == rank and e.name == "F0")
+        f, _b = cm.stage_compute_s("CPU", 2, 5, n, tp=t)
+        assert fwd.end_s - fwd.start_s == pytest.approx(f), (rank, fwd)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["stages"][1].update(tensor_parallel=2), r"stages\[1\]\.tensor_parallel: a stage whose replicas "
+                                                          r"differ in tensor parallelism \(1/2/3\) names the largest "
+                                                          r"degree, 3, got 2"),
+    (lambda d: d["model"].update(num_attention_heads=4, hidden_size=16), r"stages\[1\]\.(tensor_parallel|replicas\[2\]"
+                                                                          r"\.ranks): 3 must divide the model's "
+                                                                          r"attention heads \(4\)"),
+    (lambda d: d["stages"][1]["replicas"][1].update(samples=3), r"stages\[1\]\.replicas: samples must sum to "
+                                                               r"micro_batch_size=6, got 7"),
+    (lambda d: d["stages"][1]["replicas"][1].update(slots=[2]), r"stages\[1\]\.replicas\[1\]\.slots: a replica of 2 "
+                                                               r"rank\(s\) lists 2 slots, got 1"),
+])
+def test_bad_mixed_degree_plans_name_the_field(edit, match):
+    data = json.loads(mixed_tp_plan().to_json())
+    edit(data)
+    with pytest.raises(InputError, match=match):
+        Plan.from_json(json.dumps(data))
+
+
+def test_zero1_in_a_stage_of_mixed_degrees_is_one_line():
+    from hethub.dsconfig import check_zero
+    with pytest.raises(InputError, match=r"config\.zero_optimization\.stage: ZeRO-1 .* stage 1 \(its replicas' "
+                                         r"tensor-parallel degrees are 1/2/3\): not supported"):
+        check_zero(mixed_tp_plan(), {"zero_optimization": {"stage": 1}})
+
+
+def test_the_planner_mixes_degrees_in_a_stage_where_that_wins(monkeypatch):
+    """One A100-80GB beside four V100-16GB (gpt-1.3b, 1F1B): the best plan is one stage of the A100 at TP 1 and the
+    V100s as one group at TP 4, faster than the best plan the search finds without such stages."""
+    from hethub.partitioner.api import make_plan
+    from hethub.partitioner.search import candidates as cands
+    cluster = Cluster.model_validate({"name": "a-v", "nodes": [
+        {"host": "a", "device_type": "A100-80GB", "count": 1}, {"host": "v", "device_type": "V100-16GB", "count": 4}],
+        "network": {"intra_node_gbps": 2400, "inter_node_gbps": 100}})
+    opts = PlannerOptions(time_limit_s=20, schedule="1f1b")
+    plan = make_plan(cluster, builtin_model("gpt-1.3b"), 16, opts=opts, with_homogeneous_sum=False)
+    assert [(st.types, st.degrees) for st in plan.stages] == [(["A100-80GB", "V100-16GB"], [1, 4])], plan.stages
+    assert Plan.model_validate_json(plan.to_json()) == plan
+    add = cands._Builder.add
+
+    def without_mixed_degrees(self, pa, wa, sa, pb=None, wb=0, sb=0, **kw):
+        if pb is None or pb.tp == pa.tp:
+            add(self, pa, wa, sa, pb, wb, sb, **kw)
+    monkeypatch.setattr(cands._Builder, "add", without_mixed_degrees)
+    other = make_plan(cluster, builtin_model("gpt-1.3b"), 16, opts=opts, with_homogeneous_sum=False)
+    assert all(st.uniform_tp for st in other.stages)
+    assert plan.predicted.samples_per_s > other.predicted.samples_per_s
+
+
+@pytest.mark.dist
+def test_a_stage_mixing_tensor_parallel_degrees_trains_like_one_process_and_resumes_under_one_degree(tmp_path):
+    """hethub's GPT blocks in float64 on a stage of three replicas at TP 1, 2 and 3 (1, 2 and 3 samples of each
+    micro-batch): 3 steps equal one process, the checkpoint holds whole tensors, and 3 more steps under a stage of
+    one degree (TP 2 twice) resumed from it equal one process too."""
+    K, ckpt = 3, str(tmp_path / "ckpt")
+    plan = mixed_tp_plan()
+    ref = _reference(tmp_path, plan, 2 * K, "gpt")
+    first = _run(tmp_path, plan, "m", K, "gpt", "--save", ckpt)
+    for g in first:
+        torch.testing.assert_close(g["losses"], ref["losses"][:K], rtol=TOL, atol=0)
+    for rank in (1, 2, 4):  # every replica's lead holds the one-process weights after K steps
+        for k, v in first[rank]["params"].items():
+            assert v.shape == ref["params"][k].shape
+    second = _run(tmp_path, mixed_tp_plan((2, 2), (4, 2)), "u", 2 * K, "gpt", "--first", str(K), "--load", ckpt)
+    _compare(second, ref, ref["losses"][K:])

@@ -38,7 +38,7 @@ _PLACEMENT_FLAGS = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "-
 def host_layout(plan: Plan) -> list[tuple[str, list[int]]]:
     """[(host, slots)] in rank order; refuses plans whose ranks DeepSpeed's launcher cannot reproduce."""
     by_rank = sorted((rank, r.host, slot) for s in plan.stages for r in s.replicas
-                     for rank, slot in zip(r.group_ranks(s.tensor_parallel), r.group_slots(s.tensor_parallel)))
+                     for rank, slot in zip(s.ranks_of(r), s.slots_of(r)))
     layout: list[tuple[str, list[int]]] = []
     for rank, host, slot in by_rank:
         if layout and layout[-1][0] == host:

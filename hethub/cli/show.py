@@ -17,16 +17,20 @@ from ..partitioner.records import Plan, load_plan
 def _hosts(stage) -> str:
     by_host: dict[str, list[int]] = {}
     for r in stage.replicas:
-        by_host.setdefault(r.host, []).extend(r.group_slots(stage.tensor_parallel))
+        by_host.setdefault(r.host, []).extend(stage.slots_of(r))
     return " ".join(f"{h}:{','.join(map(str, s))}" for h, s in by_host.items())
 
 
 def _ranks(stage) -> str:
     """Replicas' ranks; a tensor-parallel group in brackets: [2,3] [4,5]."""
-    t = stage.tensor_parallel
-    if t == 1:
+    if stage.tensor_parallel == 1:
         return ",".join(str(r.rank) for r in stage.replicas)
-    return " ".join("[" + ",".join(map(str, r.group_ranks(t))) + "]" for r in stage.replicas)
+    return " ".join("[" + ",".join(map(str, stage.ranks_of(r))) + "]" for r in stage.replicas)
+
+
+def _degrees(stage) -> str:
+    """The stage's tensor-parallel degree; per replica where they differ (1+1+4)."""
+    return str(stage.tensor_parallel) if stage.uniform_tp else "+".join(map(str, stage.degrees))
 
 
 def plan_table(plan: Plan) -> Table:
@@ -47,7 +51,7 @@ def plan_table(plan: Plan) -> Table:
         t.add_column("memory MiB" if mib else "memory GiB", justify="right")
     for st in plan.stages:
         row = [str(st.index), " ".join(f"[{a}, {b})" for a, b in st.chunk_ranges),
-               "+".join(st.types), str(st.width), str(st.tensor_parallel), "+".join(str(r.samples) for r in st.replicas),
+               "+".join(st.types), str(st.width), _degrees(st), "+".join(str(r.samples) for r in st.replicas),
                _ranks(st), _hosts(st), "yes" if st.recompute else "no", "yes" if plan.shards_optimizer(st) else "no"]
         if pred and pred.stage_s:
             row.append(f"{pred.stage_s[st.index] * 1e3:.2f}" if st.index < len(pred.stage_s) else "")

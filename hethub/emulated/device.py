@@ -53,4 +53,4 @@ def for_rank(plan: Plan, grid, factors: Optional[dict], pin_profiles: Optional[l
     actions = actions if actions is not None else build_schedule(plan)[grid.schedule_rank]
     split = {a.chunk if a.chunk is not None else grid.stage_id for a in actions if a.kind == "W"}
     return EmulatedDevice(factor, pins_for(plan, pin_profiles, grid.stage_id, grid.device_type,
-                                           grid.sample_stop - grid.sample_start, split))
+                                           grid.sample_stop - grid.sample_start, split, grid.tp))

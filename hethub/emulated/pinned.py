@@ -59,10 +59,11 @@ class Pins:
 
 
 def pins_for(plan: Plan, profiles: list[Profile], stage: int, device_type: str, rows: int,
-             split_positions: set[int]) -> Pins:
+             split_positions: set[int], tensor_parallel: Optional[int] = None) -> Pins:
     """The pins of one replica of group ``stage`` (``device_type``, ``rows`` samples per micro-batch) whose chunks
     at ``split_positions`` split their backward (their action list has weight passes), priced by the plan's
-    cost model (cluster, model, dtype) with these profiles."""
+    cost model (cluster, model, dtype) with these profiles. ``tensor_parallel``: the replica's degree (default: the
+    stage's)."""
     cm = cost_model_for(plan, profiles)
     st = plan.stages[stage]
     layer_s, weight_s = {}, {}
@@ -70,7 +71,8 @@ def pins_for(plan: Plan, profiles: list[Profile], stage: int, device_type: str, 
         chunk, split = plan.pipeline[position], position in split_positions
         for i in range(chunk.first, chunk.last):
             # a recomputing stage's "bwd" holds the forward it runs again (``SlowDown`` times it inside)
-            fwd, bwd, wgt = pass_times_s(cm, device_type, i, i + 1, rows, st.recompute, st.tensor_parallel, split)
+            fwd, bwd, wgt = pass_times_s(cm, device_type, i, i + 1, rows, st.recompute,
+                                         tensor_parallel or st.tensor_parallel, split)
             layer_s[i] = {"fwd": fwd, "bwd": bwd}
             weight_s[position] = weight_s.get(position, 0.0) + wgt
     return Pins(rows, layer_s, {k: s for k, s in weight_s.items() if k in split_positions})

@@ -83,7 +83,9 @@ def _type_matches(plan_type: str, detected: str) -> bool:
 
 
 def _ranks_of(stage) -> str:
-    return str(stage.width) if stage.tensor_parallel == 1 else f"{stage.width}x{stage.tensor_parallel}"
+    if stage.uniform_tp:
+        return str(stage.width) if stage.tensor_parallel == 1 else f"{stage.width}x{stage.tensor_parallel}"
+    return "(" + "+".join(map(str, stage.degrees)) + ")"
 
 
 def check_against_world(plan: Plan, rank: int, world: int, layers: Sequence[Any], config: dict,
@@ -129,9 +131,8 @@ def plan_local_index(plan: Plan, rank: int) -> int:
     stage, rep = plan.locate(rank)
     st = plan.stages[stage]
     me = st.replicas[rep]
-    mine = dict(zip(me.group_ranks(st.tensor_parallel), me.group_slots(st.tensor_parallel)))[rank]
-    slots = sorted(slot for s in plan.stages for r in s.replicas if r.host == me.host
-                   for slot in r.group_slots(s.tensor_parallel))
+    mine = dict(zip(st.ranks_of(me), st.slots_of(me)))[rank]
+    slots = sorted(slot for s in plan.stages for r in s.replicas if r.host == me.host for slot in s.slots_of(r))
     return slots.index(mine)
 
 

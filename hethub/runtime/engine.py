@@ -28,7 +28,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..dsconfig import FP16Section
 from ..partitioner.schedule import build_schedule
-from . import checkpoint, ds_seams, saving
+from . import checkpoint, ds_seams, mixed_tp, saving
 from .control import Control
 from .errors import Guard
 from .executor import Executor
@@ -135,13 +135,17 @@ class HeteroPipelineEngine(PipelineEngine):
         if grid.data_parallel_size == 1:
             return
         group = grid.get_data_parallel_group()
-        for p in self.module.parameters():
-            data = local(p).data
+        def broadcast(data: torch.Tensor, src: int) -> None:
             bridged = grid.on_host(group) and data.device.type != "cpu"  # a stage spanning vendors
             wire = data.cpu() if bridged else data
-            dist.broadcast(wire, src=grid.dp_ranks[0], group=group)
+            dist.broadcast(wire, src=src, group=group)
             if bridged:
                 data.copy_(wire)
+        if grid.mixed_tp:  # shards that do not align: replica 0's whole tensors (mixed_tp)
+            mixed_tp.broadcast_whole(list(self.module.parameters()), grid.stage.replicas[0].rank, broadcast)
+            return
+        for p in self.module.parameters():
+            broadcast(local(p).data, grid.dp_ranks[0])
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, data_iter: Optional[Iterator] = None):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..partitioner.costmodel import DEFAULT_BUCKET_MB
-from . import precision
+from . import mixed_tp, precision
 from .buckets import maybe_buckets
 from .control import Control
 from .errors import Guard
@@ -36,9 +36,10 @@ class Gradients:
         self.global_norm: Optional[float] = None  # of the last clip
         self._sums: Optional[tuple] = None  # (loss, squared norm, all finite, scale in it) of this step (step_sums)
         group = grid.get_data_parallel_group() if grid.data_parallel_size > 1 else None
-        self.buckets = maybe_buckets(module.parameters(), bucket_bytes, group,
-                                     group is not None and grid.on_host(group) and device.type != "cpu",
-                                     grid.data_parallel_size, self._guarded_stage_call)
+        # a stage mixing tensor-parallel degrees sums whole-size gradients at the end instead (mixed_tp)
+        self.buckets = None if grid.mixed_tp else maybe_buckets(
+            module.parameters(), bucket_bytes, group, group is not None and grid.on_host(group) and device.type != "cpu",
+            grid.data_parallel_size, self._guarded_stage_call)
 
     def _guarded_stage_call(self, fn: Callable, what: str):
         self.guard.peers = tuple(self.grid.dp_ranks)
@@ -65,6 +66,10 @@ class Gradients:
         stages holding a tied weight; ZeRO-1 takes its shard."""
         if self.buckets is not None:
             self.buckets.finish()
+        elif self.grid.mixed_tp:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            mixed_tp.reduce_whole(params, self.grid.tp_rank, lambda flat: self._stage_collective(
+                _summed, flat, "the gradient all-reduce (replicas of different tensor-parallel degrees)"))
         self._reduce_tied()
         if self.zero1 is not None:
             self.zero1.load_grads()
@@ -167,6 +172,11 @@ class Gradients:
                 mine = total_loss.detach().double().reshape(1).cpu()
             loss = self.guard(lambda: self.control.sum(mine), "loss broadcast")
         return loss[0].to(self.device)
+
+
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def _tied_parameter(tie, layers: dict):

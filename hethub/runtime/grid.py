@@ -53,8 +53,12 @@ class HeteroGrid:
         self.slice_parallel_size = 1
         # Tensor parallelism: this replica is a group of tp ranks; the lead (its first) talks to the
         # neighbouring stages and shares what it receives with the group (hethub.runtime.transport).
-        self.tp = self.stage.tensor_parallel
-        self.tp_ranks = self.stage.replicas[self.replica_id].group_ranks(self.tp)
+        replica = self.stage.replicas[self.replica_id]
+        self.tp = self.stage.degree_of(replica)  # this replica's (replicas of one stage may differ: mixed_tp)
+        self.tp_ranks = self.stage.ranks_of(replica)
+        # Replicas of different degrees hold shards that do not align: gradients are reduced whole over every rank
+        # of the stage (hethub.runtime.mixed_tp), not per shard.
+        self.mixed_tp = not self.stage.uniform_tp
         self.tp_rank = self.tp_ranks.index(rank)
         self.tp_lead = self.tp_ranks[0]
         self.schedule_rank = self.tp_lead  # whose schedule this rank runs
@@ -81,8 +85,9 @@ class HeteroGrid:
                 if spec.on_host or accel == "gloo":
                     self._gloo.add(group)
         self.tp_group = mine.get(("tp", self.stage_id, self.replica_id))
-        self.dp_ranks = [rep.group_ranks(self.tp)[self.tp_rank] for rep in self.stage.replicas]
-        self._dp_group = mine[("dp", self.stage_id, self.tp_rank)]
+        dp = next(s for s in specs if s.purpose == "dp" and s.stage == self.stage_id and self.global_rank in s.ranks)
+        self.dp_ranks = list(dp.ranks)  # the ranks holding this rank's shard (mixed_tp: every rank of the stage)
+        self._dp_group = mine[("dp", self.stage_id, dp.index)]
         self.dp_bridged = self._spec_of[self._dp_group].on_host  # the stage spans vendors: gloo on any machine
         self._self_group = mine[("self", self.stage_id, None)]
         # per (direction, boundary after chunk b): the groups of the boundaries this rank's chunks talk across

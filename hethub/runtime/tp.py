@@ -213,3 +213,21 @@ def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
             n = like.device_mesh.size(mesh_dim)
             part = part.chunk(n, dim=placement.dim)[like.device_mesh.get_local_rank(mesh_dim)]
     return part
+
+
+def place_shard(whole: torch.Tensor, part: torch.Tensor, like: torch.Tensor) -> None:
+    """Write this rank's ``part`` into its place in ``whole`` (the inverse of ``shard_of``; ``like`` says the
+    layout): no communication."""
+    split = split_of(like)
+    if split is not None and whole.dim() > 0:
+        n, r = dist.get_world_size(split.group), dist.get_rank(split.group)
+        for block, piece in zip(whole.chunk(split.parts, dim=split.dim), part.chunk(split.parts, dim=split.dim)):
+            block.chunk(n, dim=split.dim)[r].copy_(piece)
+        return
+    view = whole
+    if is_dtensor(like):
+        for mesh_dim, placement in enumerate(like.placements):
+            if placement.is_shard():
+                n = like.device_mesh.size(mesh_dim)
+                view = view.chunk(n, dim=placement.dim)[like.device_mesh.get_local_rank(mesh_dim)]
+    view.copy_(part)

@@ -54,6 +54,9 @@ class Candidates:
     # (a node's share queued on its NIC): two neighbours' dependency cycle adds it to their compute
     # (``evaluate.link_cycle_s``, which averages the two neighbours' compute where this charges each its own)
     latency_s: np.ndarray
+    # the second type's tensor-parallel degree (a mixed stage whose replicas differ in degree: the faster type's at
+    # ``tp``, the slower's at ``tp2`` >= tp; pure stages: tp)
+    tp2: np.ndarray
 
     def __len__(self) -> int:
         return len(self.cost_s)
@@ -61,7 +64,7 @@ class Candidates:
     @property
     def devices(self) -> np.ndarray:
         """Devices a candidate stage occupies, all types together: replicas x tensor-parallel degree."""
-        return (self.width + self.width2) * self.tp
+        return self.width * self.tp + self.width2 * self.tp2
 
     @property
     def pace_s(self) -> np.ndarray:
@@ -89,7 +92,8 @@ class Candidates:
 
     def uses(self, ti: int) -> np.ndarray:
         """Devices of type ``ti`` each candidate occupies."""
-        return (np.where(self.type_idx == ti, self.width, 0) + np.where(self.type2_idx == ti, self.width2, 0)) * self.tp
+        return np.where(self.type_idx == ti, self.width * self.tp, 0) + np.where(self.type2_idx == ti,
+                                                                                  self.width2 * self.tp2, 0)
 
     def uses_matrix(self, n_types: int) -> np.ndarray:
         """(candidates, types) devices used."""
@@ -98,7 +102,7 @@ class Candidates:
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "zero1", "cost_s", "compute_s", "comm_s",
           "allreduce_s", "optimizer_s", "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2",
-          "hop_s", "latency_s")
+          "hop_s", "latency_s", "tp2")
 
 
 @dataclass
@@ -379,9 +383,10 @@ class _Builder:
                                                 trailing_weight_passes(schedule, 3, 1, M)), 0)
 
     def add(self, pa: _Part, wa: int, sa: int, pb: Optional[_Part] = None, wb: int = 0, sb: int = 0,
-            z: bool = False, only: Optional[np.ndarray] = None) -> None:
+            z: bool = False, only: Optional[np.ndarray] = None, whole: Optional[_Part] = None) -> None:
         """Stages of ``wa`` replicas of part ``pa`` taking ``sa`` samples each (plus ``wb`` of ``pb`` taking ``sb``:
-        a mixed stage), with or without ZeRO-1, where ``only`` (default: every range) and memory allow."""
+        a mixed stage), with or without ZeRO-1, where ``only`` (default: every range) and memory allow. ``whole``:
+        a degree-1 part of the same layers, whose parameters a stage of two degrees sums over all its ranks."""
         cm, M = self.cm, self.M
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
         comp, comm, cross = pa.split_compute_s(sa, self.split), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
@@ -404,7 +409,10 @@ class _Builder:
         hide = np.where(self.split, wg, bwd)
         if not self.overlap:  # ``evaluate.no_overlap_s``: transfers on the path, nothing hides the all-reduce
             comp, wg, lat, hide, tail = comp + comm, np.zeros_like(comp), np.zeros_like(comp), 0.0, 0.0
-        ar = (cm.sync_s(pa.params, ts, w, pb is None and wa <= pa.per_node, z, hide)
+        params, ranks = pa.params, w
+        if pb is not None and pb.tp != pa.tp:  # shards that do not align: whole tensors over every rank (mixed_tp)
+            params, ranks = whole.params, wa * pa.tp + wb * pb.tp
+        ar = (cm.sync_s(params, ts, ranks, pb is None and wa <= pa.per_node, z, hide)
               + cm.tie_sync_s(self.tied, ts, 2 * w) + self.tail_ws * tail)
         opt = np.max([cm.optimizer_s_of(pa.params, t, w, z) for t in ts], axis=0)
         k = np.where(self.ends_pipeline & (k < self.last_need), 0, k)
@@ -421,7 +429,8 @@ class _Builder:
                              ("hop_s", np.maximum(away - comm, 0.0)[keep]), ("tp", np.full(n, pa.tp)),
                              ("latency_s", lat[keep]),
                              ("type2_idx", np.full(n, self.index[pb.t] if pb is not None else -1)),
-                             ("width2", np.full(n, wb)), ("samples2", np.full(n, sb))):
+                             ("width2", np.full(n, wb)), ("samples2", np.full(n, sb)),
+                             ("tp2", np.full(n, pb.tp if pb is not None else pa.tp))):
             self.cols[name].append(values)
 
     def _latency_s(self, part: _Part, w: int, s: int, mixed: bool) -> np.ndarray:
@@ -430,24 +439,30 @@ class _Builder:
                           np.where(self.I > 0, part.latency_s(w, s, True, mixed), 0.0))
 
     def add_mixed(self, parts: dict, b: int, counts: dict[str, int], max_tp: int) -> None:
-        """Stages mixing two device types of one vendor (the faster first), at a degree both have."""
+        """Stages mixing two device types of one vendor (the faster first): at a degree both have, and, with
+        ``max_tp`` > 1, the slower type's replicas at a larger degree than the faster's (an A100 at TP 1 beside
+        V100s at TP 4: per-replica tensor parallelism)."""
         cm, types, index = self.cm, self.types, self.index
         speed = {t: cm.sample_s(t) for t in types}
         for ta, tb in itertools.permutations(types, 2):
             if self.vendor_of[ta] != self.vendor_of[tb] or (speed[ta], index[ta]) > (speed[tb], index[tb]):
                 continue  # one vendor (a cross-vendor stage would all-reduce through the host); ta the faster
-            common = set(tensor_parallel_degrees(cm, ta, max_tp)) & set(tensor_parallel_degrees(cm, tb, max_tp))
-            for tp in sorted(common):
-                for pa, pb in zip(parts[ta, tp], parts[tb, tp]):  # the same recompute setting
+            degrees_a, degrees_b = (tensor_parallel_degrees(cm, t, max_tp) for t in (ta, tb))
+            for tpa, tpb in ((x, y) for x in degrees_a for y in degrees_b if x <= y):
+                whole = parts.get((ta, 1))
+                if tpa != tpb and whole is None:
+                    continue
+                for k, (pa, pb) in enumerate(zip(parts[ta, tpa], parts[tb, tpb])):  # the same recompute setting
                     rep = [(float(cm.prefix_fixed(t, pa.rc, tp)[-1]), float(cm.prefix(t, pa.rc, tp)[-1]))
-                           for t in (ta, tb)]
-                    for wa, wb, sb in mixed_splits(*rep[0], *rep[1], b, counts[ta] // tp, counts[tb] // tp):
-                        self.add(pa, wa, -(-(b - wb * sb) // wa), pb, wb, sb)
+                           for t, tp in ((ta, tpa), (tb, tpb))]
+                    for wa, wb, sb in mixed_splits(*rep[0], *rep[1], b, counts[ta] // tpa, counts[tb] // tpb):
+                        self.add(pa, wa, -(-(b - wb * sb) // wa), pb, wb, sb, whole=whole[k] if whole else None)
 
     def candidates(self) -> Candidates:
         cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in self.cols.items()}
         cand = Candidates(**{k: cat[k] for k in self.cols})
-        for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp", "type2_idx", "width2", "samples2"):
+        for name in ("first_unit", "end_unit", "type_idx", "width", "vendor", "tp", "type2_idx", "width2", "samples2",
+                     "tp2"):
             setattr(cand, name, getattr(cand, name).astype(int))
         cand.recompute, cand.zero1 = cand.recompute.astype(bool), cand.zero1.astype(bool)
         return cand
@@ -527,7 +542,7 @@ def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int
     used = np.zeros(len(counts), dtype=int)  # the chain's rows only: brute force asks at every complete chain
     np.add.at(used, c.type_idx[ch], c.width[ch] * c.tp[ch])
     two = [k for k in ch if c.type2_idx[k] >= 0]
-    np.add.at(used, c.type2_idx[two], c.width2[two] * c.tp[two])
+    np.add.at(used, c.type2_idx[two], c.width2[two] * c.tp2[two])
     return bool((c.in_flight[ch] >= need).all() and (used <= np.asarray(counts)).all())
 
 

@@ -296,7 +296,7 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
     cc, ar, opt = c.cost_s.tolist(), c.allreduce_s.tolist(), c.optimizer_s.tolist()
     pc, hpc, bpc = c.pace_s.tolist(), c.hopped_pace_s.tolist(), c.bridged_pace_s.tolist()
     w, t = (c.width * c.tp).tolist(), c.type_idx.tolist()
-    w2, t2 = (c.width2 * c.tp).tolist(), c.type2_idx.tolist()  # a mixed stage's second type (-1: none)
+    w2, t2 = (c.width2 * c.tp2).tolist(), c.type2_idx.tolist()  # a mixed stage's second type (-1: none)
     vend, pen, hop = c.vendor.tolist(), c.bridge_s.tolist(), c.hop_s.tolist()
     used = [0] * len(counts)
     best: list = [None, math.inf]

@@ -122,7 +122,7 @@ def blocks_fit(c: Candidates, n: int, counts: Sequence[int], M: int, sample_s: O
     mid = (c.first_unit == 1) & (c.end_unit < n)
     blocks = (c.end_unit - c.first_unit).astype(float)
     speed = 1.0 / np.asarray(sample_s if sample_s is not None else np.ones(len(counts)), dtype=float)
-    d_a, d_b = c.width * c.tp, c.width2 * c.tp
+    d_a, d_b = c.width * c.tp, c.width2 * c.tp2
     w_a = d_a * speed[c.type_idx]
     w_b = np.where(c.type2_idx >= 0, d_b * speed[np.maximum(c.type2_idx, 0)], 0.0)
     share_a = blocks * w_a / (w_a + w_b)  # the whole stage for a pure one
