@@ -634,14 +634,11 @@ class CostModel:
 
     def stage_sync_parts(self, plan: Plan, s: int) -> tuple[float, int, float]:
         """Stage s of a placed plan at the end of its backward: (its bucketed gradient all-reduce, the number of
-        buckets, what runs after it: the ZeRO-1 all-gather and the all-reduce of a tied weight it shares with
-        another stage, over both stages' replicas). ``allreduce_end_s`` overlaps the first with the backward."""
+        buckets, what runs after it: the ZeRO-1 all-gather and a tied weight's all-reduce over both stages'
+        replicas). ``allreduce_end_s`` overlaps the first with the backward."""
         st, ranges = plan.stages[s], plan.stages[s].chunk_ranges  # a chunked group syncs all its chunks at once
         one_node = len({r.host for r in st.replicas}) == 1
-        # replicas of one degree reduce their shards, one group per shard; of different degrees, whole-size
-        # gradients over every rank of the stage (hethub.runtime.mixed_tp)
-        tp, n = (st.tensor_parallel, st.width) if st.uniform_tp else (1, st.device_count)
-        params = sum(self.range_params(a, b, tp) for a, b in ranges)
+        params, n = sum(self.range_params(a, b, _reduced_over(st)[0]) for a, b in ranges), _reduced_over(st)[1]
         ar = self._sync_s(params, st.types, n, one_node, False) if st.width > 1 else 0.0
         rest = self.sync_s(params, st.types, n, one_node, plan.shards_optimizer(st)) - ar
         tied = self.tied_params(min(a for a, _ in ranges), max(b for _, b in ranges))  # 0 if it holds both ends
@@ -719,6 +716,13 @@ class CostModel:
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
         return (self.state_bytes_of(params, width, zero1) * OPTIMIZER_PASSES
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
+
+
+def _reduced_over(st) -> tuple[int, int]:
+    """(the degree a stage's reduced gradients are split by, the ranks that sum them): replicas of one degree
+    reduce their shards, one group per shard; of different degrees, whole tensors over every rank of the stage
+    (hethub.runtime.mixed_tp)."""
+    return (st.tensor_parallel, st.width) if st.uniform_tp else (1, st.device_count)
 
 
 def host_copies_s(nbytes):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import free_port
+from dist_util import run_deepspeed
 from hethub.partitioner import ModelConfig
 from hethub.partitioner.placement import StageLayout, build_plan
 from instances import CPU_CLUSTER
@@ -57,8 +57,7 @@ def test_a_deepspeed_pipeline_script_runs_unchanged_under_a_plan_and_trains_like
     plan = tmp_path / "plan.json"
     plan.write_text(_plan().to_json())
     common = ["--steps", "3", "--deepspeed_config", str(cfg)]
-    ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                          str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save",
+    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save",
                           str(tmp_path / "ref-ckpt"), *common], cwd=ROOT, env=_env(), capture_output=True,
                          text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -96,10 +95,9 @@ def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2, extra=()):
     script = tmp_path / "with_import.py"
     script.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(SCRIPT)!r})\nimport hethub  # noqa: F401\n"
                       "import ds_pipeline_script\nds_pipeline_script.main()\n")
-    return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-                           "--master_port", str(free_port()), str(script), "--out", str(tmp_path / "run"), "--stages", "2",
-                           "--steps", "1", "--deepspeed_config", str(cfg), *extra], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_deepspeed(ranks, [str(script), "--out", str(tmp_path / "run"), "--stages", "2", "--steps", "1",
+                                 "--deepspeed_config", str(cfg), *extra], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=300)
 
 
 def test_plain_deepspeed_with_a_hetero_section_and_import_hethub_builds_hethubs_engine(tmp_path):
@@ -152,8 +150,7 @@ def test_an_optimizer_the_script_builds_over_the_pipeline_module_trains_the_plan
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "optimizer"}))
     common = ["--steps", "3", "--client-sgd", "--deepspeed_config", str(cfg)]
-    ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                          str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
+    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(_two_rank_plan(tmp_path)),

@@ -160,9 +160,8 @@ def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(t
     path.write_text(plan.to_json())
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     tag = f"hethub-mismatch-{os.getpid()}"
-    from dist_util import free_port
-    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "3", "--master_port",
-                        str(free_port()), os.path.join(EXAMPLES, "train_gpt.py"), "--hetero-plan", str(path), "--steps", "1",
+    from dist_util import run_deepspeed
+    r = run_deepspeed("3", [os.path.join(EXAMPLES, "train_gpt.py"), "--hetero-plan", str(path), "--steps", "1",
                         "--log-json", tag], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert r.returncode == 2
     errors = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error:")]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from dist_util import free_port
+from dist_util import run_deepspeed
 from hethub.partitioner import Cluster, InputError, ModelConfig
 from hethub.partitioner.costmodel import CostModel
 
@@ -81,8 +81,7 @@ def test_an_unchanged_script_profiled_planned_and_run_trains_like_one_process(tm
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HETHUB_EMULATE_SLOWDOWN="CPU-SLOW=2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = ["--steps", "2", "--deepspeed_config", str(tmp_path / "ds.json"), "--arch", arch]
-    ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                          str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
+    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(plan), "--local", SCRIPT,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from dist_util import free_port
+from dist_util import run_deepspeed
 from hethub.partitioner import Cluster, InputError, ModelConfig, Plan
 from hethub.partitioner.placement import StageLayout, build_plan
 
@@ -87,8 +87,7 @@ def test_a_mixed_host_plan_runs_local_each_rank_on_its_type_and_trains_like_one_
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HETHUB_EMULATE_SLOWDOWN="CPU-SLOW=1.5",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = ["--steps", "2", "--deepspeed_config", str(cfg)]
-    ref = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-                          str(free_port()), SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
+    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(tmp_path / "plan.json"),

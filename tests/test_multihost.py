@@ -152,15 +152,16 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
 
 def test_a_host_started_late_joins_and_one_never_started_is_named(tmp_path):
     """Hosts are started one after another: node 1's launch starts after node 0 has waited past its collective
-    timeout (hetero.timeout_s = 1 s), and the run trains, rank 0 having said whom it waits for. A host never started
-    ends every rank that did after hetero.join_timeout_s, each with one line naming the ranks and their host."""
+    timeout (hetero.timeout_s = 5 s; rank 0's note comes after 10 s), and the run trains, rank 0 having said whom it
+    waits for. A host never started ends every rank that did after hetero.join_timeout_s, each with one line naming
+    the ranks and their host."""
     plan, path = _two_host_plan(tmp_path)
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"hetero": {"timeout_s": 1, "join_timeout_s": 30}}))
+    config.write_text(json.dumps({"hetero": {"timeout_s": 5, "join_timeout_s": 600}}))
     train = [*TRAIN, "--steps", "1", "--deepspeed_config", str(config)]
     with two_hosts() as hosts:
         first = _start_on_hosts(hosts, path, train, nodes=(0,))
-        note = wait_for_line(first[0].stdout, r"^hethub: 2 ranks of 5 joined; waiting up to 30 s", timeout=120)
+        note = wait_for_line(first[0].stdout, r"^hethub: 2 ranks of 5 joined; waiting up to 600 s", timeout=120)
         assert "for rank(s) 2-4 (host big)" in note, note
         outs = _finish(first + _start_on_hosts(hosts, path, train, nodes=(1,)), 240)
         assert [p.returncode for p in first] == [0], "\n".join(o[-2000:] for o in outs)

@@ -367,10 +367,11 @@ def test_yaml_alias_bombs_are_refused_before_they_are_expanded(tmp_path, capsys,
 
 def test_ctrl_c_at_any_moment_of_a_plan_is_one_line(tmp_path):
     """SIGINT while the command imports, builds its candidates or solves: one line, exit 130 (a HiGHS callback
-    used to turn it into a 40-line TypeError traceback)."""
+    used to turn it into a 40-line TypeError traceback; during the imports PuLP swallowed it importing HiGHS, and the
+    plan went on without HiGHS, or ended in a traceback, or CPython ended the process by SIGINT after the line)."""
     import signal
     cluster = os.path.join(EXAMPLES, "cluster.yaml")
-    for delay_s in (0.3, 0.6, 1.5, 3.0):
+    for delay_s in (0.12, 0.17, 0.22, 0.27, 0.32, 0.6, 1.5, 3.0):
         proc = subprocess.Popen([sys.executable, "-m", "hethub.cli", "plan", "--cluster", cluster, "--model",
                                  "llama-7b", "--global-batch", "512", "--time-limit", "30", "-o", str(tmp_path / "p.json")],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -378,8 +379,8 @@ def test_ctrl_c_at_any_moment_of_a_plan_is_one_line(tmp_path):
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=60)
         lines = err.strip().splitlines()
-        if proc.returncode == 0:
-            continue  # it finished before the signal
+        if proc.returncode == 0 and delay_s >= 3.0:
+            continue  # it finished before the signal (a 30 s solve ignoring Ctrl-C would end 0 too: not before)
         assert proc.returncode == 130 and lines[-1:] == ["error: interrupted"], (delay_s, err[-2000:])
         assert all(not line.startswith(("Traceback", "  File")) for line in lines), (delay_s, err[-2000:])
         assert not (tmp_path / "p.json").exists()  # nothing half-written

@@ -1,5 +1,6 @@
 """Tensor parallelism inside a stage: plan format and validation, cost model terms, the planner's choice."""
 import json
+import re
 
 import pytest
 
@@ -315,6 +316,16 @@ def test_a_stage_may_mix_tensor_parallel_degrees_and_says_so():
         fwd = next(e for e in events if e.rank == rank and e.name == "F0")
         f, _b = cm.stage_compute_s("CPU", 2, 5, n, tp=t)
         assert fwd.end_s - fwd.start_s == pytest.approx(f), (rank, fwd)
+
+
+def test_simulate_prints_a_tiny_plans_rate_without_an_exponent(tmp_path):
+    from conftest import run_cli
+    path = tmp_path / "p.json"
+    path.write_text(mixed_tp_plan().to_json())
+    r = run_cli("simulate", str(path))
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith("iteration "))
+    assert re.search(r", \d{1,3}(,\d{3})+ samples/s,", line) and "e+" not in line, line  # 25,671, not 2.567e+04
 
 
 @pytest.mark.parametrize("edit,match", [

@@ -1,17 +1,36 @@
 """The ``hethub`` command: one module per command (``plan``/``simulate``/``explain`` live in ``main``, beside the
 parser), each importing only what its command needs, so ``hethub plan`` never imports torch.
 
-``main`` here is the console script's entry: Ctrl-C while the command's modules are still being imported (a
-second or two before any work) is one line too, as it is everywhere after (``main.main``)."""
+``main`` here is the console script's entry. Ctrl-C is one line and exit 130 at any moment, the command's imports
+included: the handler (``interrupts``) is installed before them."""
+import os
+import signal
 import sys
+import threading
+
+from .interrupts import INTERRUPTED, interrupted, on_interrupt, reset, say_interrupted
 
 __all__ = ["main"]
 
 
 def main(argv=None) -> int:
+    reset()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, on_interrupt) if on_main_thread else None
     try:
         from .main import main as run  # lazy: an interrupt during these imports is caught below
+        code = run(argv)
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    return run(argv)
+        code = say_interrupted()
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGINT, before)
+    if interrupted():  # a library swallowed or reworded it: the user asked to stop all the same
+        code = say_interrupted()
+    if code == INTERRUPTED and argv is None:
+        # From the shell: exit now. CPython remembers a KeyboardInterrupt that crossed some of its own frames during
+        # start-up even when it was caught, and would end the process by SIGINT (exit -2) after the line was said.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
+    return code

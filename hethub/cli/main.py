@@ -14,23 +14,14 @@ import threading
 from typing import Optional, Sequence
 
 from ..partitioner.errors import EXTRA_OF, InputError, missing_package, print_error
+from .interrupts import interrupted, on_interrupt, say_interrupted
 from .parser import build_parser
-
-
-_INTERRUPTED = [False]
-
-
-def _on_interrupt(signum, frame):
-    """Ctrl-C: remembered, then raised as Python does. A native library running a Python callback (HiGHS while
-    it solves) may turn the KeyboardInterrupt into another error; the flag lets ``main`` still say "interrupted"."""
-    _INTERRUPTED[0] = True
-    raise KeyboardInterrupt
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if threading.current_thread() is not threading.main_thread():
         return _main(argv)
-    before = signal.signal(signal.SIGINT, _on_interrupt)
+    before = signal.signal(signal.SIGINT, on_interrupt)
     try:
         return _main(argv)
     finally:
@@ -63,11 +54,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print_error(str(missing_package(argv[0] if argv else "hethub", exc.name)))
         return 2
     except KeyboardInterrupt:
-        print_error("interrupted")
-        return 130
-    except Exception:  # noqa: BLE001 - re-raised unless it is an interrupt a native library reworded
-        if not _INTERRUPTED[0]:
+        return say_interrupted()
+    except Exception:  # noqa: BLE001 - re-raised unless it is an interrupt a library reworded (hethub.cli)
+        if not interrupted():
             raise
-        print_error("interrupted")
-        return 130
+        return say_interrupted()
 

@@ -7,7 +7,7 @@ from ..partitioner.costmodel import cost_model_for
 from ..partitioner.errors import InputError
 from ..partitioner.evaluate import (closed_form_s, replay_fits, replay_iteration_s, replay_limit_message,
                                      replay_micro_batches, with_micro_batches)
-from ..partitioner.outputs import check_output_path, count
+from ..partitioner.outputs import check_output_path, count, num
 from ..partitioner.provenance import recorded_profiles, unrecorded
 from ..partitioner.records import load_plan, load_profiles
 from ..partitioner.schedule import build_schedule, format_schedule, read_schedule_file
@@ -74,7 +74,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     pred = (f"predicted {plan.predicted.iteration_s * 1e3:.3f} ms, {plan.predicted.iteration_s / it - 1:+.1%}"
             if plan.predicted is not None else "the plan holds no prediction")
     print(f"schedule: {args.schedule if args.schedule else plan.schedule}")
-    print(f"iteration {it * 1e3:.3f} ms, {plan.global_batch_size / it:.4g} samples/s, "
+    print(f"iteration {it * 1e3:.3f} ms, {num(plan.global_batch_size / it)} samples/s, "
           f"bubble {res.bubble_fraction:.1%} ({pred}; closed form {closed_form_s(plan, cm) * 1e3:.3f} ms)")
     for st in plan.stages:
         print(f"stage {st.index} ({st.device_type}): busy {_busy(st, res.busy)}")

@@ -22,21 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..dsconfig import FP16Section
 from ..partitioner.schedule import build_schedule
-from . import checkpoint, ds_seams, mixed_tp, saving
+from . import checkpoint, ds_seams, saving
 from .control import Control
 from .errors import Guard
 from .executor import Executor
-from .gradients import BUCKET_BYTES, Gradients
+from .gradients import BUCKET_BYTES, Gradients, broadcast_weights
 from .precision import Precision
 from .grid import HeteroGrid
 from .module import HeteroPipelineModule
-from .tp import local
 from .transport import Transport
 
 ds_seams.check()  # the DeepSpeed names this adapter uses that are not public API exist in this DeepSpeed
@@ -131,21 +129,7 @@ class HeteroPipelineEngine(PipelineEngine):
         """DeepSpeed's start-up broadcast of the weights within the data-parallel group, on each rank's own
         tensors: with tensor parallelism a parameter is a DTensor, and the group is the ranks holding the
         same shard (called from DeepSpeedEngine.__init__, so it reads ``self.mpu``)."""
-        grid = self.mpu
-        if grid.data_parallel_size == 1:
-            return
-        group = grid.get_data_parallel_group()
-        def broadcast(data: torch.Tensor, src: int) -> None:
-            bridged = grid.on_host(group) and data.device.type != "cpu"  # a stage spanning vendors
-            wire = data.cpu() if bridged else data
-            dist.broadcast(wire, src=src, group=group)
-            if bridged:
-                data.copy_(wire)
-        if grid.mixed_tp:  # shards that do not align: replica 0's whole tensors (mixed_tp)
-            mixed_tp.broadcast_whole(list(self.module.parameters()), grid.stage.replicas[0].rank, broadcast)
-            return
-        for p in self.module.parameters():
-            broadcast(local(p).data, grid.dp_ranks[0])
+        broadcast_weights(self.mpu, list(self.module.parameters()))
 
     # ------------------------------------------------------------------ batches
     def train_batch(self, data_iter: Optional[Iterator] = None):

@@ -174,6 +174,27 @@ class Gradients:
         return loss[0].to(self.device)
 
 
+def broadcast_weights(grid, params: list) -> None:
+    """Every replica of the stage starts from replica 0's weights, each rank's own shard from the rank holding the
+    same shard (a stage mixing degrees: from replica 0's whole tensors, ``mixed_tp``); through the host bridge where
+    the stage spans vendors."""
+    if grid.data_parallel_size == 1:
+        return
+    group = grid.get_data_parallel_group()
+
+    def broadcast(data: torch.Tensor, src: int) -> None:
+        bridged = grid.on_host(group) and data.device.type != "cpu"
+        wire = data.cpu() if bridged else data
+        dist.broadcast(wire, src=src, group=group)
+        if bridged:
+            data.copy_(wire)
+    if grid.mixed_tp:
+        mixed_tp.broadcast_whole(params, grid.stage.replicas[0].rank, broadcast)
+        return
+    for p in params:
+        broadcast(local(p).data, grid.dp_ranks[0])
+
+
 def _summed(t: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(t, group=group)
     return t

@@ -90,27 +90,28 @@ def join(store: dist.Store, rank: int, world_size: int, join_timeout_s: float,
 
     Rank 0 decides when the join has failed and says so through the store (``_ENDED``), so that every rank that
     joined ends with the same line before rank 0, and its store, are gone."""
-    store.set(_key(rank), socket.gethostname())
-    keys = [_key(r) for r in range(world_size)]
+    store.set(_key(rank), socket.gethostname())  # who joined: named when some did not
+    store.add(_COUNT, 1)
     start = time.monotonic()
     noted = False
     try:
-        # polled with check(), which never blocks: the store's own timed wait logs a C++ warning at each timeout
-        while not store.check(keys):
+        # a counter polled (one small request a rank every half second, whatever the world's size), not a timed
+        # wait on every rank's key: that logs a C++ warning at each timeout and costs the store O(world) a poll
+        while store.add(_COUNT, 0) < world_size:
             waited_s = time.monotonic() - start
             if rank != 0:
                 _follow(store, rank, waited_s, join_timeout_s)
             elif waited_s >= join_timeout_s:
                 _fail_join(store, world_size, join_timeout_s, hosts)
             elif not noted and waited_s >= WAIT_NOTE_S:
-                noted = True
-                _note(store, world_size, join_timeout_s, hosts)
+                noted = _note(store, world_size, join_timeout_s, hosts)
             time.sleep(_POLL_S)
     except dist.DistError as exc:  # rank 0, and its store, went away
         _end(rank, f"lost rank 0 while the ranks joined: {str(exc).splitlines()[0][:160]}")
 
 
 _ENDED = "hethub/join-ended"  # rank 0's line when the join failed
+_COUNT = "hethub/joined-count"
 _GRACE_S = 30.0  # a rank whose rank 0 said nothing this long after the join timeout stops waiting for it
 
 
@@ -118,12 +119,16 @@ def _missing(store: dist.Store, world_size: int) -> list[int]:
     return [r for r in range(world_size) if not store.check([_key(r)])]
 
 
-def _note(store: dist.Store, world_size: int, join_timeout_s: float, hosts: Optional[Sequence[str]]) -> None:
+def _note(store: dist.Store, world_size: int, join_timeout_s: float, hosts: Optional[Sequence[str]]) -> bool:
+    """Rank 0 says whom it waits for, once ranks of another host are missing (True: said). Ranks of its own host
+    were started by its own launcher and are only importing (a loaded host takes tens of seconds): no note."""
     missing = _missing(store, world_size)
-    if missing:
-        print(f"hethub: {count(world_size - len(missing), 'rank')} of {world_size} joined; waiting up to "
-              f"{join_timeout_s:g} s (hetero.join_timeout_s) for {_missing_note(missing, hosts)}",
-              file=sys.stderr, flush=True)
+    if not hosts or all(hosts[r] == hosts[0] for r in missing):
+        return False
+    print(f"hethub: {count(world_size - len(missing), 'rank')} of {world_size} joined; waiting up to "
+          f"{join_timeout_s:g} s (hetero.join_timeout_s) for {_missing_note(missing, hosts)}",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def _fail_join(store: dist.Store, world_size: int, join_timeout_s: float, hosts: Optional[Sequence[str]]) -> None:
