@@ -713,12 +713,13 @@ class Stage(Record):
             return len(replica.ranks)
         return self.tensor_parallel if self.uniform_tp else 1
 
-    @property
+    @cached_property
     def uniform_tp(self) -> bool:
         """Every replica has the stage's ``tensor_parallel`` (else the stage mixes degrees: per-replica TP)."""
-        return all(r.ranks is None or len(r.ranks) == self.tensor_parallel for r in self.replicas) and (
-            self.tensor_parallel == 1 or all(r.ranks is not None for r in self.replicas)
-            or all(r.ranks is None for r in self.replicas))
+        listed = [len(r.ranks) for r in self.replicas if r.ranks is not None]
+        if len(listed) in (0, len(self.replicas)):  # the shorthand (none listed), or every group listed
+            return all(n == self.tensor_parallel for n in listed)
+        return self.tensor_parallel == 1 and all(n == 1 for n in listed)  # some rank-only: each of degree 1
 
     def ranks_of(self, replica: "Replica") -> list[int]:
         """A replica's ranks, lead first."""
