@@ -25,6 +25,9 @@ from ..partitioner.outputs import count
 
 WAIT_NOTE_S = 10.0  # rank 0 says whom it waits for once the join has taken this long
 _POLL_S = 0.5
+_COUNT = "hethub/joined-count"  # ranks that joined (the one key every rank polls)
+_ENDED = "hethub/join-ended"  # rank 0's line when the join failed
+_GRACE_S = 30.0  # a rank whose rank 0 said nothing this long after the join timeout stops waiting for it
 
 
 def _key(rank: int) -> str:
@@ -108,11 +111,6 @@ def join(store: dist.Store, rank: int, world_size: int, join_timeout_s: float,
             time.sleep(_POLL_S)
     except dist.DistError as exc:  # rank 0, and its store, went away
         _end(rank, f"lost rank 0 while the ranks joined: {str(exc).splitlines()[0][:160]}")
-
-
-_ENDED = "hethub/join-ended"  # rank 0's line when the join failed
-_COUNT = "hethub/joined-count"
-_GRACE_S = 30.0  # a rank whose rank 0 said nothing this long after the join timeout stops waiting for it
 
 
 def _missing(store: dist.Store, world_size: int) -> list[int]:
