@@ -174,7 +174,7 @@ def test_zb_h1_order_splits_every_backward_but_stage_zeros():
 def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
     """Random plans (1-5 stages, mixed types, uneven splits, 1-16 micro-batches): the zb-h1 replay is never
     longer than 1F1B's, splitting a backward only moves time (B + W = 1F1B's B), and the zb-h1 closed form is
-    an upper bound of its replay, as 1F1B's is of its own.
+    an upper bound of its replay (within 0.01%), as 1F1B's is of its own.
 
     (Never longer with the all-reduce in one bucket: in many, 1F1B hides it behind a whole last backward and
     zb-h1 only behind its last W, so there zb-h1 can lose a little; the closed form still bounds it.)"""
@@ -185,7 +185,9 @@ def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
         plan = grid_plan(rng, rng.randint(1, 5), rng.choice([4, 8]), rng.choice([1, 2, 3, 8, 16]))
         assert simulate(_zb(plan), one_bucket).iteration_s <= simulate(plan, one_bucket).iteration_s * (1 + 1e-12)
         base, zb = simulate(plan, cm), simulate(_zb(plan), cm)
-        assert zb.iteration_s - cm.control_syncs_s(plan) <= closed_form_s(_zb(plan), cm) * (1 + 1e-12)
+        # (1e-4: the warm-up credit prices a boundary's trip by its senders' queues; a receiver of several
+        # senders' rows waits a few microseconds more)
+        assert zb.iteration_s - cm.control_syncs_s(plan) <= closed_form_s(_zb(plan), cm) * (1 + 1e-4)
         dur = lambda res, kind: sum(e.end_s - e.start_s for e in res.events if e.kind == kind)  # noqa: E731
         assert dur(zb, "W") > 0 or plan.num_stages == 1
         assert abs(dur(zb, "B") + dur(zb, "W") - dur(base, "B")) <= 1e-9 * dur(base, "B")
@@ -510,6 +512,29 @@ def test_the_closed_form_prices_the_latency_neighbouring_stages_wait_for():
     assert 0.92 * replay < closed_form_s(plan, cm) < 1.05 * replay
 
 
+def test_a_hosts_egress_carries_both_flows_and_the_closed_form_prices_their_waits():
+    """Four stages, one 4-GPU host each, one-sample replicas on 12 Gbit/s: a middle host's egress carries its
+    activations to the next stage and its gradients to the one before. Activations leave behind what is left of
+    the gradients posted one forward earlier (and gradients behind the activations), which lengthens each
+    boundary's trip in the link cycle: the closed form without those waits was 10% under the replay."""
+    from dataclasses import replace
+
+    from hethub.partitioner.evaluate import boundary_latency_s, closed_form_s, iteration_s, nic_pace_s, stage_costs
+    model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
+                        ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
+    cluster = _v100_hosts(6)
+    cm = CostModel(cluster, model, dtype="fp16")
+    cuts = (0, 4, 7, 10, 14)
+    plan = build_plan(model, cluster, [StageLayout((cuts[s], cuts[s + 1]), "V100-16GB", (1,) * 4) for s in range(4)],
+                      4, 64, dtype="fp16")
+    costs = stage_costs(plan, cm)
+    replay = simulate(plan, cm).iteration_s - cm.control_syncs_s(plan)
+    alone = [replace(c, latency_s=boundary_latency_s(plan, cm, k)) for k, c in enumerate(costs)]  # no other flow
+    assert all(c.latency_s > a.latency_s for c, a in zip(costs[:-1], alone))
+    assert iteration_s(alone, 64, nic_pace_s(plan, cm)) < 0.92 * replay
+    assert 0.95 * replay < closed_form_s(plan, cm) < 1.05 * replay
+
+
 def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_path, capsys, monkeypatch):
     """``--network no-overlap``: the MILP's candidates and the choice among plans price the network as Sailor's
     simulator does, so the written plan is at least as fast under that model as the plan planned for overlap
@@ -560,9 +585,10 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
 
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     """Every micro-batch size's best chain the MILP offers (what ``choose_by_simulation`` ranks), placed, on random
-    instances: the closed form is never optimistic by more than 1% and most are within 5% of the replay (on 30
-    instances, 205 plans: 77% within 5%, 95% within 10%, at most 23.5% pessimistic, on plans of 2 micro-batches
-    whose fill and optimizer steps overlap more than it charges). The replay decides among them."""
+    instances: the closed form is never optimistic by more than 1% and most are within 5% of the replay (on 16
+    instances, 105 plans: 87% within 5%, 97% within 10%, at most 12% pessimistic, on zb-h1 plans of 2-3
+    micro-batches whose fill and optimizer steps overlap more than it charges; 75%, 95% and 12.6% before each
+    stage's sync started at its own last backward and the warm-up credit). The replay decides among them."""
     from hethub.partitioner.errors import InfeasibleError
     from hethub.partitioner.evaluate import closed_form_s
     from hethub.partitioner.planner import PlannerOptions, search, solution_layouts, units_for
@@ -581,5 +607,5 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
                                   alt.b, alt.M, schedule=schedule)
                 ratios.append((closed_form_s(plan, cm) + cm.control_syncs_s(plan)) / simulate(plan, cm).iteration_s)
     assert len(ratios) >= 40
-    assert min(ratios) >= 0.99 and max(ratios) <= 1.25, (min(ratios), max(ratios))
-    assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
+    assert min(ratios) >= 0.99 and max(ratios) <= 1.15, (min(ratios), max(ratios))
+    assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.8 * len(ratios)
