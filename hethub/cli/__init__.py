@@ -22,6 +22,10 @@ def main(argv=None) -> int:
         code = run(argv)
     except KeyboardInterrupt:
         code = say_interrupted()
+    except Exception:  # noqa: BLE001 - re-raised unless it is an interrupt a library reworded while importing
+        if not interrupted():  # (pydantic building a model's validator: SchemaError wrapping the KeyboardInterrupt)
+            raise
+        code = say_interrupted()
     finally:
         if on_main_thread:
             signal.signal(signal.SIGINT, before)
