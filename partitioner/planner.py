@@ -114,7 +114,7 @@ class _Search:
         """Heuristic chains for every job: the MILPs then only look below the best."""
         for job in self.jobs:
             if math.isfinite(job.t_lb):
-                chain = incumbent(job.cand, self.U, self.counts, job.M, job.t_lb)
+                chain = incumbent(job.cand, self.U, self.counts, job.M, job.t_lb, one_run=self.opts.equal_widths)
                 if chain is not None:
                     self.offer(Solution(job.key[0], job.M, chain, objective_of(job.cand, chain, job.M),
                                         job.lower_bound_s, "feasible", job.cand), job.key)
@@ -129,13 +129,13 @@ class _Search:
                      else (job.cand, np.arange(len(job.cand))))
         if self.brute:
             res = solve_brute_force(sub, self.U, self.counts, job.M, deadline=self.t0 + self.opts.time_limit_s,
-                                    time_limit_s=self.opts.time_limit_s)
+                                    time_limit_s=self.opts.time_limit_s, one_run=self.opts.equal_widths)
             chosen, obj, bound, status = (None, math.inf, math.inf, "infeasible") if res is None else \
                 (res[0], res[1], res[1], "optimal")
         else:
             self.milp_vars += len(sub)
             chosen, obj, bound, status = solve_milp(sub, self.U, self.counts, job.M, self.opts.solver, seconds,
-                                                    z_lower=job.t_lb, cutoff=cut)
+                                                    z_lower=job.t_lb, cutoff=cut, one_run=self.opts.equal_widths)
         self.bounds[job.key] = max(self.bounds[job.key], bound if status != "infeasible" else
                                    (cut if cut is not None else math.inf))
         self.solved[job.key] = status in ("optimal", "infeasible")

@@ -113,7 +113,8 @@ def _add_plan(sub) -> None:
                          "(as Sailor's simulator: transfers on the compute's path, the whole all-reduce after the "
                          "last backward), for a plan robust to a fleet whose network overlaps less")
     sp.add_argument("--equal-widths", action="store_true",
-                    help="every stage the same width and even splits: plans Megatron-core can run")
+                    help="every stage the same width, even splits, each device type in one run of stages: "
+                         "plans Megatron-core can run")
     sp.add_argument("--no-compare", action="store_true", help="skip the baselines and homogeneous sub-cluster "
                                                                "plans (faster)")
     sp.add_argument("--objective", choices=["throughput", "cost"], default="throughput",

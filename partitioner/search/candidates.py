@@ -535,6 +535,21 @@ def objective_of(c: Candidates, chosen: Sequence[int], M: int) -> float:
                  + c.optimizer_s[ch].max())
 
 
+def one_run_per_type(c: Candidates, chosen: Sequence[int]) -> bool:
+    """Every device type serves one run of consecutive stages (a mixed stage counts for both of its types).
+    Placement fills a type's hosts in stage order, so each host then holds consecutive stages: a rank order
+    torchrun can start, which ``--equal-widths`` promises for ``export megatron``."""
+    seen: set = set()
+    prev: set = set()
+    for k in chosen:
+        here = {int(c.type_idx[k])} | ({int(c.type2_idx[k])} if c.type2_idx[k] >= 0 else set())
+        if (here - prev) & seen:
+            return False
+        seen |= here
+        prev = here
+    return True
+
+
 def chain_is_feasible(c: Candidates, chosen: Sequence[int], counts: Sequence[int], M: int) -> bool:
     """Devices of every type within the cluster's, and every stage holds 1F1B's in-flight count at its position."""
     ch = list(chosen)

@@ -30,6 +30,7 @@ Models with more than ``max_units`` planner layers have their blocks grouped int
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Optional, Sequence
@@ -38,7 +39,7 @@ import numpy as np
 import pulp
 
 from ..errors import InputError
-from .candidates import Candidates, chain_is_feasible, objective_of
+from .candidates import Candidates, chain_is_feasible, objective_of, one_run_per_type
 from .milp import MilpModel
 
 
@@ -107,31 +108,83 @@ def bottleneck_lower_bound(c: Candidates, U: int, total_devices: int, M: int) ->
     return float(values[lo])
 
 
-def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: float, weights: np.ndarray
-                    ) -> Optional[list[int]]:
+def ordered_chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: np.ndarray, order: Sequence[int]
+                     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``chain_dp`` over pure stages whose device types follow ``order``, each type in one run (``--equal-widths``:
+    ``one_run_per_type``). dp[j][u, r]: the cheapest chain of r stages from u using types order[j:] in order;
+    arg[j][u, r]: its first candidate, or -1 where it starts with a later type (dp[j + 1])."""
+    R = U
+    need = np.minimum(np.arange(1, R + 1), M)
+    dps: list[np.ndarray] = [np.empty(0)] * len(order)
+    args: list[np.ndarray] = [np.empty(0)] * len(order)
+    for j in range(len(order) - 1, -1, -1):
+        later = dps[j + 1] if j + 1 < len(order) else None
+        dp = np.full((U + 1, R + 1), np.inf) if later is None else later.copy()
+        dp[U, 0] = 0.0
+        arg = np.full((U + 1, R + 1), -1)
+        mine = ok & (c.type_idx == order[j]) & (c.type2_idx < 0)
+        for u in range(U - 1, -1, -1):
+            ks = np.flatnonzero(mine & (c.first_unit == u))
+            if not len(ks):
+                continue
+            vals = cost[ks, None] + dp[c.end_unit[ks], :R]
+            vals = np.where(c.in_flight[ks, None] >= need[None, :], vals, np.inf)
+            best = vals.argmin(axis=0)
+            better = vals[best, np.arange(R)] < dp[u, 1:]
+            dp[u, 1:] = np.where(better, vals[best, np.arange(R)], dp[u, 1:])
+            arg[u, 1:] = np.where(better, ks[best], -1)
+        dps[j], args[j] = dp, arg
+    return dps, args
+
+
+def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: float, weights: np.ndarray,
+                    order: Optional[Sequence[int]] = None) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
-    the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against."""
-    dp, arg = chain_dp(c, U, M, c.uses_matrix(len(counts)) @ weights, c.pace_s <= T)
-    r = int(dp[0].argmin())
-    if not np.isfinite(dp[0, r]):
+    the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against. ``order``:
+    pure stages, their device types in that order, each in one run (``ordered_chain_dp``)."""
+    cost, ok = c.uses_matrix(len(counts)) @ weights, c.pace_s <= T
+    if order is None:
+        dp, arg = chain_dp(c, U, M, cost, ok)
+        dps, args = [dp], [arg]
+    else:
+        dps, args = ordered_chain_dp(c, U, M, cost, ok, order)
+    r = int(dps[0][0].argmin())
+    if not np.isfinite(dps[0][0, r]):
         return None
-    chain, u = [], 0
+    chain, u, j = [], 0, 0
     while u < U:
-        k = int(arg[u, r])
+        k = int(args[j][u, r])
+        if k < 0:  # this part of the chain starts with a later type
+            j += 1
+            continue
         chain.append(k)
         u, r = int(c.end_unit[k]), r - 1
     return chain if chain_is_feasible(c, chain, counts, M) else None
 
 
-def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float) -> Optional[list[int]]:
-    """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound."""
+# --equal-widths' incumbents try every order of the device types up to this many types (4! = 24 orders)
+MAX_ORDERED_TYPES = 4
+
+
+def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float, one_run: bool = False
+              ) -> Optional[list[int]]:
+    """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound. ``one_run``
+    (``--equal-widths``): chains whose device types each serve one run of stages, in every order of the types
+    (a chain that visits a type twice would be no incumbent of that search)."""
     counts_a = np.asarray(counts, dtype=float)
+    types = sorted(set(c.type_idx.tolist()))
+    if not one_run:
+        orders: list = [None]
+    elif len(types) <= MAX_ORDERED_TYPES:
+        orders = list(itertools.permutations(types))
+    else:
+        return None
     best, best_obj = None, math.inf
     values = np.unique(c.pace_s)
     for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
         T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
-        for weights in (1.0 / counts_a, np.ones_like(counts_a)):
-            chain = heuristic_chain(c, U, counts, M, T, weights)
+        for weights, order in itertools.product((1.0 / counts_a, np.ones_like(counts_a)), orders):
+            chain = heuristic_chain(c, U, counts, M, T, weights, order)
             if chain is not None:
                 obj = objective_of(c, chain, M)
                 if obj < best_obj:
@@ -221,6 +274,24 @@ class _Milp(MilpModel):
                 self.prob += y >= self.affine(e_t + s_t)
             self._charge_ending_stage(p, y, c.hop_s, c.hopped_pace_s, "h")
 
+    def type_run_rows(self) -> None:
+        """Each device type enters the chain once (``one_run_per_type``, for ``--equal-widths``): e[t, p] >= the
+        stages of t starting at boundary p less those ending there, and the e[t, p] of a type sum to at most 1."""
+        c = self.c
+        types = sorted(set(c.type_idx.tolist()) | set(int(t) for t in c.type2_idx if t >= 0))
+        for t in types:
+            entries = []
+            for p in range(self.U):
+                s_t = [(k, 1.0) for k in self.starts[p] if t in (c.type_idx[k], c.type2_idx[k])]
+                if not s_t:
+                    continue
+                e_t = [(k, -1.0) for k in self.ends[p] if t in (c.type_idx[k], c.type2_idx[k])]
+                enter = self.var(f"enter_{t}_{p}", lowBound=0)
+                self.prob += enter >= self.affine(s_t + e_t)
+                entries.append(enter)
+            if len(entries) > 1:
+                self.prob += pulp.lpSum(entries) <= 1
+
     def _charge_ending_stage(self, p: int, flag, price_s: np.ndarray, pace_s: np.ndarray, name: str) -> None:
         """Where ``flag`` (in [0, 1]) is 1 at boundary p, the stage ending there pays ``price_s`` more in the sum and
         is held to ``pace_s`` in the bottleneck (both rows vacuous where the flag is 0); nothing where no ending
@@ -256,10 +327,12 @@ class _Milp(MilpModel):
 
 
 def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str, time_limit_s: float,
-               z_lower: float = 0.0, cutoff: Optional[float] = None) -> tuple[Optional[list[int]], float, float, str]:
+               z_lower: float = 0.0, cutoff: Optional[float] = None, one_run: bool = False
+               ) -> tuple[Optional[list[int]], float, float, str]:
     """(chosen candidates in order or None, objective, lower bound, status: optimal|feasible|infeasible|timeout).
 
     ``cutoff``: only solutions below it are of interest (an incumbent from another micro-batch size).
+    ``one_run``: every device type serves one run of consecutive stages (``one_run_per_type``).
 
     ``z_lower`` is a valid lower bound on the bottleneck (``bottleneck_lower_bound``): with it the LP
     relaxation no longer spreads a fraction of every stage thin to make the bottleneck look cheap.
@@ -273,6 +346,8 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
     milp.host_rows()
     milp.memory_rows()
     milp.device_rows(counts)
+    if one_run:
+        milp.type_run_rows()
     out = milp.solve(solver, time_limit_s, cutoff)
     if not out.solved:
         return None, math.inf, out.bound, out.status
@@ -282,7 +357,7 @@ def solve_milp(c: Candidates, U: int, counts: Sequence[int], M: int, solver: str
 
 
 def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_nodes: int = 20_000_000,
-                      deadline: float = math.inf, time_limit_s: float = math.inf
+                      deadline: float = math.inf, time_limit_s: float = math.inf, one_run: bool = False
                       ) -> Optional[tuple[list[int], float]]:
     """Enumerate every chain of candidates (small instances only): the reference for the MILP.
 
@@ -315,7 +390,7 @@ def solve_brute_force(c: Candidates, U: int, counts: Sequence[int], M: int, max_
         if (M - 1) * mx + sm + mar + mop >= best[1]:
             return
         if u == U:
-            if chain_is_feasible(c, chain, counts, M):
+            if chain_is_feasible(c, chain, counts, M) and (not one_run or one_run_per_type(c, chain)):
                 best[0], best[1] = list(chain), (M - 1) * mx + sm + mar + mop
             return
         for k in starts[u]:
