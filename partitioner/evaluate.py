@@ -193,7 +193,7 @@ def boundary_latency_s(plan: Plan, cm: CostModel, k: int, costs: Optional[list[S
     rhythm: activations leave after a forward, behind what is left of the gradients the host posted one
     forward (zb-h1: a W and a forward) earlier; gradients leave after a backward, behind what is left of the
     activations to the next stage. On one-sample replicas four to a 12 Gbit/s host (Sailor's case 1) the
-    closed form without these waits was 10% under the replay, 5% with them."""
+    closed form without these waits was 10% under the replay, 4% with them."""
     legs = list(_boundary_legs(plan, cm, k))
     if not legs:
         return 0.0
@@ -339,22 +339,26 @@ def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: flo
 
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0.0) -> float:
-    """The closed form: stage 0's last backward ends after the fill, M - 1 paces and the drain; every stage's
-    all-reduce and optimizer step start when its own last backward (zb-h1: its last W) ends, which is the drain
-    below it (the backwards and gradient transfers of stages < s) before stage 0's, not after stage 0's last
-    backward as one max (which overlapped nothing). With this and ``warm_up_credit_s`` the closed form is within
-    5% of the replay on 86% of the plans the MILP ranks on 16 random instances (75% before; 1F1B plans of 2
-    micro-batches were up to 11% pessimistic, now 9%). Under zb-h1 a stage's weight gradients leave
-    the drain's path (its B sends before its W). ``nic_s``: the busiest host NIC's seconds per micro-batch
-    (``nic_pace_s``), which paces the steady state where it exceeds every stage's own pace. Less what the fill
-    and drain charge twice where one stage's compute paces (``warm_up_credit_s``)."""
+    """The closed form. Under 1F1B every stage's all-reduce and optimizer step are charged after stage 0's last
+    backward: charging each after its own last backward (the drain below it earlier) was up to 31% optimistic
+    where a wide stage's replicas end their last backward far apart (a 53-wide stage sending to 107 replicas
+    on 25 Gbit/s: the all-reduce waits for the last). Under zb-h1 a stage's weight gradients leave the drain's
+    path (its B sends before its W), and its last W's come before its all-reduce instead. ``nic_s``: the
+    busiest host NIC's seconds per micro-batch (``nic_pace_s``), which paces the steady state where it exceeds
+    every stage's own pace. Less what the fill and drain charge twice where one stage's compute paces
+    (``warm_up_credit_s``): with it the closed form is within 5% of the replay on 79% of the plans the MILP
+    ranks on 16 random instances (75% without)."""
     pace = max(max(c.pace_s for c in costs), nic_s, link_cycle_s(costs))
+    credit = warm_up_credit_s(costs, num_micro_batches, pace)
+    if not any(c.weight_grad_s for c in costs):
+        return ((num_micro_batches - 1) * pace + sum(c.per_micro_batch_s for c in costs)
+                + max(c.allreduce_s for c in costs) + max(c.optimizer_s for c in costs) - credit)
     below, ends = 0.0, []
-    for c in costs:
+    for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
         ends.append(c.tail_s + c.allreduce_s + c.optimizer_s - below)
         below += c.backward_s - c.weight_grad_s + c.comm_s / 2
     return ((num_micro_batches - 1) * pace + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends)
-            - warm_up_credit_s(costs, num_micro_batches, pace))
+            - credit)
 
 
 def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chunks: int, nic_s: float = 0.0

