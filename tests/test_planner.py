@@ -33,33 +33,36 @@ def test_equal_widths_keep_each_type_in_one_run_and_match_brute_force(seed):
     A100 cannot be launched). The MILP with that rule finds the brute-force optimum under it (on seed 122 the
     optimum without the rule serves a type in two runs, 0.4% faster)."""
     from hethub.partitioner.search.candidates import one_run_per_type
+    solved = _milp_and_brute_force(seed, equal_widths=True)
+    if solved is not None:
+        assert all(one_run_per_type(alt.cands, alt.chosen) for alt in solved[-1]["alternatives"])
+
+
+def _milp_and_brute_force(seed: int, **extra):
+    """A random instance of one vendor and two or three types: (cost model, global batch, options, the MILP's
+    solution, its statistics), the MILP asserted optimal and equal to brute force; None where brute force finds
+    the instance infeasible."""
     cluster, model, batch = random_instance(seed, vendors=("nvidia",), min_types=2)
     cm = CostModel(cluster, model, memory_reserve_gib=0.5)
-    opts = dict(max_micro_batch_size=batch, time_limit_s=60, equal_widths=True)
+    opts = dict(max_micro_batch_size=batch, time_limit_s=60, **extra)
     try:
         ref, _ = search(cm, batch, PlannerOptions(solver="brute-force", **opts))
     except InfeasibleError:
-        return
+        return None
     got, stats = search(cm, batch, PlannerOptions(solver="highs", **opts))
     assert stats["status"] == "optimal"
     assert got.objective == pytest.approx(ref.objective, rel=1e-6)
-    assert all(one_run_per_type(alt.cands, alt.chosen) for alt in stats["alternatives"])
+    return cm, batch, opts, got, stats
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_mixed_type_stages_match_brute_force(seed):
     """One vendor, two or three types: stages may mix two of them. The MILP over that space (per-type device
     rows, speed-proportional splits) finds the brute-force optimum, and never loses to the pure-type space."""
-    cluster, model, batch = random_instance(100 + seed, vendors=("nvidia",), min_types=2)
-    cm = CostModel(cluster, model, memory_reserve_gib=0.5)
-    opts = dict(max_micro_batch_size=batch, time_limit_s=60)
-    try:
-        ref, _ = search(cm, batch, PlannerOptions(solver="brute-force", **opts))
-    except InfeasibleError:
+    solved = _milp_and_brute_force(100 + seed)
+    if solved is None:
         return
-    got, stats = search(cm, batch, PlannerOptions(solver="highs", **opts))
-    assert stats["status"] == "optimal"
-    assert got.objective == pytest.approx(ref.objective, rel=1e-6)
+    cm, batch, opts, got, _ = solved
     pure, _ = search(cm, batch, PlannerOptions(solver="highs", mixed_types=False, **opts))
     assert got.objective <= pure.objective * (1 + 1e-9)
 
