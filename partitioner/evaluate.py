@@ -40,7 +40,7 @@ ranks its best chains by it and chooses among them by simulation (``choose_by_si
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .costmodel import CostModel, pass_times_s, peak_memory_bytes, usd_per_million_tokens
@@ -121,8 +121,9 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
                                                                 st.degree_of(r))[1] for r in st.replicas)
         ar = cm.stage_sync_s(plan, s, hide_s=hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
-        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail))
-    return [replace(c, latency_s=boundary_latency_s(plan, cm, s, out)) for s, c in enumerate(out)]
+        out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail,
+                             boundary_latency_s(plan, cm, s)))
+    return out
 
 
 def _boundary_legs(plan: Plan, cm: CostModel, k: int):
@@ -156,12 +157,12 @@ def _boundary_comm_s(plan: Plan, cm: CostModel, k: int) -> float:
     return 2.0 * max([*per_sender.values(), *per_nic.values()], default=0.0)
 
 
-def _arrivals_s(legs: list[tuple], busy_s: Optional[dict] = None) -> dict:
+def _arrivals_s(legs: list[tuple]) -> dict:
     """Per receiver, when its last piece lands if every transfer is posted at once, in order, and each waits for
     the ones before it on the resources it holds (the sender's and the receiver's group lanes; an inter-node one
     also the sending host's NIC egress and the receiving host's ingress). ``legs``: (sender, receiver, sending
-    host, receiving host, seconds); ``busy_s``: resources still busy for so long when they are posted."""
-    busy: dict[tuple, float] = dict(busy_s or {})
+    host, receiving host, seconds)."""
+    busy: dict[tuple, float] = {}
     landed: dict = {}
     for snd, rcv, src, dst, dt in legs:
         held = [("send", snd), ("recv", rcv)] + ([("out", src), ("in", dst)] if src != dst else [])
@@ -172,40 +173,15 @@ def _arrivals_s(legs: list[tuple], busy_s: Optional[dict] = None) -> dict:
     return landed
 
 
-def _egress_s(plan: Plan, cm: CostModel, k: int, gradients: bool) -> dict[str, float]:
-    """Per host, the seconds per micro-batch of chunk k's boundary traffic leaving it for other hosts: the
-    activations (from chunk k's hosts) or their gradients (from chunk k+1's)."""
-    out: dict[str, float] = {}
-    if 0 <= k < len(plan.pipeline) - 1:
-        for _i, src, dst, dt, _j in _boundary_legs(plan, cm, k):
-            if src != dst:
-                host = dst if gradients else src
-                out[host] = out.get(host, 0.0) + dt
-    return out
-
-
-def boundary_latency_s(plan: Plan, cm: CostModel, k: int, costs: Optional[list[StageCost]] = None) -> float:
+def boundary_latency_s(plan: Plan, cm: CostModel, k: int) -> float:
     """One way, chunk k's output: the mean over receivers of when the last of its pieces lands, activations and
     (reversed) their gradients averaged, where a rank's transfers on a group go in turn and inter-node ones
-    queue on their hosts' NICs (``_arrivals_s``). A receiver of several senders' rows waits for all of them.
-
-    With ``costs`` (a one-chunk plan's stages), a host's egress also carries its stage's other flow in the 1F1B
-    rhythm: activations leave after a forward, behind what is left of the gradients the host posted one
-    forward (zb-h1: a W and a forward) earlier; gradients leave after a backward, behind what is left of the
-    activations to the next stage. On one-sample replicas four to a 12 Gbit/s host (Sailor's case 1) the
-    closed form without these waits was 10% under the replay, 4% with them."""
+    queue on their hosts' NICs (``_arrivals_s``). A receiver of several senders' rows waits for all of them."""
     legs = list(_boundary_legs(plan, cm, k))
     if not legs:
         return 0.0
-    act_wait: dict = {}
-    grad_wait: dict = {}
-    if costs is not None and not schedule_kind(plan.schedule).chunked:
-        ahead_s = costs[k].forward_s + costs[k].weight_grad_s  # what runs between (zb-h1: W, then F)
-        act_wait = {("out", h): max(0.0, t - ahead_s) for h, t in _egress_s(plan, cm, k - 1, True).items()}
-        back_s = costs[k + 1].path_s - costs[k + 1].forward_s  # the backward on the path (zb-h1: B, not W)
-        grad_wait = {("out", h): max(0.0, t - back_s) for h, t in _egress_s(plan, cm, k + 1, False).items()}
-    act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs], act_wait)
-    grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs), grad_wait)
+    act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs])
+    grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs))
     return (sum(act.values()) / len(act) + sum(grad.values()) / len(grad)) / 2
 
 

@@ -512,29 +512,6 @@ def test_the_closed_form_prices_the_latency_neighbouring_stages_wait_for():
     assert 0.92 * replay < closed_form_s(plan, cm) < 1.05 * replay
 
 
-def test_a_hosts_egress_carries_both_flows_and_the_closed_form_prices_their_waits():
-    """Four stages, one 4-GPU host each, one-sample replicas on 12 Gbit/s: a middle host's egress carries its
-    activations to the next stage and its gradients to the one before. Activations leave behind what is left of
-    the gradients posted one forward earlier (and gradients behind the activations), which lengthens each
-    boundary's trip in the link cycle: the closed form without those waits was 10% under the replay."""
-    from dataclasses import replace
-
-    from hethub.partitioner.evaluate import boundary_latency_s, closed_form_s, iteration_s, nic_pace_s, stage_costs
-    model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
-                        ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
-    cluster = _v100_hosts(6)
-    cm = CostModel(cluster, model, dtype="fp16")
-    cuts = (0, 4, 7, 10, 14)
-    plan = build_plan(model, cluster, [StageLayout((cuts[s], cuts[s + 1]), "V100-16GB", (1,) * 4) for s in range(4)],
-                      4, 64, dtype="fp16")
-    costs = stage_costs(plan, cm)
-    replay = simulate(plan, cm).iteration_s - cm.control_syncs_s(plan)
-    alone = [replace(c, latency_s=boundary_latency_s(plan, cm, k)) for k, c in enumerate(costs)]  # no other flow
-    assert all(c.latency_s > a.latency_s for c, a in zip(costs[:-1], alone))
-    assert iteration_s(alone, 64, nic_pace_s(plan, cm)) < 0.92 * replay
-    assert 0.95 * replay < closed_form_s(plan, cm) < 1.05 * replay
-
-
 def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_path, capsys, monkeypatch):
     """``--network no-overlap``: the MILP's candidates and the choice among plans price the network as Sailor's
     simulator does, so the written plan is at least as fast under that model as the plan planned for overlap
