@@ -73,7 +73,8 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
     fitting = [t for t in tried if t[2]] or tried
     if not overlap:  # a variant not replayed does not fit memory (and fitting ones exist): never chosen
         fitting = [t for t in fitting if t[1] is not None]
-    best = min(fitting, key=lambda t: t[1] if overlap else t[0].predicted.model_extra["no_overlap_s"])[0]
+    # without overlap, variants the model prices alike (1F1B and zb-h1 charge the same path) go by their replay
+    best = min(fitting, key=lambda t: t[1] if overlap else (t[0].predicted.model_extra["no_overlap_s"], t[1]))[0]
     return best, [(q.schedule, q.num_chunks, it, fits) for q, it, fits in tried]
 
 
