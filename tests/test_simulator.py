@@ -570,7 +570,9 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     instances: the closed form is never optimistic by more than 1% and most are within 5% of the replay (on 16
     instances, 105 plans: 79% within 5%, 95% within 10%, at most 12.5% pessimistic, on plans of 2-3
     micro-batches whose fill and optimizer steps overlap more than it charges; 75% within 5% before the warm-up
-    credit). The replay decides among them."""
+    credit). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
+    does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
+    feasible chain of 3 micro-batches the form prices 17% high."""
     from hethub.partitioner.errors import InfeasibleError
     from hethub.partitioner.evaluate import closed_form_s
     from hethub.partitioner.planner import PlannerOptions, search, solution_layouts, units_for
@@ -581,9 +583,10 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
         cm = CostModel(cluster, model)
         for schedule in ("1f1b", "zb-h1"):
             try:
-                _, stats = search(cm, batch, PlannerOptions(time_limit_s=2, schedule=schedule))
+                _, stats = search(cm, batch, PlannerOptions(time_limit_s=120, schedule=schedule))
             except InfeasibleError:
                 continue
+            assert stats["status"] == "optimal", (seed, schedule, stats["status"])
             for alt in stats["alternatives"]:
                 plan = build_plan(model, cluster, solution_layouts(alt, units_for(model, None), cluster.type_names),
                                   alt.b, alt.M, schedule=schedule)
