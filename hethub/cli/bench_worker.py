@@ -46,6 +46,11 @@ def _vanilla_deepspeed(a: argparse.Namespace, layers: list, factors: dict, optim
         layers = ([SlowDown(layer, k) for layer in layers[:first]] + slowed_chunk(layers[first:last], first, k, pins,
                   DeviceClock()) + [SlowDown(layer, k) for layer in layers[last:]])
     module = PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=a.stages, partition_method=a.partition)
+    if pins:  # pins for other layers than DeepSpeed's stage holds would time another partition than it runs
+        held = (module.parts[rank // dp], module.parts[rank // dp + 1])
+        if held != (first, last):
+            raise SystemExit(f"error: --pin-plan: DeepSpeed's stage {rank // dp} holds layers [{held[0]}, {held[1]}), "
+                             f"the pin plan's [{first}, {last})")
     cfg = {"train_micro_batch_size_per_gpu": a.micro_batch // dp, "gradient_accumulation_steps": a.micro_batches,
            "train_batch_size": a.micro_batch * a.micro_batches, "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=module, config=cfg, optimizer=optimizer(module.parameters()))

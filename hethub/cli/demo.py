@@ -239,7 +239,10 @@ def _scaled(prof, device_type: str, factor: float):
 
 def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list[str]) -> list[str]:
     """hethub's plan runs through ``hethub launch --local``; DeepSpeed's partition through DeepSpeed's own
-    launcher, PipelineModule and schedule (the worker's ``--mode deepspeed``)."""
+    launcher, PipelineModule and schedule (the worker's ``--mode deepspeed``), its layers pinned to the profiles by
+    the baseline plan of its layout (``--pin-plan``; without it they idled to k x their fastest time here, which
+    two busy processes beside the demo stretched to twice the prediction: DeepSpeed measured 0.82x of hethub's
+    speed where 1.67x was predicted)."""
     if not vanilla:
         return [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path, "--local",
                 "--master_port", str(_free_port()), worker, "--mode", "hethub", *args]
@@ -247,7 +250,7 @@ def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(plan.world_size),
             "--master_port", str(_free_port()), worker, "--mode", "deepspeed", "--stages", str(plan.num_stages),
             "--micro-batch", str(plan.micro_batch_size), "--micro-batches", str(plan.num_micro_batches),
-            "--rank-types", types, *args]
+            "--rank-types", types, "--pin-plan", plan_path, *args]  # its layers pinned as hethub's are
 
 
 def _free_port() -> int:
