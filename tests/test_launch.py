@@ -189,6 +189,31 @@ def test_demo_runs_end_to_end(tmp_path):
         assert (tmp_path / f).exists(), f
 
 
+def test_the_demo_pins_deepspeeds_layers_and_plans_alike_on_any_fast_enough_machine():
+    """DeepSpeed's run is pinned to the baseline plan of its layout as hethub's is (it was not: its layers idled to
+    k x their fastest time, which two busy processes stretched to twice the prediction); the emulated devices'
+    times are fixed, doubled only where this CPU's compute would not stay under half of them."""
+    from hethub.cli import demo
+    from hethub.partitioner import ModelConfig
+    from hethub.partitioner.records import Profile
+    cmd = demo._launch_command(unequal_plan(), "ds.json", True, "worker.py", ["--out", "o.json"])
+    assert cmd[cmd.index("--pin-plan") + 1] == "ds.json" and cmd[cmd.index("--mode") + 1] == "deepspeed"
+    assert "--pin-plan" not in demo._launch_command(unequal_plan(), "p.json", False, "worker.py", [])
+    model = ModelConfig.model_validate(demo.DEMO_MODEL)
+
+    def measured(block_ms: float) -> Profile:  # forward+backward of a block, as measured under the emulation
+        layers = [{"index": i, "kind": k, "forward_ms": ms / 3, "backward_ms": 2 * ms / 3}
+                  for i, (k, ms) in enumerate([("embedding", 1.0)] + [("block", block_ms)] * model.num_layers
+                                              + [("head", 4.0)])]
+        return Profile.model_validate({"device_type": "FAST", "model": model.model_dump(), "micro_batch_size": 2,
+                                       "dtype": "fp32", "emulated_slowdown": demo.FAST_SLOWDOWN, "layers": layers})
+    pin = sum(demo._pin_ms("block", 2))  # 24 ms
+    assert demo._pin_scale([measured(10.0)]) == 1.0  # 2.5 ms of compute here: far under the pin
+    assert demo._pin_scale([measured(demo.FAST_SLOWDOWN * pin / demo.PIN_HEADROOM * 1.5)]) == 2.0
+    pinned = demo._pinned(measured(10.0), 2.0)
+    assert [l.forward_ms + l.backward_ms for l in pinned.layers][1] == 2 * pin
+
+
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])
 def test_a_missing_training_script_is_one_line_before_the_launcher_starts(dry):
     """Before: eight ranks each printed "can't open file" (35 lines, 16 s), and a dry run exited 0."""
