@@ -38,6 +38,30 @@ def test_equal_widths_keep_each_type_in_one_run_and_match_brute_force(seed):
         assert all(one_run_per_type(alt.cands, alt.chosen) for alt in solved[-1]["alternatives"])
 
 
+def test_an_equal_widths_incumbent_balances_the_types_the_fastest_alone_cannot_fill():
+    """The chain search's incumbent under --equal-widths on 8 A100 + 8 V100 (llama-7b, fp16): the fewest devices
+    per stage are A100s, and every chain of them alone wanted 13-16 where there are 8; re-weighted, the overdrawn
+    type costs more until a chain fits, A100 and V100 each in one run (was: 77.6 s a step for micro-batch 8 on
+    width 8, all A100; now 57.2 s)."""
+    import numpy as np
+    from hethub.partitioner.planner import _Search
+    from hethub.partitioner.search.candidates import chain_is_feasible, objective_of, one_run_per_type
+    from hethub.partitioner.search.chain import incumbent
+    from hethub.partitioner.records import load_cluster
+    from conftest import EXAMPLES
+    cluster = load_cluster(f"{EXAMPLES}/cluster-2type.yaml")
+    cm = CostModel(cluster, builtin_model("llama-7b"), dtype="fp16", memory_reserve_gib=2.0)
+    s = _Search(cm, 512, PlannerOptions(equal_widths=True, schedule="zb-h1"), None)
+    job = next(j for j in s.jobs if j.key == (8, 8))
+    chain = incumbent(job.cand, s.U, s.counts, job.M, job.t_lb, one_run=True)
+    assert chain_is_feasible(job.cand, chain, s.counts, job.M) and one_run_per_type(job.cand, chain)
+    assert set(np.asarray(job.cand.type_idx)[chain].tolist()) == {0, 1}
+    from hethub.partitioner.evaluate import closed_form_s
+    fastest = make_baseline("fastest-only", cluster, cm.model, 512, cost_model=cm,
+                            opts=PlannerOptions(equal_widths=True, schedule="zb-h1", time_limit_s=60))
+    assert objective_of(job.cand, chain, job.M) < 0.8 * closed_form_s(fastest, cm)  # 57.2 s against 79.1 s
+
+
 def _milp_and_brute_force(seed: int, **extra):
     """A random instance of one vendor and two or three types: (cost model, global batch, options, the MILP's
     solution, its statistics), the MILP asserted optimal and equal to brute force; None where brute force finds

@@ -138,11 +138,39 @@ def ordered_chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: np.nda
 
 
 def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: float, weights: np.ndarray,
-                    order: Optional[Sequence[int]] = None) -> Optional[list[int]]:
+                    order: Optional[Sequence[int]] = None, tries: int = 4
+                    ) -> tuple[Optional[list[int]], np.ndarray]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
-    the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against. ``order``:
-    pure stages, their device types in that order, each in one run (``ordered_chain_dp``)."""
-    cost, ok = c.uses_matrix(len(counts)) @ weights, c.pace_s <= T
+    no chain found keeps every per-type device limit. Gives the MILP an incumbent to prune against. ``order``:
+    pure stages, their device types in that order, each in one run (``ordered_chain_dp``).
+
+    Why re-weighted: the fewest devices are the fastest type's, and a chain of them alone can need more than the
+    cluster has (on an 8 A100 + 8 V100 cluster under --equal-widths every chain it found wanted 13-16 A100s, so
+    the search started from no incumbent of that shape and ended at its time limit 30% from its bound). A type
+    the chain overdraws costs more in the next try, by how far it overdrew (a Lagrangian step), up to ``tries``.
+    Returns the chain and the weights it was found with (the next threshold starts from them)."""
+    counts_a = np.asarray(counts, dtype=float)
+    uses = c.uses_matrix(len(counts))
+    ok = c.pace_s <= T
+    w = np.asarray(weights, dtype=float)
+    for _ in range(tries):
+        chain = _fewest_devices_chain(c, U, M, uses @ w, ok, order)
+        if chain is None:
+            return None, w
+        used = uses[chain].sum(axis=0)
+        if chain_is_feasible(c, chain, counts, M):
+            return chain, w
+        over = used > counts_a
+        if not over.any():
+            return None, w
+        w = np.where(over, w * 2.0 * used / np.maximum(counts_a, 1.0), w)
+    return None, w
+
+
+def _fewest_devices_chain(c: Candidates, U: int, M: int, cost: np.ndarray, ok: np.ndarray,
+                          order: Optional[Sequence[int]]) -> Optional[list[int]]:
+    """The chain of the least total ``cost`` over the candidates ``ok`` allows (``chain_dp``, or
+    ``ordered_chain_dp`` where ``order`` is given), per-type limits not checked; None where there is none."""
     if order is None:
         dp, arg = chain_dp(c, U, M, cost, ok)
         dps, args = [dp], [arg]
@@ -159,7 +187,7 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
             continue
         chain.append(k)
         u, r = int(c.end_unit[k]), r - 1
-    return chain if chain_is_feasible(c, chain, counts, M) else None
+    return chain
 
 
 # --equal-widths' incumbents try every order of the device types up to this many types (4! = 24 orders)
@@ -181,10 +209,11 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float,
         return None
     best, best_obj = None, math.inf
     values = np.unique(c.pace_s)
+    learned = {}  # order -> the weights its last threshold ended with
     for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
         T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
-        for weights, order in itertools.product((1.0 / counts_a, np.ones_like(counts_a)), orders):
-            chain = heuristic_chain(c, U, counts, M, T, weights, order)
+        for k, order in enumerate(orders):  # (devices weighted by 1 / count: the scarcer type costs more)
+            chain, learned[k] = heuristic_chain(c, U, counts, M, T, learned.get(k, 1.0 / counts_a), order)
             if chain is not None:
                 obj = objective_of(c, chain, M)
                 if obj < best_obj:
