@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import run_deepspeed
+from dist_util import one_process, run_deepspeed
 from hethub.partitioner import ModelConfig
 from hethub.partitioner.placement import StageLayout, build_plan
 from instances import CPU_CLUSTER
@@ -57,9 +57,8 @@ def test_a_deepspeed_pipeline_script_runs_unchanged_under_a_plan_and_trains_like
     plan = tmp_path / "plan.json"
     plan.write_text(_plan().to_json())
     common = ["--steps", "3", "--deepspeed_config", str(cfg)]
-    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save",
-                          str(tmp_path / "ref-ckpt"), *common], cwd=ROOT, env=_env(), capture_output=True,
-                         text=True, timeout=300)
+    ref = one_process([SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", "--save", str(tmp_path / "ref-ckpt"),
+                       *common])
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(plan), "--local", SCRIPT,
                           "--out", str(tmp_path / "run"), "--stages", "2", "--save", str(tmp_path / "ckpt"), *common],
@@ -150,8 +149,7 @@ def test_an_optimizer_the_script_builds_over_the_pipeline_module_trains_the_plan
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "optimizer"}))
     common = ["--steps", "3", "--client-sgd", "--deepspeed_config", str(cfg)]
-    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    ref = one_process([SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common])
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(_two_rank_plan(tmp_path)),
                           "--local", SCRIPT, "--out", str(tmp_path / "run"), "--stages", "2", *common],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from dist_util import run_deepspeed
+from dist_util import one_process
 from hethub.partitioner import Cluster, InputError, ModelConfig
 from hethub.partitioner.costmodel import CostModel
 
@@ -81,8 +81,8 @@ def test_an_unchanged_script_profiled_planned_and_run_trains_like_one_process(tm
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HETHUB_EMULATE_SLOWDOWN="CPU-SLOW=2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     common = ["--steps", "2", "--deepspeed_config", str(tmp_path / "ds.json"), "--arch", arch]
-    ref = run_deepspeed("1", [SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ref = one_process([SCRIPT, "--out", str(tmp_path / "ref"), "--stages", "1", *common],
+                      extra_env={"HETHUB_EMULATE_SLOWDOWN": env["HETHUB_EMULATE_SLOWDOWN"]})
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", str(plan), "--local", SCRIPT,
                           "--out", str(tmp_path / "run"), *common], cwd=ROOT, env=env, capture_output=True, text=True,
