@@ -39,27 +39,29 @@ def test_equal_widths_keep_each_type_in_one_run_and_match_brute_force(seed):
 
 
 def test_an_equal_widths_incumbent_balances_the_types_the_fastest_alone_cannot_fill():
-    """The chain search's incumbent under --equal-widths on 8 A100 + 8 V100 (llama-7b, fp16): the fewest devices
-    per stage are A100s, and every chain of them alone wanted 13-16 where there are 8; re-weighted, the overdrawn
-    type costs more until a chain fits, A100 and V100 each in one run (was: 77.6 s a step for micro-batch 8 on
-    width 8, all A100; now 57.2 s)."""
+    """The chain search's incumbents under --equal-widths (the options ``search`` gives it: no tensor parallelism,
+    no per-stage ZeRO-1) on 8 A100 + 8 V100, llama-7b in fp16: the fewest devices per stage are A100s, and at
+    micro-batch 8 on width 4 every chain of them alone wanted more than 8, so that size started with no incumbent.
+    Re-weighted, the overdrawn type costs more until a chain fits: V100 x4 | V100 x4 | A100 x4 | A100 x4, 81.3 s a
+    step (the fastest-only plan: 79.1 s). Sizes 16 on widths 2 and 4 gain one too."""
     import numpy as np
     from hethub.partitioner.planner import _Search
+    from hethub.partitioner.records import load_cluster
     from hethub.partitioner.search.candidates import chain_is_feasible, objective_of, one_run_per_type
     from hethub.partitioner.search.chain import incumbent
-    from hethub.partitioner.records import load_cluster
     from conftest import EXAMPLES
     cluster = load_cluster(f"{EXAMPLES}/cluster-2type.yaml")
     cm = CostModel(cluster, builtin_model("llama-7b"), dtype="fp16", memory_reserve_gib=2.0)
-    s = _Search(cm, 512, PlannerOptions(equal_widths=True, schedule="zb-h1"), None)
-    job = next(j for j in s.jobs if j.key == (8, 8))
-    chain = incumbent(job.cand, s.U, s.counts, job.M, job.t_lb, one_run=True)
-    assert chain_is_feasible(job.cand, chain, s.counts, job.M) and one_run_per_type(job.cand, chain)
-    assert set(np.asarray(job.cand.type_idx)[chain].tolist()) == {0, 1}
-    from hethub.partitioner.evaluate import closed_form_s
-    fastest = make_baseline("fastest-only", cluster, cm.model, 512, cost_model=cm,
-                            opts=PlannerOptions(equal_widths=True, schedule="zb-h1", time_limit_s=60))
-    assert objective_of(job.cand, chain, job.M) < 0.8 * closed_form_s(fastest, cm)  # 57.2 s against 79.1 s
+    s = _Search(cm, 512, PlannerOptions(equal_widths=True, schedule="zb-h1", zero1_stages=False,
+                                        max_tensor_parallel=1), None)
+    found = {}
+    for job in s.jobs:
+        chain = incumbent(job.cand, s.U, s.counts, job.M, job.t_lb, one_run=True)
+        if chain is not None:
+            assert chain_is_feasible(job.cand, chain, s.counts, job.M) and one_run_per_type(job.cand, chain)
+            found[job.key] = (set(np.asarray(job.cand.type_idx)[chain].tolist()), objective_of(job.cand, chain, job.M))
+    assert {(8, 4), (16, 2), (16, 4)} <= set(found)
+    assert found[(8, 4)][0] == {0, 1} and found[(8, 4)][1] == pytest.approx(81.3, abs=0.1)
 
 
 def _milp_and_brute_force(seed: int, **extra):

@@ -145,8 +145,8 @@ def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: flo
     pure stages, their device types in that order, each in one run (``ordered_chain_dp``).
 
     Why re-weighted: the fewest devices are the fastest type's, and a chain of them alone can need more than the
-    cluster has (on an 8 A100 + 8 V100 cluster under --equal-widths every chain it found wanted 13-16 A100s, so
-    the search started from no incumbent of that shape and ended at its time limit 30% from its bound). A type
+    cluster has (on 8 A100 + 8 V100 under --equal-widths, micro-batch 8 on width 4 started with no incumbent:
+    every fewest-devices chain wanted more A100s than there are; re-weighted, a V100 | A100 chain fits). A type
     the chain overdraws costs more in the next try, by how far it overdrew (a Lagrangian step), up to ``tries``.
     Returns the chain and the weights it was found with (the next threshold starts from them)."""
     counts_a = np.asarray(counts, dtype=float)
