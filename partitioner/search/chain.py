@@ -190,6 +190,68 @@ def _fewest_devices_chain(c: Candidates, U: int, M: int, cost: np.ndarray, ok: n
     return chain
 
 
+def counted_ordered_chain(c: Candidates, U: int, M: int, T: float, counts: Sequence[int], order: Sequence[int]
+                          ) -> Optional[list[int]]:
+    """The chain of least summed stage cost whose stages cost <= T, pure, their device types in ``order`` each in
+    one run, and each type's stages within its device count: exact, where ``heuristic_chain``'s re-weighting can
+    swing between the two types' extremes (all A100, then all V100) and miss the chains that need both. Only where
+    every candidate of a type uses one device count (``--equal-widths``: one width), so a run's budget is a
+    number of stages; None otherwise, or where no chain fits.
+
+    dp[j][u, r, s]: the cheapest chain of r stages from unit u over types order[j:], at most s of them of type
+    order[j]; arg: its first candidate, -1 where it starts with a later type."""
+    uses = c.uses_matrix(len(counts))
+    ok = c.pace_s <= T
+    R, need = U, np.minimum(np.arange(1, U + 1), M)
+    dps: list = [None] * len(order)
+    args: list = [None] * len(order)
+    budgets: list[int] = []
+    for j in range(len(order) - 1, -1, -1):
+        t = order[j]
+        mine = ok & (c.type_idx == t) & (c.type2_idx < 0)
+        per_stage = np.unique(uses[mine, t])
+        if len(per_stage) > 1 or (len(per_stage) and per_stage[0] <= 0):
+            return None
+        S = int(counts[t] // per_stage[0]) if len(per_stage) else 0
+        budgets.insert(0, S)
+        dp = np.full((U + 1, R + 1, S + 1), np.inf)
+        if j + 1 < len(order):
+            dp[:, :, :] = dps[j + 1][:, :, -1][:, :, None]  # the run of order[j] empty from here on
+        else:
+            dp[U, 0, :] = 0.0
+        arg = np.full((U + 1, R + 1, S + 1), -1)
+        for u in range(U - 1, -1, -1):
+            ks = np.flatnonzero(mine & (c.first_unit == u))
+            if not len(ks) or S == 0:
+                continue
+            vals = np.full((len(ks), R + 1, S + 1), np.inf)
+            vals[:, 1:, 1:] = c.cost_s[ks, None, None] + dp[c.end_unit[ks]][:, :R, :S]
+            vals[:, 1:, :] = np.where((c.in_flight[ks, None] >= need[None, :])[:, :, None], vals[:, 1:, :], np.inf)
+            best = vals.argmin(axis=0)
+            take = np.take_along_axis(vals, best[None], axis=0)[0] < dp[u]
+            dp[u] = np.where(take, np.take_along_axis(vals, best[None], axis=0)[0], dp[u])
+            arg[u] = np.where(take, ks[best], arg[u])
+        dps[j], args[j] = dp, arg
+    return _walk(dps, args, budgets, c, U)
+
+
+def _walk(dps: list, args: list, budgets: list[int], c: Candidates, U: int) -> Optional[list[int]]:
+    """The chain ``counted_ordered_chain``'s tables hold from unit 0, its best number of stages."""
+    r = int(dps[0][0, :, -1].argmin())
+    if not np.isfinite(dps[0][0, r, -1]):
+        return None
+    chain, u, j, s = [], 0, 0, budgets[0]
+    while u < U:
+        k = int(args[j][u, r, s])
+        if k < 0:  # this part starts with a later type, whose whole budget is left
+            j += 1
+            s = budgets[j]
+            continue
+        chain.append(k)
+        u, r, s = int(c.end_unit[k]), r - 1, s - 1
+    return chain
+
+
 # --equal-widths' incumbents try every order of the device types up to this many types (4! = 24 orders)
 MAX_ORDERED_TYPES = 4
 
@@ -214,6 +276,9 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float,
         T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
         for k, order in enumerate(orders):  # (devices weighted by 1 / count: the scarcer type costs more)
             chain, learned[k] = heuristic_chain(c, U, counts, M, T, learned.get(k, 1.0 / counts_a), order)
+            counted = counted_ordered_chain(c, U, M, T, counts, order) if order is not None else None
+            if counted is not None and (chain is None or objective_of(c, counted, M) < objective_of(c, chain, M)):
+                chain = counted
             if chain is not None:
                 obj = objective_of(c, chain, M)
                 if obj < best_obj:
