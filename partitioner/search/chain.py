@@ -138,39 +138,11 @@ def ordered_chain_dp(c: Candidates, U: int, M: int, cost: np.ndarray, ok: np.nda
 
 
 def heuristic_chain(c: Candidates, U: int, counts: Sequence[int], M: int, T: float, weights: np.ndarray,
-                    order: Optional[Sequence[int]] = None, tries: int = 4
-                    ) -> tuple[Optional[list[int]], np.ndarray]:
+                    order: Optional[Sequence[int]] = None) -> Optional[list[int]]:
     """A memory-feasible chain with stages costing <= T that uses the fewest (weighted) devices; None when
-    no chain found keeps every per-type device limit. Gives the MILP an incumbent to prune against. ``order``:
-    pure stages, their device types in that order, each in one run (``ordered_chain_dp``).
-
-    Why re-weighted: the fewest devices are the fastest type's, and a chain of them alone can need more than the
-    cluster has (on 8 A100 + 8 V100 under --equal-widths, micro-batch 8 on width 4 started with no incumbent:
-    every fewest-devices chain wanted more A100s than there are; re-weighted, a V100 | A100 chain fits). A type
-    the chain overdraws costs more in the next try, by how far it overdrew (a Lagrangian step), up to ``tries``.
-    Returns the chain and the weights it was found with (the next threshold starts from them)."""
-    counts_a = np.asarray(counts, dtype=float)
-    uses = c.uses_matrix(len(counts))
-    ok = c.pace_s <= T
-    w = np.asarray(weights, dtype=float)
-    for _ in range(tries):
-        chain = _fewest_devices_chain(c, U, M, uses @ w, ok, order)
-        if chain is None:
-            return None, w
-        used = uses[chain].sum(axis=0)
-        if chain_is_feasible(c, chain, counts, M):
-            return chain, w
-        over = used > counts_a
-        if not over.any():
-            return None, w
-        w = np.where(over, w * 2.0 * used / np.maximum(counts_a, 1.0), w)
-    return None, w
-
-
-def _fewest_devices_chain(c: Candidates, U: int, M: int, cost: np.ndarray, ok: np.ndarray,
-                          order: Optional[Sequence[int]]) -> Optional[list[int]]:
-    """The chain of the least total ``cost`` over the candidates ``ok`` allows (``chain_dp``, or
-    ``ordered_chain_dp`` where ``order`` is given), per-type limits not checked; None where there is none."""
+    the chain found breaks a per-type device limit. Gives the MILP an incumbent to prune against. ``order``:
+    pure stages, their device types in that order, each in one run (``ordered_chain_dp``)."""
+    cost, ok = c.uses_matrix(len(counts)) @ weights, c.pace_s <= T
     if order is None:
         dp, arg = chain_dp(c, U, M, cost, ok)
         dps, args = [dp], [arg]
@@ -187,14 +159,15 @@ def _fewest_devices_chain(c: Candidates, U: int, M: int, cost: np.ndarray, ok: n
             continue
         chain.append(k)
         u, r = int(c.end_unit[k]), r - 1
-    return chain
+    return chain if chain_is_feasible(c, chain, counts, M) else None
 
 
 def counted_ordered_chain(c: Candidates, U: int, M: int, T: float, counts: Sequence[int], order: Sequence[int]
                           ) -> Optional[list[int]]:
     """The chain of least summed stage cost whose stages cost <= T, pure, their device types in ``order`` each in
-    one run, and each type's stages within its device count: exact, where ``heuristic_chain``'s re-weighting can
-    swing between the two types' extremes (all A100, then all V100) and miss the chains that need both. Only where
+    one run, and each type's stages within its device count: exact, where ``heuristic_chain``'s fewest devices are
+    the fastest type's alone, past its count (on 8 A100 + 8 V100 every such chain wanted 13-16 A100s), and the
+    chains that need both types were never tried. Only where
     every candidate of a type uses one device count (``--equal-widths``: one width), so a run's budget is a
     number of stages; None otherwise, or where no chain fits.
 
@@ -260,7 +233,8 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float,
               ) -> Optional[list[int]]:
     """Best of a few heuristic chains at bottleneck thresholds a little above the lower bound. ``one_run``
     (``--equal-widths``): chains whose device types each serve one run of stages, in every order of the types
-    (a chain that visits a type twice would be no incumbent of that search)."""
+    (a chain that visits a type twice would be no incumbent of that search), and for each order the
+    ``counted_ordered_chain``, which keeps every type within its count."""
     counts_a = np.asarray(counts, dtype=float)
     types = sorted(set(c.type_idx.tolist()))
     if not one_run:
@@ -271,14 +245,12 @@ def incumbent(c: Candidates, U: int, counts: Sequence[int], M: int, t_lb: float,
         return None
     best, best_obj = None, math.inf
     values = np.unique(c.pace_s)
-    learned = {}  # order -> the weights its last threshold ended with
     for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0, 3.0):
         T = values[min(np.searchsorted(values, t_lb * factor, side="right"), len(values)) - 1]
-        for k, order in enumerate(orders):  # (devices weighted by 1 / count: the scarcer type costs more)
-            chain, learned[k] = heuristic_chain(c, U, counts, M, T, learned.get(k, 1.0 / counts_a), order)
-            counted = counted_ordered_chain(c, U, M, T, counts, order) if order is not None else None
-            if counted is not None and (chain is None or objective_of(c, counted, M) < objective_of(c, chain, M)):
-                chain = counted
+        found = [heuristic_chain(c, U, counts, M, T, weights, order)
+                 for weights, order in itertools.product((1.0 / counts_a, np.ones_like(counts_a)), orders)]
+        found += [counted_ordered_chain(c, U, M, T, counts, order) for order in orders if order is not None]
+        for chain in found:
             if chain is not None:
                 obj = objective_of(c, chain, M)
                 if obj < best_obj:
