@@ -140,7 +140,9 @@ def test_a_launched_script_that_does_not_build_hethubs_engine_ends_in_one_line(t
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
-    assert len(said) == 2 and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]
+    # each rank says it, but DeepSpeed's per-node launcher kills the others once one exits non-zero: a rank
+    # killed before its own line prints none (1 of ~15 suite runs)
+    assert 1 <= len(said) <= 2 and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_an_optimizer_the_script_builds_over_the_pipeline_module_trains_the_plans_layers(tmp_path):
