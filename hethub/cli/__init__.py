@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from .interrupts import INTERRUPTED, interrupted, on_interrupt, reset, say_interrupted
+from .interrupts import INTERRUPTED, interrupted, on_interrupt, quiet_unraisable, reset, say_interrupted
 
 __all__ = ["main"]
 
@@ -17,6 +17,8 @@ def main(argv=None) -> int:
     reset()
     on_main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGINT, on_interrupt) if on_main_thread else None
+    unraisable_before = sys.unraisablehook
+    sys.unraisablehook = quiet_unraisable(unraisable_before)
     try:
         from .main import main as run  # lazy: an interrupt during these imports is caught below
         code = run(argv)
@@ -27,6 +29,7 @@ def main(argv=None) -> int:
             raise
         code = say_interrupted()
     finally:
+        sys.unraisablehook = unraisable_before
         if on_main_thread:
             signal.signal(signal.SIGINT, before)
     if interrupted():  # a library swallowed or reworded it: the user asked to stop all the same

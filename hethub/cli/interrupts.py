@@ -18,6 +18,20 @@ def on_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def quiet_unraisable(previous):
+    """A ``sys.unraisablehook`` that says nothing of a Ctrl-C raised where Python cannot raise it.
+
+    Why: the handler raises KeyboardInterrupt in whatever Python runs when the signal lands; inside a weakref
+    callback (importlib's module-lock clean-up during an import) Python only prints it as "Exception ignored in:"
+    with a traceback, and the command goes on until it meets the remembered interrupt and says its one line.
+    Anything else unraisable still goes to ``previous``."""
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _STATE["seen"]:
+            return
+        previous(unraisable)
+    return hook
+
+
 def interrupted() -> bool:
     return _STATE["seen"]
 
