@@ -65,7 +65,10 @@ def run_plan(tmp_path, plan, name: str, worker: str, *args: str, timeout: float 
 # Ranks start from a fork server that has already imported torch, torch._dynamo (which the first optimizer
 # imports) and DeepSpeed: each rank then costs its own work, not ~4 s of imports, which on 2 cores was most of
 # the multi-process tests' time. HETHUB_TEST_EXEC=1 starts every rank as a fresh interpreter instead.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "deepspeed", "hethub.runtime"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "deepspeed", "hethub.runtime",
+            # Hugging Face's GPT-2 and Llama (where transformers is installed; a missing module is skipped): about
+            # 2.5 s of CPU for each Hugging Face rank on 2 cores, paid once per worker instead
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "hethub.models.hf"]
 _CTX = None
 
 
@@ -141,13 +144,31 @@ def spawn(world: int, argv: list[str], timeout: float = 90, extra_env: dict | No
     """Start ``world`` ranks of ``python argv``; returns [(returncode, stdout, stderr)] per rank."""
     if os.environ.get("HETHUB_TEST_EXEC") == "1":
         return _spawn_exec(world, argv, timeout, extra_env)
+    port = free_port()
+    return _forked(argv, [rank_env(r, world, port, extra_env) for r in range(world)], timeout)
+
+
+def run_python(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python argv`` in one child of the ranks' fork server, outside any world (no rank variables), run to
+    its end: the one-process references of the equivalence tests, each of which was a fresh interpreter
+    importing torch, torch._dynamo and DeepSpeed (about 3 s of CPU apiece, some 60 of them a suite)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if os.environ.get("HETHUB_TEST_EXEC") == "1":
+        return subprocess.run([sys.executable, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+    (rc, out, err), = _forked(argv, [env], timeout)
+    return subprocess.CompletedProcess(argv, rc, out, err)
+
+
+def _forked(argv: list[str], envs: list[dict], timeout: float) -> list:
+    """One forked child per environment in ``envs``, each running ``python argv``; [(returncode, stdout,
+    stderr)] each, or an AssertionError naming the ones still running after ``timeout`` seconds."""
     import tempfile
     ctx = _context()
-    port = free_port()
     tmp = tempfile.mkdtemp(prefix="hethub-ranks-")
-    paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=(argv, rank_env(r, world, port, extra_env), *paths[r]))
-             for r in range(world)]
+    paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(len(envs))]
+    procs = [ctx.Process(target=_rank_main, args=(argv, env, *paths[r])) for r, env in enumerate(envs)]
     with _REAP:
         for p in procs:
             p.start()

@@ -4,13 +4,10 @@
 must give the losses and final weights of one process training the same layers on the same batches.
 """
 import os
-import subprocess
-import sys
 
 import torch
 
-from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_python, spawn
 from hethub.partitioner import Cluster, ModelConfig, Plan
 from hethub.partitioner.groups import SEND_WINDOW
 from hethub.partitioner.placement import StageLayout, build_plan
@@ -30,8 +27,7 @@ REFERENCE_FLAGS = ("f64", "tie=")  # worker flags the one-process reference take
 def single_process(tmp_path, plan_path, extra=()):
     out = str(tmp_path / "single.pt")
     flags = [e for e in extra if e.startswith(REFERENCE_FLAGS)]
-    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single", *flags], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = run_python([WORKER, plan_path, out, str(STEPS), str(CLIP), "single", *flags], timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out, weights_only=True)
 

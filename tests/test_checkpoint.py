@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_python, spawn
 from plans import stack_plan
 
 pytestmark = pytest.mark.dist
@@ -42,8 +42,7 @@ def test_resume_under_another_plan_equals_an_uninterrupted_run(tmp_path, opt, cl
     assert open(os.path.join(ckpt, "latest")).read() == f"global_step{K}"
     _ok(spawn(b.world_size, [WORKER, pb, str(tmp_path / "b{rank}.pt"), str(K), str(2 * K), opt, str(clip),
                              "--load", ckpt]))
-    r = subprocess.run([sys.executable, WORKER, "single", str(tmp_path / "ref.pt"), "0", str(2 * K), opt, str(clip)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = run_python([WORKER, "single", str(tmp_path / "ref.pt"), "0", str(2 * K), opt, str(clip)], timeout=60)
     assert r.returncode == 0, r.stderr
     ref = torch.load(str(tmp_path / "ref.pt"), weights_only=True)
     first = torch.load(str(tmp_path / "a0.pt"), weights_only=True)

@@ -7,14 +7,12 @@ list (``F3@5``...). Every multi-process test runs over the strict-order gloo tra
 would hang on NCCL hangs here too.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_python, spawn
 from hethub.partitioner.chunked import chunk_orders, rechunk
 from hethub.partitioner import Plan
 from hethub.partitioner.groups import group_specs
@@ -104,8 +102,7 @@ def test_checkpoints_move_between_chunked_and_unchunked_plans_with_identical_wei
                 RESUME, path, str(tmp_path / f"leg{n}-{{rank}}.pt"), str(n * k), str((n + 1) * k), "adam", "0.05",
                 "--save", ckpt, *load])):
             assert rc == 0, f"leg {n} rank {rank}:\n{err[-3000:]}"
-    r = subprocess.run([sys.executable, RESUME, "single", str(tmp_path / "ref.pt"), "0", str(3 * k), "adam", "0.05"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = run_python([RESUME, "single", str(tmp_path / "ref.pt"), "0", str(3 * k), "adam", "0.05"], timeout=60)
     assert r.returncode == 0, r.stderr
     ref = torch.load(str(tmp_path / "ref.pt"), weights_only=True)
     seen = set()

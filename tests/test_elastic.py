@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_python, spawn
 from hethub.partitioner import load_plan
 from instances import two_host_cluster, write_elastic_plan
 
@@ -49,8 +49,7 @@ def _phase(tmp_path, plan, name, hosts, last, ckpt_name="ckpt", background="1"):
 def test_an_elastic_job_replans_for_the_host_left_and_grows_back_losing_nothing(tmp_path, capsys):
     plan = _base_plan(tmp_path)
     ref = str(tmp_path / "ref.json")
-    r = subprocess.run([sys.executable, WORKER, "single", ref, "9"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    r = run_python([WORKER, "single", ref, "9"], timeout=60)
     assert r.returncode == 0, r.stderr
     expect = {int(k): v for k, v in json.load(open(ref))["losses"].items()}
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from dist_util import wait_for_line
+from dist_util import run_python, wait_for_line
 from hethub.emulated.netem import ADDRS, ip, probe, tx_bytes, two_hosts
 from hethub.partitioner import Plan
 from plans import unequal_plan
@@ -273,8 +273,7 @@ def test_elastic_launch_loses_a_host_replans_and_grows_back(tmp_path):
     from dist_util import free_port
     plan, ckpt, log, last = _elastic_plan(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "steps.jsonl"), 26
     ref = tmp_path / "ref.json"
-    r = subprocess.run([sys.executable, os.path.join("tests", "workers", "elastic.py"), "single", str(ref), str(last)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = run_python([os.path.join("tests", "workers", "elastic.py"), "single", str(ref), str(last)], timeout=60)
     assert r.returncode == 0, r.stderr
     expect = {int(k): v for k, v in json.loads(ref.read_text())["losses"].items()}
     port = free_port()

@@ -6,14 +6,13 @@ lengths that change between steps and between micro-batches. Each runs a plan of
 zb-h1 and must give one process's losses, evaluation losses and weights (float64, SGD with clipping).
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_python, spawn
 from plans import stack_plan, write_plan
 
 pytestmark = pytest.mark.dist
@@ -30,8 +29,7 @@ def run_pattern(tmp_path, plan, *flags, steps=STEPS):
     for rank, (rc, _out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
     ref_out = str(tmp_path / "single.pt")
-    r = subprocess.run([sys.executable, WORKER, path, ref_out, str(steps), "single", *flags], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = run_python([WORKER, path, ref_out, str(steps), "single", *flags], timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = torch.load(ref_out, weights_only=True)
     seen = set()

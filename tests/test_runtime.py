@@ -5,14 +5,11 @@ loss at every step (rel. 1e-5) and the same final weights (abs. 1e-5) as a singl
 the same layers on the same global batches. SGD, not Adam: Adam hides gradient-scale errors.
 """
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
-from dist_util import spawn
+from dist_util import run_python, spawn
 from hethub.partitioner.schedule import build_schedule
 from plans import (CASES, CLIP, STEPS, WORKER, run_and_compare, single_process, stack_plan, write_plan,
                    write_schedule)
@@ -171,8 +168,7 @@ def test_bf16_autocast_trains_like_one_process_within_bf16_tolerance(tmp_path):
     for rank, (rc, _out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
     out = str(tmp_path / "single.pt")
-    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single", "bf16"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = run_python([WORKER, plan_path, out, str(STEPS), str(CLIP), "single", "bf16"], timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = torch.load(out, weights_only=True)
     fp32 = single_process(tmp_path, plan_path)
@@ -204,8 +200,7 @@ def test_fp16_with_dynamic_loss_scaling_trains_like_one_process(tmp_path, power)
     for rank, (rc, _out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{err[-3000:]}"
     out = str(tmp_path / "single.pt")
-    r = subprocess.run([sys.executable, WORKER, plan_path, out, str(STEPS), str(CLIP), "single", f"fp16={power}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = run_python([WORKER, plan_path, out, str(STEPS), str(CLIP), "single", f"fp16={power}"], timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = torch.load(out, weights_only=True)
     assert 0 < ref["skipped"] < STEPS  # the reference overflowed, then trained

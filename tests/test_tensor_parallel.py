@@ -109,8 +109,7 @@ import os  # noqa: E402
 
 import torch  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
-from dist_util import run_plan, spawn  # noqa: E402
+from dist_util import run_plan, run_python, spawn  # noqa: E402
 from plans import stack_layers  # noqa: E402
 
 WORKER = os.path.join("tests", "workers", "train_tp.py")
@@ -135,13 +134,10 @@ def _reference(tmp_path, plan, steps, kind):
 
 
 def _reference_args(tmp_path, plan, steps, kind, *extra):
-    import subprocess
-    import sys
     path, out = str(tmp_path / "ref.json"), str(tmp_path / f"ref{'-'.join(extra)}.pt")
     with open(path, "w") as f:
         f.write(plan.to_json())
-    r = subprocess.run([sys.executable, WORKER, path, out, str(steps), kind, "single", *extra], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = run_python([WORKER, path, out, str(steps), kind, "single", *extra], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out, weights_only=True)
 

@@ -1,14 +1,11 @@
 """Tier 2: ZeRO-1 inside each stage (hethub.zero) trains exactly like one process, shards the optimizer
 state over a stage's replicas, and its checkpoints resume without ZeRO under another plan."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
-from dist_util import run_plan, spawn
+from dist_util import run_plan, run_python, spawn
 from plans import CASES, stack_plan, write_plan
 
 pytestmark = pytest.mark.dist
@@ -26,8 +23,7 @@ def _run(tmp_path, plan, name, first, last, *extra):
 
 def _reference(tmp_path, last):
     out = str(tmp_path / "ref.pt")
-    r = subprocess.run([sys.executable, WORKER, "single", out, "0", str(last), "adam", "0.05"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = run_python([WORKER, "single", out, "0", str(last), "adam", "0.05"], timeout=60)
     assert r.returncode == 0, r.stderr
     return torch.load(out, weights_only=True)
 
