@@ -417,24 +417,40 @@ def unraisable_bug(argv):
     del lock
     return 0
 
+class PanicException(BaseException):  # pyo3's, which pydantic-core raises when its Rust code panics
+    pass
+
+def panicked(argv):  # Ctrl-C cut pydantic-core's import of datetime: it panics ("PyCapsule_Import could not ...")
+    try:
+        interrupts.on_interrupt(2, None)
+    except KeyboardInterrupt:
+        raise PanicException('PyErr { type: ImportError, value: ImportError("PyCapsule_Import could not import '
+                             'module datetime") }') from None
+
+def panic_bug(argv):
+    raise PanicException("called `Option::unwrap()` on a `None` value")
+
 commands.main = {"interrupt": import_interrupted, "bug": lambda argv: 1 / 0, "callback": interrupted_in_a_callback,
-                 "callback-bug": unraisable_bug}[sys.argv[1]]
+                 "callback-bug": unraisable_bug, "panic": panicked, "panic-bug": panic_bug}[sys.argv[1]]
 sys.exit(entry(["plan"]))
 """
 
 
-@pytest.mark.parametrize("case", ["interrupt", "bug", "callback", "callback-bug"])
+@pytest.mark.parametrize("case", ["interrupt", "bug", "callback", "callback-bug", "panic", "panic-bug"])
 def test_an_interrupt_a_library_rewords_while_the_command_imports_is_one_line(case):
     """Ctrl-C while pydantic builds a model's validator at import reaches the entry as a SchemaError wrapping the
     KeyboardInterrupt (once in 60 runs of the test above): it was a traceback and exit 1, not the line and 130.
     Ctrl-C landing in a weakref callback (importlib's module-lock clean-up; once in a suite run of the test above)
-    was Python's "Exception ignored in:" and a traceback before the line. Any other exception still ends in its
-    traceback, an unraisable one included."""
+    was Python's "Exception ignored in:" and a traceback before the line; cutting pydantic-core's import of datetime
+    made its Rust code panic (a BaseException; once in a suite run): a traceback and exit 1. Any other exception
+    still ends in its traceback, an unraisable one and a panic included."""
     r = subprocess.run([sys.executable, "-c", REWORDED, case], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    if case in ("interrupt", "callback"):
+    if case in ("interrupt", "callback", "panic"):
         assert r.returncode == 130 and r.stderr.splitlines() == ["error: interrupted"], r.stderr[-2000:]
     elif case == "bug":
         assert r.returncode == 1 and "ZeroDivisionError" in r.stderr, r.stderr[-2000:]
+    elif case == "panic-bug":
+        assert r.returncode == 1 and "PanicException: called `Option::unwrap()`" in r.stderr, r.stderr[-2000:]
     else:
         assert r.returncode == 0 and "Exception ignored" in r.stderr and "ZeroDivisionError" in r.stderr, r.stderr
 

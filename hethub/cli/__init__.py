@@ -24,8 +24,11 @@ def main(argv=None) -> int:
         code = run(argv)
     except KeyboardInterrupt:
         code = say_interrupted()
-    except Exception:  # noqa: BLE001 - re-raised unless it is an interrupt a library reworded while importing
-        if not interrupted():  # (pydantic building a model's validator: SchemaError wrapping the KeyboardInterrupt)
+    except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an interrupt a library reworded
+        # while importing: pydantic building a model's validator (SchemaError wrapping the KeyboardInterrupt), or
+        # pydantic-core's Rust code panicking (PanicException, a BaseException) when the interrupt cut the import of
+        # a module it needs
+        if isinstance(exc, SystemExit) or not interrupted():
             raise
         code = say_interrupted()
     finally:
