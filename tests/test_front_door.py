@@ -94,7 +94,7 @@ def _plain_deepspeed(tmp_path, config: dict, ranks: int = 2, extra=()):
     script = tmp_path / "with_import.py"
     script.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(SCRIPT)!r})\nimport hethub  # noqa: F401\n"
                       "import ds_pipeline_script\nds_pipeline_script.main()\n")
-    return run_deepspeed(ranks, [str(script), "--out", str(tmp_path / "run"), "--stages", "2", "--steps", "1",
+    return run_deepspeed(ranks, [str(script), "--out", str(tmp_path / "run"), "--stages", str(ranks), "--steps", "1",
                                  "--deepspeed_config", str(cfg), *extra], cwd=ROOT, env=_env(), capture_output=True,
                          text=True, timeout=300)
 
@@ -117,9 +117,10 @@ def test_a_hetero_section_that_would_not_end_in_hethubs_engine_is_one_line(tmp_p
     config = {**CONFIG, **config}
     if config["optimizer"] is None:
         config.pop("optimizer")
+    ranks = 1  # each rank says it at initialize, before any collective: one rank shows it
     if config.get("hetero", {}).get("plan") == "PLAN":
-        config["hetero"]["plan"] = str(_two_rank_plan(tmp_path))
-    r = _plain_deepspeed(tmp_path, config, extra=extra)
+        config["hetero"]["plan"], ranks = str(_two_rank_plan(tmp_path)), 2
+    r = _plain_deepspeed(tmp_path, config, ranks=ranks, extra=extra)
     assert r.returncode != 0
     said = [l for l in r.stdout.splitlines() + r.stderr.splitlines() if l.startswith("error: ")]
     assert said and all(l.startswith(line) for l in said), r.stdout[-2000:] + r.stderr[-2000:]

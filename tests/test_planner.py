@@ -496,8 +496,6 @@ def test_tensor_parallel_groups_are_counted_per_node():
     """A tensor-parallel group takes consecutive slots of one node: nodes of 1 and 3 devices hold one group of 2,
     not two (the MILP offered a stage of two such groups, which placement then could not put anywhere: the
     random instance of seed 9)."""
-    import numpy as np
-
     from hethub.partitioner.search.candidates import candidates
     cluster = Cluster.model_validate({"nodes": [{"host": "a", "device_type": "V100-32GB", "count": 1},
                                                 {"host": "b", "device_type": "V100-32GB", "count": 3}]})
