@@ -20,6 +20,7 @@ import numpy as np
 
 from .costmodel import CostModel
 from .evaluate import chunk_time_s
+from .outputs import num
 from .records import Plan
 from .schedule_kinds import kind as schedule_kind
 
@@ -83,6 +84,6 @@ def granularity_line(plan: Plan, cm: CostModel) -> Optional[str]:
         return None
     planned, fractional, iteration_s = got
     gain = plan.predicted.iteration_s / iteration_s - 1
-    return (f"layers: the busiest group computes {planned * 1e3:.4g} ms per micro-batch; cut anywhere, inside a "
-            f"layer too, these groups would balance at {fractional * 1e3:.4g} ms, about {gain:.1%} more samples/s. "
+    return (f"layers: the busiest group computes {num(planned * 1e3)} ms per micro-batch; cut anywhere, inside a "
+            f"layer too, these groups would balance at {num(fractional * 1e3)} ms, about {gain:.1%} more samples/s. "
             f"Plans cut between layers, so that is what their granularity costs this plan")

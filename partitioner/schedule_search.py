@@ -18,6 +18,7 @@ from .evaluate import chunk_time_s, fits_memory, predict, replay_fits, with_pass
 from .records import SCHEDULES, Plan
 
 from .options import AUTO
+from .outputs import num
 from .schedule_kinds import AUTO_MILP, kind as schedule_kind
 MAX_CHUNKS_SEARCHED = 4  # v of interleaved-1f1b tried: 2..4 (the fill shrinks ~v-fold for v x the traffic)
 
@@ -102,6 +103,6 @@ def explain_schedules(tried: list[tuple[str, int, Optional[float], bool]], chose
             lines.append(f"{mark} {name:<17} v={v}  does not fit memory (not replayed)")
             continue
         rel = f" ({it / base:.3f}x)" if base else ""
-        lines.append(f"{mark} {name:<17} v={v}  {it * 1e3:9.4g} ms/iteration{rel}"
+        lines.append(f"{mark} {name:<17} v={v}  {num(it * 1e3):>9} ms/iteration{rel}"
                      + ("" if fits else "  (does not fit memory)"))
     return lines

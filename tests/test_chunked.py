@@ -332,7 +332,8 @@ def test_auto_is_the_default_and_plans_its_groups_for_zb_h1_falling_back_to_1f1b
 
 def test_auto_leaves_chunks_out_of_a_one_stage_plan_and_prints_short_iterations():
     """One group has no pipeline to fill: cutting it into chunks only hands activations to itself, so auto tries
-    1f1b and zb-h1 only; a tiny model's iteration (10 us) prints in significant digits, not as 0.0 ms."""
+    1f1b and zb-h1 only; a tiny model's iteration (10 us) prints in significant digits, not as 0.0 ms, and a long
+    one as 55,140 ms, not 5.514e+04 ms."""
     from hethub.partitioner.schedule_search import variants
     cm = CostModel(CPU_CLUSTER, STACK)
     one = stack_plan([], [[4]], 4, 3)
@@ -341,6 +342,8 @@ def test_auto_leaves_chunks_out_of_a_one_stage_plan_and_prints_short_iterations(
     chosen = one.model_copy(update={"predicted": predict(one, cm)})
     line = explain_schedules([("1f1b", 1, 1.02e-5, True)], chosen)[0]
     assert "0.0102 ms/iteration" in line
+    long = chosen.model_copy(update={"predicted": chosen.predicted.model_copy(update={"iteration_s": 55.14})})
+    assert "  55,140 ms/iteration (1.000x)" in explain_schedules([("1f1b", 1, 55.14, True)], long)[0]
 
 
 def test_auto_replays_no_variant_that_cannot_be_chosen(monkeypatch):

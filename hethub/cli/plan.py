@@ -42,7 +42,7 @@ class _SolveStatus:
         inc, bound = s["incumbent_s"], s["bound_s"]
         gap = (inc - bound) / inc if inc < float("inf") and inc > 0 else float("nan")
         line = (f"planning: micro-batch {s['micro_batch_size']} ({s['done']}/{s['total']} sizes settled), "
-                f"incumbent {inc:.4g} s, bound {bound:.4g} s, gap {gap:.1%}, {s['elapsed_s']:.1f} s")
+                f"incumbent {num(inc)} s, bound {num(bound)} s, gap {gap:.1%}, {s['elapsed_s']:.1f} s")
         if self.status:
             self.status.update(line)
         elif s["elapsed_s"] - self.last >= self.every_s:
