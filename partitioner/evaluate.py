@@ -8,11 +8,12 @@ use intra-node links where sender and receiver share a host, cross-vendor transf
 a stage's all-reduce is intra-node only when all its replicas share a host.
 
     closed_form_s = (M - 1) * pace + sum_s (compute_s + comm_s)
-                    + max_s allreduce_s + max_s optimizer_s                                  (1f1b)
+                    + max_s (allreduce_s + optimizer_s - sum_{k<s} min_backward_k)          (1f1b)
     pace = max(max_s max(compute_s, comm_s / 2), nic_pace_s, link_cycle_s)
 
 where allreduce_s is what the stage's last backward leaves of its bucketed all-reduce
-(``CostModel.allreduce_end_s``).
+(``CostModel.allreduce_end_s``), and min_backward_k stage k's shortest replica backward: stage s's replicas end
+their last backward at least those before stage 0's last one ends (``iteration_s``).
 
 Under zb-h1 a stage s > 0 sends its input gradient before computing its weights' (wgrad_s), so the
 drain's path skips them; each such stage still runs its last W (the last stage its last two: tail_s)
@@ -63,6 +64,7 @@ class StageCost:
     weight_grad_s: float = 0.0  # the part of backward_s a zb-h1 stage runs as W, off the path upstream
     tail_s: float = 0.0  # W's a zb-h1 stage still runs after its last B
     latency_s: float = 0.0  # output boundary, one way: mean seconds from a send's post to its arrival
+    min_backward_s: float = 0.0  # the shortest replica's backward (1F1B's drain credit; 0: none)
 
     @property
     def path_s(self) -> float:
@@ -122,7 +124,7 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
         ar = cm.stage_sync_s(plan, s, hide_s=hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail,
-                             boundary_latency_s(plan, cm, s)))
+                             boundary_latency_s(plan, cm, s), 0.0 if split else hide))
     return out
 
 
@@ -315,10 +317,13 @@ def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: flo
 
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0.0) -> float:
-    """The closed form. Under 1F1B every stage's all-reduce and optimizer step are charged after stage 0's last
-    backward: charging each after its own last backward (the drain below it earlier) was up to 31% optimistic
-    where a wide stage's replicas end their last backward far apart (a 53-wide stage sending to 107 replicas
-    on 25 Gbit/s: the all-reduce waits for the last). Under zb-h1 a stage's weight gradients leave the drain's
+    """The closed form. Under 1F1B stage s's all-reduce and optimizer step are charged after stage 0's last
+    backward less the drain below s counted as its stages' shortest replica backwards only: every replica of
+    stage s holds rows of the last micro-batch, whose gradient then passes through a backward of each stage below
+    before stage 0's last one ends, so s's latest replica ends at least that before it (a bound, whatever the
+    transfers; counting them too, or each stage's own last backward, was up to 31% optimistic where a wide
+    stage's replicas end their last backward far apart: a 53-wide stage sending to 107 replicas on 25 Gbit/s).
+    Charging every stage after stage 0's last backward put Metis's case-1 plan 6% above its replay. Under zb-h1 a stage's weight gradients leave the drain's
     path (its B sends before its W), and its last W's come before its all-reduce instead. ``nic_s``: the
     busiest host NIC's seconds per micro-batch (``nic_pace_s``), which paces the steady state where it exceeds
     every stage's own pace. Less what the fill and drain charge twice where one stage's compute paces
@@ -327,8 +332,11 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     pace = max(max(c.pace_s for c in costs), nic_s, link_cycle_s(costs))
     credit = warm_up_credit_s(costs, num_micro_batches, pace)
     if not any(c.weight_grad_s for c in costs):
-        return ((num_micro_batches - 1) * pace + sum(c.per_micro_batch_s for c in costs)
-                + max(c.allreduce_s for c in costs) + max(c.optimizer_s for c in costs) - credit)
+        below, ends = 0.0, []
+        for c in costs:
+            ends.append(c.allreduce_s + c.optimizer_s - below)
+            below += c.min_backward_s
+        return (num_micro_batches - 1) * pace + sum(c.per_micro_batch_s for c in costs) + max(ends) - credit
     below, ends = 0.0, []
     for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
         ends.append(c.tail_s + c.allreduce_s + c.optimizer_s - below)

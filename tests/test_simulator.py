@@ -572,12 +572,14 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     micro-batches whose fill and optimizer steps overlap more than it charges; 75% within 5% before the warm-up
     credit). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
     does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
-    feasible chain of 3 micro-batches the form prices 17% high."""
+    feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
+    its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
+    plans here reached 10.8% pessimistic, 89% within 5% (now 5.6%, 96%)."""
     from hethub.partitioner.errors import InfeasibleError
     from hethub.partitioner.evaluate import closed_form_s
     from hethub.partitioner.planner import PlannerOptions, search, solution_layouts, units_for
     from instances import random_instance
-    ratios = []
+    ratios, one_f_one_b = [], []
     for seed in range(8):
         cluster, model, batch = random_instance(seed)
         cm = CostModel(cluster, model)
@@ -591,6 +593,9 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
                 plan = build_plan(model, cluster, solution_layouts(alt, units_for(model, None), cluster.type_names),
                                   alt.b, alt.M, schedule=schedule)
                 ratios.append((closed_form_s(plan, cm) + cm.control_syncs_s(plan)) / simulate(plan, cm).iteration_s)
+                one_f_one_b += ratios[-1:] if schedule == "1f1b" else []
     assert len(ratios) >= 40
     assert min(ratios) >= 0.99 and max(ratios) <= 1.15, (min(ratios), max(ratios))
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
+    assert max(one_f_one_b) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in one_f_one_b) >= 0.9 * len(one_f_one_b), \
+        sorted(one_f_one_b)
