@@ -317,30 +317,25 @@ def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: flo
 
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0.0) -> float:
-    """The closed form. Under 1F1B stage s's all-reduce and optimizer step are charged after stage 0's last
-    backward less the drain below s counted as its stages' shortest replica backwards only: every replica of
-    stage s holds rows of the last micro-batch, whose gradient then passes through a backward of each stage below
-    before stage 0's last one ends, so s's latest replica ends at least that before it (a bound, whatever the
-    transfers; counting them too, or each stage's own last backward, was up to 31% optimistic where a wide
-    stage's replicas end their last backward far apart: a 53-wide stage sending to 107 replicas on 25 Gbit/s).
-    Charging every stage after stage 0's last backward put Metis's case-1 plan 6% above its replay. Under zb-h1 a stage's weight gradients leave the drain's
-    path (its B sends before its W), and its last W's come before its all-reduce instead. ``nic_s``: the
-    busiest host NIC's seconds per micro-batch (``nic_pace_s``), which paces the steady state where it exceeds
-    every stage's own pace. Less what the fill and drain charge twice where one stage's compute paces
-    (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans the MILP
-    ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%."""
+    """The closed form. Each stage's all-reduce and optimizer step are charged after stage 0's last backward less
+    the drain below the stage. Under 1F1B that drain counts the stages' shortest replica backwards only: every
+    replica of stage s holds rows of the last micro-batch, whose gradient then passes a backward of each stage below
+    before stage 0's last one ends, so s's latest replica ends at least that before it, whatever the transfers
+    (counting them too, or each stage's own last backward, was up to 31% optimistic where a wide stage's replicas
+    end their last backward far apart: a 53-wide stage sending to 107 replicas on 25 Gbit/s; charging every stage
+    after stage 0's last backward put Metis's case-1 plan 6% above its replay). Under zb-h1 a stage's weight
+    gradients leave the drain's path (its B sends before its W), and its last W's come before its all-reduce
+    instead. ``nic_s``: the busiest host NIC's seconds per micro-batch (``nic_pace_s``), which paces the steady
+    state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
+    compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans
+    the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%."""
     pace = max(max(c.pace_s for c in costs), nic_s, link_cycle_s(costs))
     credit = warm_up_credit_s(costs, num_micro_batches, pace)
-    if not any(c.weight_grad_s for c in costs):
-        below, ends = 0.0, []
-        for c in costs:
-            ends.append(c.allreduce_s + c.optimizer_s - below)
-            below += c.min_backward_s
-        return (num_micro_batches - 1) * pace + sum(c.per_micro_batch_s for c in costs) + max(ends) - credit
+    split = any(c.weight_grad_s for c in costs)
     below, ends = 0.0, []
     for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
         ends.append(c.tail_s + c.allreduce_s + c.optimizer_s - below)
-        below += c.backward_s - c.weight_grad_s + c.comm_s / 2
+        below += c.backward_s - c.weight_grad_s + c.comm_s / 2 if split else c.min_backward_s
     return ((num_micro_batches - 1) * pace + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends)
             - credit)
 
