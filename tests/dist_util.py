@@ -40,11 +40,17 @@ def one_process(args: list, extra_env: dict | None = None, timeout: float = 300)
     return subprocess.CompletedProcess(args, rc, out, err)
 
 
+def child_env() -> dict:
+    """This process's environment for a child on CPU: one thread, DeepSpeed's CPU accelerator, the repository
+    importable."""
+    return dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
-    env = dict(os.environ)
+    env = child_env()
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     env.update(extra or {})
     return env
 
@@ -152,8 +158,7 @@ def run_python(argv: list[str], timeout: float = 120) -> subprocess.CompletedPro
     """``python argv`` in one child of the ranks' fork server, outside any world (no rank variables), run to
     its end: the one-process references of the equivalence tests, each of which was a fresh interpreter
     importing torch, torch._dynamo and DeepSpeed (about 3 s of CPU apiece, some 60 of them a suite)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
     if os.environ.get("HETHUB_TEST_EXEC") == "1":
         return subprocess.run([sys.executable, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout)

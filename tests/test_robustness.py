@@ -405,23 +405,20 @@ def import_interrupted(argv):
     except KeyboardInterrupt:
         raise RuntimeError('Error building "default" validator: KeyboardInterrupt') from None
 
-def interrupted_in_a_callback(argv):  # as in importlib's module-lock clean-up: Python cannot raise it there
+def in_a_weakref_callback(callback):  # as importlib's module-lock clean-up runs: Python cannot raise from there
     import weakref
     class Lock:
         pass
     lock = Lock()
-    ref = weakref.ref(lock, lambda _ref: interrupts.on_interrupt(2, None))
+    ref = weakref.ref(lock, lambda _ref: callback())
     del lock
     return 0
 
+def interrupted_in_a_callback(argv):
+    return in_a_weakref_callback(lambda: interrupts.on_interrupt(2, None))
+
 def unraisable_bug(argv):
-    import weakref
-    class Lock:
-        pass
-    lock = Lock()
-    ref = weakref.ref(lock, lambda _ref: 1 / 0)
-    del lock
-    return 0
+    return in_a_weakref_callback(lambda: 1 / 0)
 
 class PanicException(BaseException):  # pyo3's, which pydantic-core raises when its Rust code panics
     pass
