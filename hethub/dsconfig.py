@@ -151,12 +151,6 @@ def check_zero(plan: Plan, config: dict) -> None:
         raise InputError("config.zero_optimization.stage", "the plan was made with --zero1 (its memory assumes "
                                                            "optimizer state sharded over each stage's replicas): set "
                                                            "\"zero_optimization\": {\"stage\": 1}")
-    mixed = next((st for st in plan.stages if not st.uniform_tp and (zero == 1 or plan.shards_optimizer(st))), None)
-    if mixed is not None:
-        raise InputError("config.zero_optimization.stage" if zero == 1 else f"plan.stages[{mixed.index}].zero1",
-                         f"ZeRO-1 shards a stage's optimizer state by its replicas' shards, which do not align in stage "
-                         f"{mixed.index} (its replicas' tensor-parallel degrees are "
-                         f"{'/'.join(map(str, mixed.degrees))}): not supported; use ZeRO stage 0 there")
 
 
 def check_config(plan: Plan, config: dict, ranks=None) -> None:

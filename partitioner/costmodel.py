@@ -555,26 +555,38 @@ class CostModel:
         return bool(self.zero1 or zero1)
 
     def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1,
-                              zero1: Optional[bool] = None) -> float:
+                              zero1: Optional[bool] = None, whole_ranks: int = 0) -> float:
         """Adam's state for layers [first, last) on one replica. With ZeRO-1 a replica of a stage of width w
         holds ceil(n / w) of the stage's n parameters' state (hethub.runtime.zero splits the flattened parameters
-        element by element), so this is the figure a rank measures, not an average."""
-        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width, zero1))
+        element by element), so this is the figure a rank measures, not an average. ``whole_ranks``: a stage
+        mixing tensor-parallel degrees (``Stage.whole_state_ranks``)."""
+        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width, zero1,
+                                              self._whole(first, last, whole_ranks)))
 
-    def _optimizer_state_of(self, params, width: int, zero1: Optional[bool] = None):
-        """``params`` a count or an array of counts (the planner prices many layer ranges at once)."""
+    def _whole(self, first: int, last: int, whole_ranks: int) -> Optional[tuple]:
+        return (self.stage_params(first, last, 1), whole_ranks) if whole_ranks else None
+
+    def _optimizer_state_of(self, params, width: int, zero1: Optional[bool] = None, whole: Optional[tuple] = None):
+        """``params`` a count or an array of counts (the planner prices many layer ranges at once). ``whole``: (the
+        whole tensors' parameters, the ranks) of a stage mixing tensor-parallel degrees, whose ZeRO-1 shards the
+        whole tensors over every rank of it (``hethub.runtime.zero``), not a replica's shard over the replicas."""
+        if whole is not None and self.sharded(zero1):
+            params, width = whole
         owned = np.ceil(np.asarray(params, dtype=float) / width) if self.sharded(zero1) and width > 1 else params
         return owned * ADAM_STATE_BYTES.get(self.dtype, ADAM_STATE_BYTES["bf16"])
 
-    def state_bytes_of(self, params, width: int = 1, zero1: Optional[bool] = None):
+    def state_bytes_of(self, params, width: int = 1, zero1: Optional[bool] = None, whole: Optional[tuple] = None):
         """Weights, gradients and optimizer state of ``params`` parameters on one replica of a stage of ``width``
-        (``zero1``: the stage shards its optimizer state over its replicas)."""
+        (``zero1``: the stage shards its optimizer state over its replicas; ``whole``: see ``_optimizer_state_of``)."""
         weights_grads = WEIGHT_GRAD_BYTES.get(self.dtype, WEIGHT_GRAD_BYTES["bf16"])
-        return params * weights_grads + self._optimizer_state_of(params, width, zero1)
+        return params * weights_grads + self._optimizer_state_of(params, width, zero1, whole)
 
-    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1, zero1: Optional[bool] = None) -> float:
-        """Weights, gradients and optimizer state of layers [first, last) on one rank of a replica."""
-        return float(self.state_bytes_of(self.stage_params(first, last, tp), width, zero1))
+    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1, zero1: Optional[bool] = None,
+                    whole_ranks: int = 0) -> float:
+        """Weights, gradients and optimizer state of layers [first, last) on one rank of a replica (``whole_ranks``:
+        ``Stage.whole_state_ranks``)."""
+        return float(self.state_bytes_of(self.stage_params(first, last, tp), width, zero1,
+                                         self._whole(first, last, whole_ranks)))
 
     def act_bytes(self, tp: int = 1) -> np.ndarray:
         """Per layer, per sample: bytes kept for backward without recompute on one rank of a tp group."""
@@ -708,13 +720,15 @@ class CostModel:
         return out if np.ndim(params) else float(out)
 
     def optimizer_s(self, t: str, first: int, last: int, width: int = 1, tp: int = 1,
-                    zero1: Optional[bool] = None) -> float:
-        """Optimizer step: memory-bound pass over this rank's state."""
-        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width, zero1))
+                    zero1: Optional[bool] = None, whole_ranks: int = 0) -> float:
+        """Optimizer step: memory-bound pass over this rank's state (``whole_ranks``: ``Stage.whole_state_ranks``)."""
+        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width, zero1,
+                                         self._whole(first, last, whole_ranks)))
 
-    def optimizer_s_of(self, params, t: str, width: int = 1, zero1: Optional[bool] = None):
+    def optimizer_s_of(self, params, t: str, width: int = 1, zero1: Optional[bool] = None,
+                       whole: Optional[tuple] = None):
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
-        return (self.state_bytes_of(params, width, zero1) * OPTIMIZER_PASSES
+        return (self.state_bytes_of(params, width, zero1, whole) * OPTIMIZER_PASSES
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
 
 

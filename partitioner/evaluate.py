@@ -113,7 +113,8 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
                                         split) for r in st.replicas), key=sum)
         comm = _boundary_comm_s(plan, cm, s)  # a one-chunk plan's chunk s is stage s
         z = plan.shards_optimizer(st)
-        opt = max(cm.optimizer_s(st.type_of(r), first, last, st.width, st.degree_of(r), z) for r in st.replicas)
+        opt = max(cm.optimizer_s(st.type_of(r), first, last, st.width, st.degree_of(r), z, st.whole_state_ranks)
+                  for r in st.replicas)
         mem = group_memory_bytes(plan, cm, s, samples, orders[s])
         wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, st.degree_of(r))
                   for r in st.replicas]
@@ -256,7 +257,7 @@ def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=No
     tp, z = tp or min(st.degrees), plan.shards_optimizer(st)  # default: the stage's degree that splits least
     full = cm.act_bytes(tp)
     peak = activation_peak_bytes(plan, cm, s, samples, order, tp)
-    state = sum(cm.state_bytes(a, b, st.width, tp, z) for a, b in st.chunk_ranges)
+    state = sum(cm.state_bytes(a, b, st.width, tp, z, st.whole_state_ranks) for a, b in st.chunk_ranges)
     extra = max(float(full[a:b].max()) * samples for a, b in st.chunk_ranges) if st.recompute else 0.0
     inputs = sum(float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)
     return peak_memory_bytes(state, peak, extra, inputs)
@@ -278,7 +279,8 @@ def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCos
             return sum(f for f, _ in parts), sum(b for _, b in parts)
         fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
         comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)
-        opt = max(sum(cm.optimizer_s(st.type_of(r), a, b, st.width, st.degree_of(r), z) for a, b in st.chunk_ranges)
+        opt = max(sum(cm.optimizer_s(st.type_of(r), a, b, st.width, st.degree_of(r), z, st.whole_state_ranks)
+                      for a, b in st.chunk_ranges)
                   for r in st.replicas)
         mem = group_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
         split = kind.split_backward

@@ -738,6 +738,12 @@ class Stage(Record):
         return sum(self.degrees)
 
     @property
+    def whole_state_ranks(self) -> int:
+        """The ranks a stage whose replicas differ in tensor parallelism shards its ZeRO-1 state over: every rank of
+        it, whole tensors (its shards do not align); 0 for a stage of one degree (sharded by replica)."""
+        return 0 if self.uniform_tp else self.device_count
+
+    @property
     def types(self) -> list[str]:
         """The stage's distinct device types, the stage's own first."""
         return list(dict.fromkeys([self.device_type] + [self.type_of(r) for r in self.replicas]))

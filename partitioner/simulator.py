@@ -270,7 +270,7 @@ class _Replay:
             st, rep = self.where[rank]
             return 0.0 if a.kind == "L" else sum(
                 self.cm.optimizer_s(st.type_of(rep), c0, c1, st.width, st.degree_of(rep),
-                                    self.plan.shards_optimizer(st)) for c0, c1 in st.chunk_ranges)
+                                    self.plan.shards_optimizer(st), st.whole_state_ranks) for c0, c1 in st.chunk_ranges)
         k = (rank, a.chunk)
         if k not in self.durations:
             st, rep = self.where[rank]

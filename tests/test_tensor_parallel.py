@@ -343,11 +343,21 @@ def test_bad_mixed_degree_plans_name_the_field(edit, match):
         Plan.from_json(json.dumps(data))
 
 
-def test_zero1_in_a_stage_of_mixed_degrees_is_one_line():
+def test_zero1_in_a_stage_of_mixed_degrees_is_priced_as_it_runs():
+    """ZeRO-1 in a stage of degrees 1/2/3 shards the whole tensors' state over its six ranks (hethub.runtime.zero),
+    so a rank holds ceil(n / 6) of its n whole parameters' state, not a replica's shard over three replicas."""
+    import math
     from hethub.dsconfig import check_zero
-    with pytest.raises(InputError, match=r"config\.zero_optimization\.stage: ZeRO-1 .* stage 1 \(its replicas' "
-                                         r"tensor-parallel degrees are 1/2/3\): not supported"):
-        check_zero(mixed_tp_plan(), {"zero_optimization": {"stage": 1}})
+    from hethub.partitioner.evaluate import group_memory_bytes
+    plan = mixed_tp_plan(zero1=True)
+    check_zero(plan, {"zero_optimization": {"stage": 1}})  # accepted (it was refused)
+    st, cm = plan.stages[1], CostModel(plan.cluster, plan.model)
+    assert (plan.stages[0].whole_state_ranks, st.whole_state_ranks) == (0, 6)
+    whole = int(cm.stage_params(2, 5, 1))
+    per_param = cm.optimizer_state_bytes(2, 5) / whole
+    assert cm.optimizer_state_bytes(2, 5, st.width, 1, True, 6) == pytest.approx(math.ceil(whole / 6) * per_param)
+    saved = group_memory_bytes(mixed_tp_plan(), cm, 1, 3) - group_memory_bytes(plan, cm, 1, 3)
+    assert saved == pytest.approx((whole - math.ceil(whole / 6)) * per_param)
 
 
 def test_the_planner_mixes_degrees_in_a_stage_where_that_wins(monkeypatch):
@@ -374,18 +384,29 @@ def test_the_planner_mixes_degrees_in_a_stage_where_that_wins(monkeypatch):
 
 
 @pytest.mark.dist
-def test_a_stage_mixing_tensor_parallel_degrees_trains_like_one_process_and_resumes_under_one_degree(tmp_path):
-    """hethub's GPT blocks in float64 on a stage of three replicas at TP 1, 2 and 3 (1, 2 and 3 samples of each
-    micro-batch): 3 steps equal one process, the checkpoint holds whole tensors, and 3 more steps under a stage of
-    one degree (TP 2 twice) resumed from it equal one process too."""
-    K, ckpt = 3, str(tmp_path / "ckpt")
+def test_a_stage_mixing_tensor_parallel_degrees_trains_like_one_process_with_and_without_zero1(tmp_path):
+    """hethub's GPT blocks in float64, SGD with momentum, on a stage of three replicas at TP 1, 2 and 3 (1, 2 and 3
+    samples of each micro-batch). Steps [0, 3) without ZeRO-1, saved; [3, 6) resumed under ZeRO-1, which shards the
+    whole tensors' momentum over the stage's six ranks, saved; [6, 9) resumed under a stage of one degree (TP 2
+    twice) with ZeRO-1 over its replicas. Every part equals one process."""
+    K, first, second = 3, str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
     plan = mixed_tp_plan()
-    ref = _reference(tmp_path, plan, 2 * K, "gpt")
-    first = _run(tmp_path, plan, "m", K, "gpt", "--save", ckpt)
-    for g in first:
+    ref = _reference_args(tmp_path, plan, 3 * K, "gpt", "momentum")
+    plain = _run(tmp_path, plan, "m", K, "gpt", "momentum", "--save", first)
+    for g in plain:
         torch.testing.assert_close(g["losses"], ref["losses"][:K], rtol=TOL, atol=0)
     for rank in (1, 2, 4):  # every replica's lead holds the one-process weights after K steps
-        for k, v in first[rank]["params"].items():
+        for k, v in plain[rank]["params"].items():
             assert v.shape == ref["params"][k].shape
-    second = _run(tmp_path, mixed_tp_plan((2, 2), (4, 2)), "u", 2 * K, "gpt", "--first", str(K), "--load", ckpt)
-    _compare(second, ref, ref["losses"][K:])
+    sharded = _run(tmp_path, plan, "z", 2 * K, "gpt", "momentum", "zero1", "--first", str(K), "--load", first,
+                   "--save", second)
+    for g in sharded:
+        torch.testing.assert_close(g["losses"], ref["losses"][K:2 * K], rtol=TOL, atol=0)
+    whole = sum(v.numel() for k, v in ref["params"].items() if int(k.split(".")[0]) >= 2)  # stage 1's parameters
+    # momentum: at most ceil(whole / 6) elements a rank, every element of stage 1's whole tensors once
+    assert [plain[r]["state_elements"] >= whole // 3 for r in range(1, 7)] == [True] * 6
+    assert [sharded[r]["state_elements"] <= -(-whole // 6) for r in range(1, 7)] == [True] * 6
+    assert sum(sharded[r]["state_elements"] for r in range(1, 7)) == whole
+    last = _run(tmp_path, mixed_tp_plan((2, 2), (4, 2)), "u", 3 * K, "gpt", "momentum", "zero1", "--first",
+                str(2 * K), "--load", second)
+    _compare(last, ref, ref["losses"][2 * K:])

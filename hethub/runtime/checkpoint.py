@@ -251,7 +251,9 @@ def _load_optimizer_state(parts: CheckpointParts, names: dict, by_layer: dict) -
         for shard in parts.zero1.shards:
             states = [saved(p) for p in shard.params]
             if states and all(st is not None for st in states):
-                mine = [{k: _state_for(p, v, flat=True) for k, v in st.items()} for p, st in zip(shard.params, states)]
+                # (a stage mixing degrees shards the whole tensors: the files' as they are)
+                mine = states if shard.whole else [{k: _state_for(p, v, flat=True) for k, v in st.items()}
+                                                   for p, st in zip(shard.params, states)]
                 opt.state[shard.shard] = shard.join_state(mine)
         return
     for group in opt.param_groups:

@@ -64,15 +64,16 @@ class Gradients:
     def reduce(self) -> None:
         """SUM within the stage's replicas (what the buckets did not finish during the backward), then across the
         stages holding a tied weight; ZeRO-1 takes its shard."""
+        sums = None
         if self.buckets is not None:
             self.buckets.finish()
         elif self.grid.mixed_tp:
             params = [p for p in self.module.parameters() if p.requires_grad]
-            mixed_tp.reduce_whole(params, self.grid.tp_rank, lambda flat: self._stage_collective(
+            sums = mixed_tp.reduce_whole(params, self.grid.tp_rank, lambda flat: self._stage_collective(
                 _summed, flat, "the gradient all-reduce (replicas of different tensor-parallel degrees)"))
         self._reduce_tied()
         if self.zero1 is not None:
-            self.zero1.load_grads()
+            self.zero1.load_grads(sums)
 
     def _stage_collective(self, fn: Callable, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Run a collective over the stage's replicas (through the host bridge where they span vendors)."""
@@ -150,9 +151,10 @@ class Gradients:
             self.zero1.gather_parameters(self.all_gather_stage)
 
     def all_gather_stage(self, t: torch.Tensor, what: str = "the ZeRO-1 all-gather") -> torch.Tensor:
-        """Concatenation of ``t`` (one size everywhere) over the stage's replicas, in replica order."""
+        """Concatenation of ``t`` (one size everywhere) over the stage's replicas, in replica order (a stage mixing
+        tensor-parallel degrees: over every rank of it, in its group's order)."""
         def gather(x, group):
-            parts = [torch.empty_like(x) for _ in range(self.grid.data_parallel_size)]
+            parts = [torch.empty_like(x) for _ in range(len(self.grid.dp_ranks))]
             dist.all_gather(parts, x, group=group)
             return torch.cat(parts)
         return self._stage_collective(gather, t, what)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .tp import from_local, full, is_dtensor, is_sharded, local, place_shard, shard_of, split_of
 
 
-def _whole_shape(p: torch.Tensor) -> tuple[int, ...]:
+def whole_shape(p: torch.Tensor) -> tuple[int, ...]:
     """The parameter's whole shape (a DTensor's own; a marked shard's times its group's size along its dim)."""
     split = split_of(p)
     if split is None:
@@ -29,10 +29,13 @@ def _whole_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def reduce_whole(params: list, tp_rank: int, collective: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def reduce_whole(params: list, tp_rank: int, collective: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> dict[int, torch.Tensor]:
     """SUM every parameter's whole gradient over the stage (``collective``: an all-reduce over every rank of it,
     returning the sum) and keep this rank's shard. ``params``: the stage's trainable parameters, in the same order on
-    every rank."""
+    every rank. Returns the whole sums of the split parameters (by ``id``): ZeRO-1 over the stage steps elements of
+    whole tensors (``hethub.runtime.zero``), which this rank's shard alone does not hold."""
+    sums: dict[int, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list] = {}
     for p in params:
         grad = local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
@@ -41,7 +44,7 @@ def reduce_whole(params: list, tp_rank: int, collective: Callable[[torch.Tensor]
         pairs = by_dtype[dtype]
         wholes = []
         for p, grad in pairs:
-            whole = torch.zeros(_whole_shape(p), dtype=dtype, device=grad.device)
+            whole = torch.zeros(whole_shape(p), dtype=dtype, device=grad.device)
             if is_sharded(p):
                 place_shard(whole, grad, p)
             elif tp_rank == 0:  # a replicated parameter: one contribution per replica
@@ -53,11 +56,14 @@ def reduce_whole(params: list, tp_rank: int, collective: Callable[[torch.Tensor]
             n = whole.numel()
             piece = summed[offset:offset + n].view(whole.shape)
             offset += n
-            mine = shard_of(piece, p) if is_sharded(p) else piece
+            mine = piece
+            if is_sharded(p):
+                mine, sums[id(p)] = shard_of(piece, p), piece
             if p.grad is None:
                 p.grad = _as_grad(p, mine)
             else:
                 local(p.grad).copy_(mine)
+    return sums
 
 
 def _as_grad(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:

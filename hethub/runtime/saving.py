@@ -257,18 +257,19 @@ def _optimizer_state_by_layer(parts: CheckpointParts) -> dict[int, dict[str, Any
     writes = parts.grid.replica_id == 0 and parts.grid.tp_rank == 0
     to_host = _host_copy if writes else (lambda t: t)
 
-    def put(p, st):
+    def put(p, st, made_whole=False):
         idx, name = names[id(p)]
         if (idx, name) in owners:
             return  # a tied weight's state is stored with its first layer, by the stage holding that
-        whole = {k: (to_host(_whole_state(p, v)) if torch.is_tensor(v) else v) for k, v in st.items()}
+        if not made_whole:
+            st = {k: (to_host(_whole_state(p, v)) if torch.is_tensor(v) else v) for k, v in st.items()}
         if writes:
-            out.setdefault(idx, {})[name] = whole
+            out.setdefault(idx, {})[name] = st
 
     if parts.zero1 is not None:
-        for shard in parts.zero1.shards:
+        for shard in parts.zero1.shards:  # (a stage mixing degrees shards whole tensors: gathered whole already)
             for p, st in zip(shard.params, _gathered_state(parts, shard, to_host)):
-                put(p, st)
+                put(p, st, made_whole=shard.whole)
         return out
     for group in opt.param_groups:
         for p in group["params"]:

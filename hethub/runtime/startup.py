@@ -315,6 +315,9 @@ def _zero1_factory(run: _Checked, grid: HeteroGrid, params: list, zero1: bool) -
 
     def make(optimizer):
         try:
+            if grid.mixed_tp:  # whole tensors over every rank of the stage, in its group's order (hethub.runtime.zero)
+                group = grid.get_data_parallel_group()
+                return Zero1(optimizer, params, dist.get_rank(group), len(grid.dp_ranks), whole=True)
             return Zero1(optimizer, params, grid.replica_id, grid.data_parallel_size)
         except ValueError as exc:
             fail(str(exc))

@@ -17,6 +17,13 @@ and ZeRO-1 is only what remains, as DeepSpeed's stage 1 does it:
   shard (clipping scales both), the optimizer steps the shard, and an all-gather of the padded shards
   writes every updated parameter back on every replica.
 
+A stage whose replicas differ in tensor parallelism (``hethub.runtime.mixed_tp``) has no "ranks holding the same
+shard": its shards do not align. There ZeRO-1 shards the *whole* tensors instead, over every rank of the stage:
+rank j of the stage's n ranks owns elements [j c, (j+1) c) of the group's whole parameters flattened, c = ceil(N / n)
+(N whole elements); it takes them from the whole gradient sums the stage's all-reduce already built, refreshes them
+from the whole parameters (a gather within its own tensor-parallel group), and after the step writes back its own
+shard of the gathered whole tensors. Same element-wise update, so the same exactness.
+
 Optimizers whose update of an element depends only on that element (SGD, Adam, AdamW, RMSprop, ...)
 train exactly as without ZeRO-1. Ones with per-tensor statistics (LAMB, Adafactor) would see one flat
 tensor: that is said in the README, as DeepSpeed's ZeRO says it. Checkpoints all-gather the state back into
@@ -25,51 +32,71 @@ per-layer, per-parameter tensors, so they load with or without ZeRO-1 under any 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from .tp import local
+from .mixed_tp import whole_shape
+from .tp import full, is_sharded, local, shard_of
 
 
 class FlatShard:
-    """One parameter group of one replica: which elements it owns and the flat parameter that holds them."""
+    """One parameter group of one replica (or, ``whole``, of one rank of a stage mixing tensor-parallel degrees):
+    which elements it owns and the flat parameter that holds them."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], replica: int, width: int):
+    def __init__(self, params: Sequence[torch.nn.Parameter], replica: int, width: int, whole: bool = False):
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"optimizer.param_groups: ZeRO-1 flattens each group into one tensor; a group mixes "
                              f"dtypes {sorted(map(str, dtypes))}: put each dtype in its own group")
         self.params = list(params)
-        self.sizes = [local(p).numel() for p in self.params]  # tensor-parallel: this rank's shard
+        self.whole = whole
+        # the element space: this rank's shard of each tensor-parallel parameter, or (whole) the whole tensors
+        self.shapes = [whole_shape(p) if whole else tuple(local(p).shape) for p in self.params]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
         self.total = sum(self.sizes)
         self.width = width
         self.chunk = math.ceil(self.total / width) if self.total else 0
         self.start = min(replica * self.chunk, self.total)
         self.stop = min(self.start + self.chunk, self.total)
         first = self.params[0]
-        flat = torch.cat([local(p).detach().reshape(-1) for p in self.params])[self.start:self.stop]
+        flat = torch.cat([v.reshape(-1) for v in self._values()])[self.start:self.stop]
         self.shard = torch.nn.Parameter(flat.clone().to(first.device), requires_grad=True)
 
+    def _values(self) -> list[torch.Tensor]:
+        """The parameters in the element space (whole: gathered within the replica's tensor-parallel group, so every
+        rank of the stage calls this at the same point)."""
+        with torch.no_grad():
+            return [(full(p) if self.whole else local(p)).detach() for p in self.params]
+
     def _pieces(self):
-        """(parameter, first element in the parameter, first element in the shard, count) for owned elements."""
+        """(parameter index, first element in the parameter, first element in the shard, count) for owned elements."""
         offset = 0
-        for p, n in zip(self.params, self.sizes):
+        for i, n in enumerate(self.sizes):
             a, b = max(offset, self.start), min(offset + n, self.stop)
             if a < b:
-                yield p, a - offset, a - self.start, b - a
+                yield i, a - offset, a - self.start, b - a
             offset += n
 
-    def load_grads(self) -> None:
+    def _grad(self, i: int, sums: dict) -> Optional[torch.Tensor]:
+        """Parameter i's reduced gradient in the element space (whole: a split parameter's whole sum, ``sums``)."""
+        p = self.params[i]
+        if self.whole and is_sharded(p):
+            return sums[id(p)]
+        return local(p.grad) if p.grad is not None else None
+
+    def load_grads(self, sums: Optional[dict] = None) -> None:
         """This replica's elements of the (already reduced) gradient into the shard's gradient, and of the
         parameters into the shard (they may have changed since the last step: a checkpoint loaded, a user's
-        edit), so the step always starts from the parameters the model holds."""
+        edit), so the step always starts from the parameters the model holds. ``sums``: see ``_grad``."""
         g = torch.zeros_like(self.shard)
+        values = self._values()
         with torch.no_grad():
-            for p, src, dst, n in self._pieces():
-                self.shard[dst:dst + n].copy_(local(p).detach().reshape(-1)[src:src + n])
-                if p.grad is not None:
-                    g[dst:dst + n].copy_(local(p.grad).detach().reshape(-1)[src:src + n])
+            for i, src, dst, n in self._pieces():
+                self.shard[dst:dst + n].copy_(values[i].reshape(-1)[src:src + n])
+                grad = self._grad(i, sums or {})
+                if grad is not None:
+                    g[dst:dst + n].copy_(grad.detach().reshape(-1)[src:src + n])
         self.shard.grad = g
 
     def padded(self) -> torch.Tensor:
@@ -79,27 +106,29 @@ class FlatShard:
         return out
 
     def write_back(self, full: torch.Tensor) -> None:
-        """Every parameter from the gathered flat buffer (replica order = element order)."""
+        """Every parameter from the gathered flat buffer (replica order = element order); whole: this rank's shard
+        of each whole tensor."""
         offset = 0
         with torch.no_grad():
-            for p, n in zip(self.params, self.sizes):
-                mine = local(p)
-                mine.copy_(full[offset:offset + n].view_as(mine))
+            for p, n, shape in zip(self.params, self.sizes, self.shapes):
+                piece = full[offset:offset + n].view(shape)
+                local(p).copy_(shard_of(piece, p) if self.whole else piece)
                 offset += n
 
     # --- checkpoints: per-parameter state <-> this replica's flat state
     def split_state(self, gathered: dict[str, torch.Tensor], scalars: dict) -> list[dict]:
-        """Per parameter state from full flat state tensors (``gathered``) and per-group scalars (step)."""
+        """Per parameter state from full flat state tensors (``gathered``) and per-group scalars (step), shaped as the
+        element space (whole: whole tensors)."""
         out, offset = [], 0
-        for p, n in zip(self.params, self.sizes):
-            st = {k: v[offset:offset + n].reshape(local(p).shape).clone() for k, v in gathered.items()}
+        for n, shape in zip(self.sizes, self.shapes):
+            st = {k: v[offset:offset + n].reshape(shape).clone() for k, v in gathered.items()}
             st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()})
             out.append(st)
             offset += n
         return out
 
     def join_state(self, per_param: Sequence[dict]) -> dict:
-        """This replica's flat state from full per-parameter states (all present, same keys)."""
+        """This replica's flat state from full per-parameter states in the element space (all present, same keys)."""
         first = per_param[0]
         state = {}
         for k, v in first.items():
@@ -112,10 +141,12 @@ class FlatShard:
 
 
 class Zero1:
-    """ZeRO-1 of one replica: its optimizer's groups replaced by flat shards (see the module docstring)."""
+    """ZeRO-1 of one replica: its optimizer's groups replaced by flat shards (see the module docstring).
+    ``replica`` of ``width``: this replica's place among the stage's; ``whole``: a stage mixing tensor-parallel
+    degrees, where they are this rank's place among every rank of the stage."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], replica: int,
-                 width: int):
+                 width: int, whole: bool = False):
         if optimizer.state:
             raise ValueError("optimizer: ZeRO-1 shards the optimizer before its first step; this one already "
                              "holds state (load state with engine.load_checkpoint after hethub.initialize)")
@@ -126,13 +157,14 @@ class Zero1:
             if not ps:
                 group["params"] = []
                 continue
-            shard = FlatShard(ps, replica, width)
+            shard = FlatShard(ps, replica, width, whole)
             self.shards.append(shard)
             group["params"] = [shard.shard]
 
-    def load_grads(self) -> None:
+    def load_grads(self, sums: Optional[dict] = None) -> None:
+        """``sums``: a stage mixing degrees, the whole gradient sums of its split parameters (``mixed_tp``)."""
         for s in self.shards:
-            s.load_grads()
+            s.load_grads(sums)
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [s.shard.grad for s in self.shards if s.shard.grad is not None]

@@ -230,13 +230,14 @@ class _Part:
         one = self.cm.link_s(s * nbytes, self.t, self.t, same_host=intra)
         return np.where(nbytes > 0, one * (queued + 1) / 2, 0.0)
 
-    def in_flight(self, width: int, s: int, M: int, zero1: bool = False, waits=0) -> np.ndarray:
+    def in_flight(self, width: int, s: int, M: int, zero1: bool = False, waits=0, whole=None) -> np.ndarray:
         """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
         optimizer state over all of them) and a share of s samples. ``waits``: split backwards held at the peak
         (zb-h1: one right after a B, the last stage's last two), each holding ``wait_over`` more than a forward
-        left (``evaluate.activation_peak_bytes`` counts the same along the stage's order)."""
+        left (``evaluate.activation_peak_bytes`` counts the same along the stage's order). ``whole``: a stage mixing
+        tensor-parallel degrees (``CostModel.state_bytes_of``)."""
         cap = self.cm.memory_limit_bytes(self.t) - peak_memory_bytes(
-            self.cm.state_bytes_of(self.params, width, zero1), waits * self.wait_over * s,
+            self.cm.state_bytes_of(self.params, width, zero1, whole), waits * self.wait_over * s,
             self.act_max * s if self.rc else 0.0, self.in_bytes * s)
         k = np.floor(np.where(cap > 0, cap / np.maximum(self.act * s, 1.0), 0.0))
         return np.minimum(k, M)
@@ -389,9 +390,11 @@ class _Builder:
         a degree-1 part of the same layers, whose parameters a stage of two degrees sums over all its ranks."""
         cm, M = self.cm, self.M
         w, ts = wa + wb, [pa.t] + ([pb.t] if pb is not None else [])
+        # shards that do not align: gradients and ZeRO-1's state are whole tensors over every rank (mixed_tp, zero)
+        whole_state = (whole.params, wa * pa.tp + wb * pb.tp) if pb is not None and pb.tp != pa.tp else None
         comp, comm, cross = pa.split_compute_s(sa, self.split), pa.comm_s(wa, sa, False), pa.comm_s(wa, sa, True)
         away = pa.comm_s(wa, sa, False, other_host=True)
-        k, wg = pa.in_flight(w, sa, M, z, self.waits), pa.wgrad_s(sa)
+        k, wg = pa.in_flight(w, sa, M, z, self.waits, whole_state), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
         lat = self._latency_s(pa, wa, sa, pb is not None)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
@@ -400,7 +403,7 @@ class _Builder:
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = np.maximum(comp, pb.split_compute_s(sb, self.split)), away
             cross = np.maximum(cross, pb.comm_s(wb, sb, True))
-            k = np.minimum(k, pb.in_flight(w, sb, M, False, self.waits))
+            k = np.minimum(k, pb.in_flight(w, sb, M, False, self.waits, whole_state))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
             wg, tail = np.minimum(wg, pb.wgrad_s(sb)), np.maximum(tail, pb.wgrad_s(sb))
             bwd = np.minimum(bwd, pb.backward_s(sb))  # the all-reduce hides behind the shorter half's pass
@@ -409,12 +412,10 @@ class _Builder:
         hide = np.where(self.split, wg, bwd)
         if not self.overlap:  # ``evaluate.no_overlap_s``: transfers on the path, nothing hides the all-reduce
             comp, wg, lat, hide, tail = comp + comm, np.zeros_like(comp), np.zeros_like(comp), 0.0, 0.0
-        params, ranks = pa.params, w
-        if pb is not None and pb.tp != pa.tp:  # shards that do not align: whole tensors over every rank (mixed_tp)
-            params, ranks = whole.params, wa * pa.tp + wb * pb.tp
+        params, ranks = whole_state or (pa.params, w)
         ar = (cm.sync_s(params, ts, ranks, pb is None and wa <= pa.per_node, z, hide)
               + cm.tie_sync_s(self.tied, ts, 2 * w) + self.tail_ws * tail)
-        opt = np.max([cm.optimizer_s_of(pa.params, t, w, z) for t in ts], axis=0)
+        opt = np.max([cm.optimizer_s_of(p.params, p.t, w, z, whole_state) for p in (pa, pb) if p is not None], axis=0)
         k = np.where(self.ends_pipeline & (k < self.last_need), 0, k)
         keep = (k >= 1) & (only if only is not None else True)
         n = int(keep.sum())

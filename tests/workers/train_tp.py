@@ -2,6 +2,8 @@
 SGD with gradient clipping, optionally resuming from / saving a checkpoint.
 
 usage: train_tp.py PLAN OUT STEPS {gpt|llama|user} [single] [--first K] [--load DIR] [--save DIR] [zero1] [bf16]
+    [momentum]
+momentum: SGD with momentum 0.9 (optimizer state that checkpoints and ZeRO-1 must carry exactly).
 bf16: float32 weights with bf16 autocast (the reference autocasts the same way) instead of float64.
 gpt/llama: hethub's own blocks (split with no extra argument). user: a stack of the user's layers, split by
 tp_plan {"*.0": "colwise", "*.2": "rowwise"}. Trains steps [K, STEPS); data of step k is the same under any plan.
@@ -49,6 +51,10 @@ def batches(kind: str, plan, step: int):
     return counting_batches(step, M, mb, m.seq_length, m.vocab_size)
 
 
+def optimizer(params, argv):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9 if "momentum" in argv else 0.0)
+
+
 def main():
     plan_path, out, steps, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     argv = sys.argv[5:]
@@ -60,7 +66,7 @@ def main():
     losses = []
     if "single" in argv:
         model = nn.Sequential(*layers)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = optimizer(model.parameters(), argv)
         for step in range(steps):
             opt.zero_grad()
             total = 0.0
@@ -82,7 +88,7 @@ def main():
         if "bf16" in argv:
             config["bf16"] = {"enabled": True}
         engine, *_ = hethub.initialize(layers=layers, loss_fn=loss_fn, config=config, plan=plan,
-                                       optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+                                       optimizer=lambda ps: optimizer(ps, argv),
                                        tp_plan=USER_TP_PLAN if kind == "user" else None)
         if "--load" in argv:
             engine.load_checkpoint(argv[argv.index("--load") + 1])
@@ -95,7 +101,10 @@ def main():
     from hethub.runtime.tp import full
     params = {f"{i}.{k}": full(v).detach().clone() for i in mine
               for k, v in layers[i].state_dict(keep_vars=True).items()}
-    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params}, out)
+    state = [] if "single" in argv else [v for st in engine.optimizer.state.values() for v in st.values()
+                                         if torch.is_tensor(v) and v.dim() > 0]
+    torch.save({"losses": torch.tensor(losses, dtype=torch.float64), "params": params,
+                "state_elements": sum(v.numel() for v in state)}, out)
 
 
 if __name__ == "__main__":
