@@ -554,39 +554,28 @@ class CostModel:
         """Whether a stage's optimizer state is sharded: plan-wide ZeRO-1 (``zero1`` here) or the stage's own."""
         return bool(self.zero1 or zero1)
 
-    def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1,
-                              zero1: Optional[bool] = None, whole_ranks: int = 0) -> float:
+    def optimizer_state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1, zero1=None, whole=None):
         """Adam's state for layers [first, last) on one replica. With ZeRO-1 a replica of a stage of width w
         holds ceil(n / w) of the stage's n parameters' state (hethub.runtime.zero splits the flattened parameters
-        element by element), so this is the figure a rank measures, not an average. ``whole_ranks``: a stage
-        mixing tensor-parallel degrees (``Stage.whole_state_ranks``)."""
-        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width, zero1,
-                                              self._whole(first, last, whole_ranks)))
-
-    def _whole(self, first: int, last: int, whole_ranks: int) -> Optional[tuple]:
-        return (self.stage_params(first, last, 1), whole_ranks) if whole_ranks else None
+        element by element), so this is the figure a rank measures, not an average (``whole``: ``whole_state``)."""
+        return float(self._optimizer_state_of(self.stage_params(first, last, tp), width, zero1, whole))
 
     def _optimizer_state_of(self, params, width: int, zero1: Optional[bool] = None, whole: Optional[tuple] = None):
-        """``params`` a count or an array of counts (the planner prices many layer ranges at once). ``whole``: (the
-        whole tensors' parameters, the ranks) of a stage mixing tensor-parallel degrees, whose ZeRO-1 shards the
-        whole tensors over every rank of it (``hethub.runtime.zero``), not a replica's shard over the replicas."""
-        if whole is not None and self.sharded(zero1):
-            params, width = whole
+        """``params`` a count or an array of counts (the planner prices many layer ranges at once); ``whole``:
+        (whole parameters, ranks) where ZeRO-1 shards whole tensors (``whole_state``)."""
+        params, width = whole if whole is not None and self.sharded(zero1) else (params, width)
         owned = np.ceil(np.asarray(params, dtype=float) / width) if self.sharded(zero1) and width > 1 else params
         return owned * ADAM_STATE_BYTES.get(self.dtype, ADAM_STATE_BYTES["bf16"])
 
     def state_bytes_of(self, params, width: int = 1, zero1: Optional[bool] = None, whole: Optional[tuple] = None):
         """Weights, gradients and optimizer state of ``params`` parameters on one replica of a stage of ``width``
-        (``zero1``: the stage shards its optimizer state over its replicas; ``whole``: see ``_optimizer_state_of``)."""
+        (``zero1``: the stage shards its optimizer state over its replicas; ``whole``: ``whole_state``)."""
         weights_grads = WEIGHT_GRAD_BYTES.get(self.dtype, WEIGHT_GRAD_BYTES["bf16"])
         return params * weights_grads + self._optimizer_state_of(params, width, zero1, whole)
 
-    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1, zero1: Optional[bool] = None,
-                    whole_ranks: int = 0) -> float:
-        """Weights, gradients and optimizer state of layers [first, last) on one rank of a replica (``whole_ranks``:
-        ``Stage.whole_state_ranks``)."""
-        return float(self.state_bytes_of(self.stage_params(first, last, tp), width, zero1,
-                                         self._whole(first, last, whole_ranks)))
+    def state_bytes(self, first: int, last: int, width: int = 1, tp: int = 1, zero1=None, whole=None) -> float:
+        """Weights, gradients and optimizer state of layers [first, last) on one rank of a replica."""
+        return float(self.state_bytes_of(self.stage_params(first, last, tp), width, zero1, whole))
 
     def act_bytes(self, tp: int = 1) -> np.ndarray:
         """Per layer, per sample: bytes kept for backward without recompute on one rank of a tp group."""
@@ -719,17 +708,21 @@ class CostModel:
         out = np.where(nbytes > 0, out, 0.0)
         return out if np.ndim(params) else float(out)
 
-    def optimizer_s(self, t: str, first: int, last: int, width: int = 1, tp: int = 1,
-                    zero1: Optional[bool] = None, whole_ranks: int = 0) -> float:
-        """Optimizer step: memory-bound pass over this rank's state (``whole_ranks``: ``Stage.whole_state_ranks``)."""
-        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width, zero1,
-                                         self._whole(first, last, whole_ranks)))
+    def optimizer_s(self, t: str, first: int, last: int, width: int = 1, tp: int = 1, zero1=None, whole=None) -> float:
+        """Optimizer step: memory-bound pass over this rank's state."""
+        return float(self.optimizer_s_of(self.stage_params(first, last, tp), t, width, zero1, whole))
 
-    def optimizer_s_of(self, params, t: str, width: int = 1, zero1: Optional[bool] = None,
-                       whole: Optional[tuple] = None):
+    def optimizer_s_of(self, params, t: str, width: int = 1, zero1: Optional[bool] = None, whole=None):
         """``optimizer_s`` for ``params`` parameters (a count or an array of counts)."""
         return (self.state_bytes_of(params, width, zero1, whole) * OPTIMIZER_PASSES
                 / (self.cluster.device_type(t).memory_gbps * 1e9))
+
+
+def whole_state(cm: CostModel, stage, first: int, last: int) -> Optional[tuple]:
+    """The ``whole`` of ``CostModel.state_bytes_of`` for layers [first, last) of a placed stage: a stage mixing
+    tensor-parallel degrees shards its ZeRO-1 state as whole tensors over every rank of it
+    (``Stage.whole_state_ranks``); None for a stage of one degree."""
+    return (cm.stage_params(first, last, 1), stage.whole_state_ranks) if stage.whole_state_ranks else None
 
 
 def _reduced_over(st) -> tuple[int, int]:

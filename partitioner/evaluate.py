@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .costmodel import CostModel, pass_times_s, peak_memory_bytes, usd_per_million_tokens
+from .costmodel import CostModel, pass_times_s, peak_memory_bytes, usd_per_million_tokens, whole_state
 from .chunked import chunk_orders
 from .records import Plan, Predicted
 from .schedule import overlaps, trailing_weight_passes
@@ -81,6 +81,13 @@ class StageCost:
         activations and their gradients travel on separate groups (and NIC directions): one way's time counts."""
         return max(self.compute_s, self.comm_s / 2)
 
+    def steady_s(self, num_micro_batches: int) -> float:
+        """The stage's own M - 1 steady periods of ``pace_s``, less the weight passes its order leaves after its last
+        B beyond the one per period it already counts: zb-h1's last stage runs its last B before its last two W's,
+        so its steady state holds M - 2 of them, not M - 1 (with the two in ``tail_s``, M = 2 charged three)."""
+        extra_w = max(self.tail_s - self.weight_grad_s, 0.0)
+        return max((num_micro_batches - 1) * self.compute_s - extra_w, (num_micro_batches - 1) * self.comm_s / 2)
+
 
 def boundary_transfers(plan: Plan, s: int) -> list[tuple[int, int, int, int]]:
     """(sender replica, receiver replica, first row, stop row) for the boundary after stage s."""
@@ -109,20 +116,26 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
         # the slowest replica paces the stage: its share on its own type and tensor-parallel degree (mixed stages
         # differ per replica)
         split = schedule_kind(plan.schedule).splits(s)
-        fwd, bwd = max((split_compute_s(cm, st.type_of(r), first, last, r.samples, st.recompute, st.degree_of(r),
-                                        split) for r in st.replicas), key=sum)
+        shares = [split_compute_s(cm, st.type_of(r), first, last, r.samples, st.recompute, st.degree_of(r), split)
+                  for r in st.replicas]
+        pacing = max(range(st.width), key=lambda i: sum(shares[i]))
+        fwd, bwd = shares[pacing]
         comm = _boundary_comm_s(plan, cm, s)  # a one-chunk plan's chunk s is stage s
         z = plan.shards_optimizer(st)
-        opt = max(cm.optimizer_s(st.type_of(r), first, last, st.width, st.degree_of(r), z, st.whole_state_ranks)
-                  for r in st.replicas)
+        opt = max(cm.optimizer_s(st.type_of(r), first, last, st.width, st.degree_of(r), z,
+                              whole_state(cm, st, first, last)) for r in st.replicas)
         mem = group_memory_bytes(plan, cm, s, samples, orders[s])
         wgrads = [cm.stage_weight_grad_s(st.type_of(r), first, last, r.samples, st.degree_of(r))
                   for r in st.replicas]
         wgrad = max(wgrads)
         # what the last gradient pass hides of the buckets: the shortest replica's pass (it may end as late)
-        hide = min(wgrads) if split else min(cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute,
-                                                                st.degree_of(r))[1] for r in st.replicas)
-        ar = cm.stage_sync_s(plan, s, hide_s=hide)
+        passes = wgrads if split else [cm.stage_compute_s(st.type_of(r), first, last, r.samples, st.recompute,
+                                                          st.degree_of(r))[1] for r in st.replicas]
+        hide = min(passes)
+        # ... except on the last stage, whose replicas' last passes follow their own last forwards: the pacing
+        # replica's starts last and is the longest, so its buckets are the last ready (a single stage of three
+        # uneven replicas ran 8% under a closed form hiding only the shortest pass)
+        ar = cm.stage_sync_s(plan, s, hide_s=passes[pacing] if s == S - 1 else hide)
         tail = wgrad * trailing_weight_passes(plan.schedule, S, s, M)
         out.append(StageCost(fwd + bwd, fwd, bwd, comm, ar, opt, mem, wgrad if split else 0.0, tail,
                              boundary_latency_s(plan, cm, s), 0.0 if split else hide))
@@ -257,7 +270,7 @@ def group_memory_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=No
     tp, z = tp or min(st.degrees), plan.shards_optimizer(st)  # default: the stage's degree that splits least
     full = cm.act_bytes(tp)
     peak = activation_peak_bytes(plan, cm, s, samples, order, tp)
-    state = sum(cm.state_bytes(a, b, st.width, tp, z, st.whole_state_ranks) for a, b in st.chunk_ranges)
+    state = sum(cm.state_bytes(a, b, st.width, tp, z, whole_state(cm, st, a, b)) for a, b in st.chunk_ranges)
     extra = max(float(full[a:b].max()) * samples for a, b in st.chunk_ranges) if st.recompute else 0.0
     inputs = sum(float(cm.layers.out_bytes[max(a - 1, 0)]) * samples for a, b in st.chunk_ranges)
     return peak_memory_bytes(state, peak, extra, inputs)
@@ -279,7 +292,7 @@ def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCos
             return sum(f for f, _ in parts), sum(b for _, b in parts)
         fwd, bwd = max((rep_cost(r) for r in st.replicas), key=sum)
         comm = sum(_boundary_comm_s(plan, cm, k) for k in ks)
-        opt = max(sum(cm.optimizer_s(st.type_of(r), a, b, st.width, st.degree_of(r), z, st.whole_state_ranks)
+        opt = max(sum(cm.optimizer_s(st.type_of(r), a, b, st.width, st.degree_of(r), z, whole_state(cm, st, a, b))
                       for a, b in st.chunk_ranges)
                   for r in st.replicas)
         mem = group_memory_bytes(plan, cm, s, max(r.samples for r in st.replicas), orders[s])
@@ -292,8 +305,9 @@ def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCos
 
 
 def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: float) -> float:
-    """What the closed form's fill and drain over-charge where one unsplit stage b's own compute c = F + B
-    paces the pipeline. They charge b's downstream round trip D (the later stages' path and the boundaries'
+    """What the closed form's fill and drain over-charge where one stage b's own compute c = F + B paces the
+    pipeline (under zb-h1 B + W: its W's run in the cool-down's waits, and charging split stages nothing left plans
+    of 2-3 micro-batches 6-11% above their replay). They charge b's downstream round trip D (the later stages' path and the boundaries'
     transfers from b on) once in full, but b runs its n = S - b - 1 warm-up forwards while micro-batch 0 makes
     that trip, and its n cool-down backwards while the last one does. Under 1F1B stage b + k runs n - k warm-up
     forwards before its first backward, so b's first backward waits max over k of (n - k) F + D_k (D_k: the
@@ -303,7 +317,7 @@ def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: flo
     best = 0.0
     for b, c in enumerate(costs):
         n = len(costs) - b - 1
-        if c.compute_s < pace_s or c.weight_grad_s or n <= 0 or num_micro_batches <= n:
+        if c.compute_s < pace_s or n <= 0 or num_micro_batches <= n:
             continue
         trips = [0.0]  # D_k
         for k in range(1, n + 1):
@@ -311,11 +325,18 @@ def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: flo
         if trips[-1] > n * c.compute_s:
             continue
         feed = max([c.forward_s] + [max(x.forward_s, x.comm_s / 2) for x in costs[:b]])
-        back = max([c.backward_s] + [max(x.compute_s, x.comm_s / 2) for x in costs[b + 1:]])
+        back = max([c.backward_s] + [max(_return_period_s(x, x is costs[-1], num_micro_batches), x.comm_s / 2)
+                                     for x in costs[b + 1:]])
         warm = max((n - k) * feed + d for k, d in enumerate(trips))
         cool = max((n - k) * back + d for k, d in enumerate(trips))
         best = max(best, n * c.compute_s + trips[-1] - warm - cool)
     return best
+
+
+def _return_period_s(c: StageCost, last: bool, num_micro_batches: int) -> float:
+    """A later stage's period between the gradients it returns in the cool-down: its compute; on zb-h1's last stage
+    with M <= 2 its forward and B only (it defers both W's past its last B)."""
+    return c.path_s if last and c.weight_grad_s and num_micro_batches <= 2 else c.compute_s
 
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0.0) -> float:
@@ -330,16 +351,19 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     instead. ``nic_s``: the busiest host NIC's seconds per micro-batch (``nic_pace_s``), which paces the steady
     state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
     compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans
-    the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%."""
+    the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%, with
+    zb-h1's deferred W's (``StageCost.steady_s``), its split stages' warm-up credit and the last stage's all-reduce
+    hidden behind its pacing replica 96%."""
+    M = num_micro_batches
     pace = max(max(c.pace_s for c in costs), nic_s, link_cycle_s(costs))
-    credit = warm_up_credit_s(costs, num_micro_batches, pace)
+    credit = warm_up_credit_s(costs, M, pace)
+    steady = max([(M - 1) * max(nic_s, link_cycle_s(costs))] + [c.steady_s(M) for c in costs])
     split = any(c.weight_grad_s for c in costs)
     below, ends = 0.0, []
     for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
         ends.append(c.tail_s + c.allreduce_s + c.optimizer_s - below)
         below += c.backward_s - c.weight_grad_s + c.comm_s / 2 if split else c.min_backward_s
-    return ((num_micro_batches - 1) * pace + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends)
-            - credit)
+    return steady + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends) - credit
 
 
 def chunked_iteration_s(costs: list[StageCost], num_micro_batches: int, num_chunks: int, nic_s: float = 0.0

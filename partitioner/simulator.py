@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .costmodel import CostModel, allreduce_end_s, pass_times_s
+from .costmodel import CostModel, allreduce_end_s, pass_times_s, whole_state
 from .errors import InputError, missing_package
 from .groups import SEND_WINDOW, transfer_group
 from .ordering import MispairedError, OrderError, check_order, vstage
@@ -270,7 +270,8 @@ class _Replay:
             st, rep = self.where[rank]
             return 0.0 if a.kind == "L" else sum(
                 self.cm.optimizer_s(st.type_of(rep), c0, c1, st.width, st.degree_of(rep),
-                                    self.plan.shards_optimizer(st), st.whole_state_ranks) for c0, c1 in st.chunk_ranges)
+                                    self.plan.shards_optimizer(st), whole_state(self.cm, st, c0, c1))
+                for c0, c1 in st.chunk_ranges)
         k = (rank, a.chunk)
         if k not in self.durations:
             st, rep = self.where[rank]

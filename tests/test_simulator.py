@@ -174,7 +174,9 @@ def test_zb_h1_order_splits_every_backward_but_stage_zeros():
 def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
     """Random plans (1-5 stages, mixed types, uneven splits, 1-16 micro-batches): the zb-h1 replay is never
     longer than 1F1B's, splitting a backward only moves time (B + W = 1F1B's B), and the zb-h1 closed form is
-    an upper bound of its replay (within 0.01%), as 1F1B's is of its own.
+    at most 0.5% under its replay. (It was an upper bound within 0.01%, and 12.5% above the replay on plans of few
+    micro-batches: it charged the last stage a W it defers and no warm-up overlap on split stages. Priced as they
+    run, these 48 plans replay at most 0.17% longer, and the MILP's ranked plans are within 5% on 96%.)
 
     (Never longer with the all-reduce in one bucket: in many, 1F1B hides it behind a whole last backward and
     zb-h1 only behind its last W, so there zb-h1 can lose a little; the closed form still bounds it.)"""
@@ -185,9 +187,7 @@ def test_zb_h1_is_never_slower_and_its_closed_form_stays_pessimistic(seed):
         plan = grid_plan(rng, rng.randint(1, 5), rng.choice([4, 8]), rng.choice([1, 2, 3, 8, 16]))
         assert simulate(_zb(plan), one_bucket).iteration_s <= simulate(plan, one_bucket).iteration_s * (1 + 1e-12)
         base, zb = simulate(plan, cm), simulate(_zb(plan), cm)
-        # (1e-4: the warm-up credit prices a boundary's trip by its senders' queues; a receiver of several
-        # senders' rows waits a few microseconds more)
-        assert zb.iteration_s - cm.control_syncs_s(plan) <= closed_form_s(_zb(plan), cm) * (1 + 1e-4)
+        assert zb.iteration_s - cm.control_syncs_s(plan) <= closed_form_s(_zb(plan), cm) * (1 + 5e-3)
         dur = lambda res, kind: sum(e.end_s - e.start_s for e in res.events if e.kind == kind)  # noqa: E731
         assert dur(zb, "W") > 0 or plan.num_stages == 1
         assert abs(dur(zb, "B") + dur(zb, "W") - dur(base, "B")) <= 1e-9 * dur(base, "B")
@@ -568,18 +568,19 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     """Every micro-batch size's best chain the MILP offers (what ``choose_by_simulation`` ranks), placed, on random
     instances: the closed form is never optimistic by more than 1% and most are within 5% of the replay (on 16
-    instances, 105 plans: 79% within 5%, 95% within 10%, at most 12.5% pessimistic, on plans of 2-3
-    micro-batches whose fill and optimizer steps overlap more than it charges; 75% within 5% before the warm-up
+    instances, 105 plans: 96% within 5%, all within 10%, at most 8.9% pessimistic; 75% within 5% before the warm-up
     credit). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
     does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
     feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
     its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
-    plans here reached 10.8% pessimistic, 89% within 5% (now 5.6%, 96%)."""
+    plans here reached 10.8% pessimistic, 89% within 5% (now 5.6%, 96%). zb-h1's form charged its last stage a W it
+    defers and no warm-up overlap on split stages: its plans here reached 6.8% pessimistic, 91% within 5% (now 3.2%,
+    all; on 16 instances 12.5% and 73% became 6.1% and 96%)."""
     from hethub.partitioner.errors import InfeasibleError
     from hethub.partitioner.evaluate import closed_form_s
     from hethub.partitioner.planner import PlannerOptions, search, solution_layouts, units_for
     from instances import random_instance
-    ratios, one_f_one_b = [], []
+    ratios, one_f_one_b, zb = [], [], []
     for seed in range(8):
         cluster, model, batch = random_instance(seed)
         cm = CostModel(cluster, model)
@@ -593,9 +594,9 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
                 plan = build_plan(model, cluster, solution_layouts(alt, units_for(model, None), cluster.type_names),
                                   alt.b, alt.M, schedule=schedule)
                 ratios.append((closed_form_s(plan, cm) + cm.control_syncs_s(plan)) / simulate(plan, cm).iteration_s)
-                one_f_one_b += ratios[-1:] if schedule == "1f1b" else []
+                (one_f_one_b if schedule == "1f1b" else zb).append(ratios[-1])
     assert len(ratios) >= 40
     assert min(ratios) >= 0.99 and max(ratios) <= 1.15, (min(ratios), max(ratios))
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
-    assert max(one_f_one_b) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in one_f_one_b) >= 0.9 * len(one_f_one_b), \
-        sorted(one_f_one_b)
+    for kind in (one_f_one_b, zb):
+        assert max(kind) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in kind) >= 0.9 * len(kind), sorted(kind)

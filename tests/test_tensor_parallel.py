@@ -355,7 +355,7 @@ def test_zero1_in_a_stage_of_mixed_degrees_is_priced_as_it_runs():
     assert (plan.stages[0].whole_state_ranks, st.whole_state_ranks) == (0, 6)
     whole = int(cm.stage_params(2, 5, 1))
     per_param = cm.optimizer_state_bytes(2, 5) / whole
-    assert cm.optimizer_state_bytes(2, 5, st.width, 1, True, 6) == pytest.approx(math.ceil(whole / 6) * per_param)
+    assert cm.optimizer_state_bytes(2, 5, st.width, 1, True, (whole, 6)) == pytest.approx(math.ceil(whole / 6) * per_param)
     saved = group_memory_bytes(mixed_tp_plan(), cm, 1, 3) - group_memory_bytes(plan, cm, 1, 3)
     assert saved == pytest.approx((whole - math.ceil(whole / 6)) * per_param)
 
