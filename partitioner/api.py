@@ -187,16 +187,20 @@ def _cheapest(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=N
 def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profiles: Sequence[Profile] = (),
               opts: PlannerOptions = PlannerOptions(), with_homogeneous_sum: bool = True,
               memory_reserve_gib: float = 2.0, zero1: bool = False, cost_model: Optional[CostModel] = None,
-              progress=None, objective: str = "throughput") -> Plan:
+              progress=None, objective: str = "throughput", homogeneous: Optional[dict] = None) -> Plan:
     """The planner's best plan, with ``predicted`` and ``solver`` filled in (``progress``: see ``search``).
-    ``objective``: "throughput" (samples/s) or "cost" (dollars per million tokens, ``_cheapest``)."""
+    ``objective``: "throughput" (samples/s) or "cost" (dollars per million tokens, ``_cheapest``). ``homogeneous``:
+    a dict that receives the single-type plans behind the homogeneous sum (``make_baseline``'s ``solved``)."""
     if objective not in OBJECTIVES:
         raise InputError("--objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}"[:120])
     cm = cost_model or CostModel(cluster, model, profiles=profiles, memory_reserve_gib=memory_reserve_gib, zero1=zero1)
     plan = (_cheapest if objective == "cost" else solve)(cm, global_batch, opts, progress)
     if with_homogeneous_sum:
-        hs, bound = homogeneous_sum(cm, global_batch, PlannerOptions(**{**opts.__dict__,
-                                                                       "time_limit_s": opts.time_limit_s / 4}))
+        plans = homogeneous_plans(cm, global_batch, PlannerOptions(**{**opts.__dict__,
+                                                                     "time_limit_s": opts.time_limit_s / 4}))
+        homogeneous = homogeneous if homogeneous is not None else {}
+        homogeneous.update(plans)
+        hs, bound = homogeneous_totals(plans.values())
         plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(
             update={"homogeneous_sum_samples_per_s": hs, "homogeneous_sum_bound_samples_per_s": bound})})
     return plan
@@ -204,11 +208,15 @@ def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profil
 
 def make_baseline(kind: str, cluster: Cluster, model: ModelConfig, global_batch: int, *,
                   profiles: Sequence[Profile] = (), opts: PlannerOptions = PlannerOptions(),
-                  cost_model: Optional[CostModel] = None) -> Plan:
+                  cost_model: Optional[CostModel] = None, solved: Optional[dict] = None) -> Plan:
+    """``solved``: single-type plans already searched with these options (``make_plan``'s ``homogeneous``): the
+    fastest-only baseline is its type's, not a second search of the same plan (on 768 devices at ``--time-limit
+    10`` that search took 7.7 s of a 28-s ``plan``)."""
     cm = cost_model or CostModel(cluster, model, profiles=profiles)
     if kind == "fastest-only":
         t = fastest_type(cm)
-        plan = solve(cm, global_batch, PlannerOptions(**{**opts.__dict__, "device_types": (t,)}))
+        plan = (solved or {}).get(t) or solve(cm, global_batch, PlannerOptions(**{**opts.__dict__,
+                                                                                 "device_types": (t,)}))
     elif kind in DEEPSPEED_METHODS:
         plan = deepspeed_baseline(cm, global_batch, kind)
     else:
