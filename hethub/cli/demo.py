@@ -122,8 +122,9 @@ def run_demo(out_dir: str = "demo-out", steps: int = 6, global_batch: int = 64, 
     # No tensor parallelism: emulation idles each layer to k x its fastest time here, which a split layer's
     # compute and all-reduces would not follow.
     opts = PlannerOptions(time_limit_s=10, max_micro_batch_size=8, max_tensor_parallel=1)
-    plan = make_plan(cluster, model, global_batch, opts=opts, cost_model=cm)
-    fastest = make_baseline("fastest-only", cluster, model, global_batch, opts=opts, cost_model=cm)
+    homogeneous: dict = {}  # its single-type plans: the fastest-only one is the baseline (searched once)
+    plan = make_plan(cluster, model, global_batch, opts=opts, cost_model=cm, homogeneous=homogeneous)
+    fastest = make_baseline("fastest-only", cluster, model, global_batch, opts=opts, cost_model=cm, solved=homogeneous)
     deepspeed = make_baseline("parameters", cluster, model, global_batch, opts=opts, cost_model=cm)
     plan_path = os.path.join(out_dir, "plan.json")
     prof_dir = os.path.join(out_dir, PROFILES)
