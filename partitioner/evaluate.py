@@ -307,14 +307,15 @@ def chunked_group_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCos
 
 def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: float) -> float:
     """What the closed form's fill and drain over-charge where one stage b's own compute c = F + B paces the
-    pipeline (under zb-h1 B + W: its W's run in the cool-down's waits, and charging split stages nothing left plans
-    of 2-3 micro-batches 6-11% above their replay). They charge b's downstream round trip D (the later stages' path and the boundaries'
-    transfers from b on) once in full, but b runs its n = S - b - 1 warm-up forwards while micro-batch 0 makes
-    that trip, and its n cool-down backwards while the last one does. Under 1F1B stage b + k runs n - k warm-up
-    forwards before its first backward, so b's first backward waits max over k of (n - k) F + D_k (D_k: the
-    trip to stage b + k and back), and its last one likewise with B: b ends n c + D - warm - cool earlier
-    than charged. F is raised to the pace upstream feeds the warm-up at, B to the pace downstream returns
-    gradients in the cool-down; where M < S - b or D > n c (the link cycle, not b, paces) nothing is credited."""
+    pipeline (under zb-h1 B + W: its W's run in the cool-down's waits; crediting split stages nothing left plans
+    of 2-3 micro-batches 6-11% above their replay). They charge b's downstream round trip D (the later stages'
+    path and the boundaries' transfers from b on) once in full, but b runs its n = S - b - 1 warm-up forwards
+    while micro-batch 0 makes that trip, and its n cool-down backwards while the last one does. Under 1F1B stage
+    b + k runs n - k warm-up forwards before its first backward, so b's first backward waits max over k of
+    (n - k) F + D_k (D_k: the trip to stage b + k and back), and its last one likewise with B: b ends
+    n c + D - warm - cool earlier than charged. F is raised to the pace upstream feeds the warm-up at, B to the
+    pace downstream returns gradients in the cool-down. Where M <= n every forward is in the warm-up
+    (``_few_micro_batches_credit_s``); where D > n c (the link cycle, not b, paces) nothing is credited."""
     best, M = 0.0, num_micro_batches
     for b, c in enumerate(costs):
         n = len(costs) - b - 1
@@ -373,10 +374,9 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%, with
     zb-h1's deferred W's (``StageCost.steady_s``), its split stages' warm-up credit, the credit where M <= S - b - 1
     and all-reduces hidden behind the pacing replica's pass 97% (1F1B 98%, zb-h1 96%)."""
-    M = num_micro_batches
-    pace = max(max(c.pace_s for c in costs), nic_s, link_cycle_s(costs))
-    credit = warm_up_credit_s(costs, M, pace)
-    steady = max([(M - 1) * max(nic_s, link_cycle_s(costs))] + [c.steady_s(M) for c in costs])
+    M, cycle = num_micro_batches, max(nic_s, link_cycle_s(costs))
+    credit = warm_up_credit_s(costs, M, max(max(c.pace_s for c in costs), cycle))
+    steady = max([(M - 1) * cycle] + [c.steady_s(M) for c in costs])
     split = any(c.weight_grad_s for c in costs)
     below, ends = 0.0, []
     for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
