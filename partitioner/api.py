@@ -198,8 +198,8 @@ def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profil
     if with_homogeneous_sum:
         plans = homogeneous_plans(cm, global_batch, PlannerOptions(**{**opts.__dict__,
                                                                      "time_limit_s": opts.time_limit_s / 4}))
-        homogeneous = homogeneous if homogeneous is not None else {}
-        homogeneous.update(plans)
+        if homogeneous is not None:
+            homogeneous.update(plans)
         hs, bound = homogeneous_totals(plans.values())
         plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(
             update={"homogeneous_sum_samples_per_s": hs, "homogeneous_sum_bound_samples_per_s": bound})})
