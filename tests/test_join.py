@@ -30,9 +30,18 @@ def test_a_rank_that_starts_late_is_waited_for_and_named_if_on_another_host(monk
     monkeypatch.setattr(join, "WAIT_NOTE_S", 0.2)
     port = _free_port()
     joined = []
+    asked = threading.Event()  # rank 0 has waited past WAIT_NOTE_S with rank 1 missing (a loaded machine may
+    note = join._note          # take longer than any fixed delay to get rank 0 there)
+
+    def noting(*args, **kwargs):
+        asked.set()
+        return note(*args, **kwargs)
+    monkeypatch.setattr(join, "_note", noting)
 
     def rank(r: int, delay_s: float):
         time.sleep(delay_s)
+        if r == 1:
+            assert asked.wait(20)
         store = join.open_store(r, 2, "127.0.0.1", port, 20)
         join.join(store, r, 2, 20, hosts=hosts)
         joined.append((r, time.monotonic()))
@@ -46,9 +55,9 @@ def test_a_rank_that_starts_late_is_waited_for_and_named_if_on_another_host(monk
         t.join(30)
     assert sorted(r for r, _ in joined) == [0, 1]
     assert abs(joined[0][1] - joined[1][1]) < 2.0  # both left the join together, after the late one came
-    note = capsys.readouterr().err
+    err = capsys.readouterr().err
     said = "hethub: 1 rank of 2 joined; waiting up to 20 s (hetero.join_timeout_s) for rank(s) 1 (host b)"
-    assert (said in note) == (hosts[1] == "b") and (note.strip() == "" or hosts[1] == "b"), note
+    assert (said in err) == (hosts[1] == "b") and (err.strip() == "" or hosts[1] == "b"), err
 
 
 def test_a_rank_that_never_comes_ends_rank_0_with_one_line_naming_it():
