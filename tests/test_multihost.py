@@ -17,8 +17,9 @@ import pytest
 from conftest import EXAMPLES, ROOT
 from dist_util import run_python, wait_for_line
 from hethub.emulated.netem import ADDRS, ip, probe, tx_bytes, two_hosts
-from hethub.partitioner import Plan
-from plans import unequal_plan
+from hethub.partitioner import Cluster, Plan
+from hethub.partitioner.placement import StageLayout, build_plan
+from plans import MODEL, UNEQUAL, unequal_plan
 
 pytest.importorskip("deepspeed")
 
@@ -41,6 +42,18 @@ def _two_host_plan(tmp_path) -> tuple[Plan, str]:
     for rec in data["cluster"]["nodes"] + [r for st in data["stages"] for r in st["replicas"]]:
         rec["host"] = ADDRS[0] if rec["host"] == "small" else rec["host"]
     plan = Plan.model_validate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    return plan, str(path)
+
+
+def _pair_plan(tmp_path) -> tuple[Plan, str]:
+    """One rank a host: stage 0 on the host at ADDRS[0] (node 0), stage 1 on host 'big' (node 1). For the
+    scenarios that end the run (a cut link, checkpoints the hosts do not share): what they check holds for any
+    width, and each rank started through the launcher costs seconds of CPU."""
+    cluster = Cluster.model_validate({**UNEQUAL.model_dump(), "nodes": [
+        {"host": ADDRS[0], "device_type": "X", "count": 1}, {"host": "big", "device_type": "X", "count": 1}]})
+    plan = build_plan(MODEL, cluster, [StageLayout((0, 2), "X", (4,)), StageLayout((2, 4), "X", (4,))], 4, 2)
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     return plan, str(path)
@@ -91,41 +104,29 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
                 p.wait()
 
 
-@pytest.fixture(scope="module")
-def one_host(tmp_path_factory):
-    """The two-host plan trained 3 steps with every rank on this host (--local): (plan, plan path, losses,
-    the checkpoint saved after step 3)."""
+def _train_here(d, plan_path: str, world_size: int) -> list[float]:
+    """The plan trained 3 steps with every rank on this host (--local), saved after step 3 under ``d/ckpt``."""
     from dist_util import spawn  # ranks from the test's fork server: the launcher's start-up is tested elsewhere
-    d = tmp_path_factory.mktemp("one-host")
-    plan, path = _two_host_plan(d)
-    results = spawn(plan.world_size, [*TRAIN, "--hetero-plan", path, "--steps", "3", "--log-json", str(d / "log.json"),
-                                      "--save-dir", str(d / "ckpt"), "--save-every", "3"], timeout=180,
+    results = spawn(world_size, [*TRAIN, "--hetero-plan", plan_path, "--steps", "3", "--log-json", str(d / "log.json"),
+                                 "--save-dir", str(d / "ckpt"), "--save-every", "3"], timeout=180,
                     extra_env={"HETHUB_LOCAL": "1"})
     assert all(rc == 0 for rc, _o, _e in results), [e[-2000:] for _rc, _o, e in results]
-    return plan, path, _losses(d / "log.json"), d / "ckpt"
+    return _losses(d / "log.json")
 
 
-def test_two_hosts_without_ssh_train_like_one_host(tmp_path, one_host):
-    plan, path, losses, _ = one_host
-    train = [*TRAIN, "--steps", "3"]
-    with two_hosts() as hosts:
-        procs = _start_on_hosts(hosts, path, [*train, "--log-json", str(tmp_path / "node0.json")])
-        outs = _finish(procs, 240)
-        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
-        sent = [tx_bytes(h) for h in hosts]
-    # Rank 0 (on node 0) logs. Same plan, same ranks, same order of every sum: the same floats.
-    assert _losses(tmp_path / "node0.json") == losses
-    # Namespaces share no other path: every activation (and, back, its gradient) crossed this link, at
-    # least 2 bytes a number: 3 steps x M micro-batches x b samples x seq x hidden.
-    m = plan.model
-    assert min(sent) >= 3 * plan.num_micro_batches * plan.micro_batch_size * m.seq_length * m.hidden_size * 2, sent
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The two-host plan trained on this host: (plan, plan path, losses, the checkpoint saved after step 3)."""
+    d = tmp_path_factory.mktemp("one-host")
+    plan, path = _two_host_plan(d)
+    return plan, path, _train_here(d, path, plan.world_size), d / "ckpt"
 
 
 @pytest.mark.slow
 def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     """The link between the hosts goes down mid-run (no process dies, no connection is reset): every rank on
     both hosts ends within hetero.timeout_s (plus start-up), each with one line naming the ranks it lost."""
-    plan, path = _two_host_plan(tmp_path)
+    plan, path = _pair_plan(tmp_path)
     config = tmp_path / "ds.json"
     # 10 s: under the suite's load a rank can wait seconds for a starved peer; the cut must be what ends the run
     config.write_text(json.dumps({"hetero": {"timeout_s": 10}}))
@@ -151,24 +152,33 @@ def test_a_cut_link_ends_every_rank_on_both_hosts_with_one_line(tmp_path):
     assert took_s < 10 + 30, took_s  # the timeout, plus the launcher reaping its ranks (a hang would be 60 s)
 
 
-def test_a_host_started_late_joins_and_one_never_started_is_named(tmp_path):
-    """Hosts are started one after another: node 1's launch starts after node 0 has waited past its collective
-    timeout (hetero.timeout_s = 8 s; rank 0's note comes after 10 s), and the run trains, rank 0 having said whom it
-    waits for. A host never started ends every rank that did after hetero.join_timeout_s, each with one line naming
+def test_two_hosts_started_one_after_another_train_like_one_host_and_one_never_started_is_named(tmp_path, one_host):
+    """Hosts are started one after another, each with `hethub launch --no_ssh`: node 1's launch starts after node 0
+    has waited past its collective timeout (hetero.timeout_s = 8 s; rank 0's note comes after 10 s), rank 0 having
+    said whom it waits for, and the run trains exactly like the same plan on one host, over the link between the
+    hosts. A host never started ends every rank that did after hetero.join_timeout_s, each with one line naming
     the ranks and their host."""
-    plan, path = _two_host_plan(tmp_path)
+    plan, path, losses, _ = one_host
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"hetero": {"timeout_s": 8, "join_timeout_s": 600}}))
-    train = [*TRAIN, "--steps", "1", "--deepspeed_config", str(config)]
+    train = [*TRAIN, "--steps", "3", "--deepspeed_config", str(config)]
     with two_hosts() as hosts:
-        first = _start_on_hosts(hosts, path, train, nodes=(0,))
+        first = _start_on_hosts(hosts, path, [*train, "--log-json", str(tmp_path / "node0.json")], nodes=(0,))
         note = wait_for_line(first[0].stdout, r"^hethub: 2 ranks of 5 joined; waiting up to 600 s", timeout=120)
         assert "for rank(s) 2-4 (host big)" in note, note
-        outs = _finish(first + _start_on_hosts(hosts, path, train, nodes=(1,)), 240)
-        assert [p.returncode for p in first] == [0], "\n".join(o[-2000:] for o in outs)
+        procs = first + _start_on_hosts(hosts, path, train, nodes=(1,))
+        outs = _finish(procs, 240)
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+        sent = [tx_bytes(h) for h in hosts]
         config.write_text(json.dumps({"hetero": {"join_timeout_s": 2}}))
         alone = _start_on_hosts(hosts, path, train, nodes=(0,))
         out = _finish(alone, 120)[0]
+    # Rank 0 (on node 0) logs. Same plan, same ranks, same order of every sum: the same floats.
+    assert _losses(tmp_path / "node0.json") == losses
+    # Namespaces share no other path: every activation (and, back, its gradient) crossed this link, at
+    # least 2 bytes a number: 3 steps x M micro-batches x b samples x seq x hidden.
+    m = plan.model
+    assert min(sent) >= 3 * plan.num_micro_batches * plan.micro_batch_size * m.seq_length * m.hidden_size * 2, sent
     assert alone[0].returncode == 3, out[-2000:]
     errors = sorted(l for l in out.splitlines() if l.startswith("error:"))
     assert errors == [f"error: rank {r}: rank(s) 2-4 (host big) did not join within hetero.join_timeout_s = 2 s: "
@@ -180,7 +190,7 @@ def test_a_host_started_late_joins_and_one_never_started_is_named(tmp_path):
 def test_a_checkpoint_directory_the_hosts_do_not_share_ends_every_rank_with_one_line(tmp_path):
     """Node 1 sees its own empty directory where node 0 saves: the save is refused on every rank (exit 2),
     naming the directory and the host that cannot see it, instead of a traceback on one host and a hang."""
-    plan, path = _two_host_plan(tmp_path)
+    plan, path = _pair_plan(tmp_path)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     train = [*TRAIN, "--steps", "3", "--save-dir", str(ckpt), "--save-every", "1"]
@@ -190,19 +200,23 @@ def test_a_checkpoint_directory_the_hosts_do_not_share_ends_every_rank_with_one_
     assert [p.returncode for p in procs] == [2, 2], "\n".join(o[-2000:] for o in outs)
     lines = [l for o in outs for l in o.splitlines() if l.startswith("error:")]
     assert len(lines) == plan.world_size, "\n".join(o[-2000:] for o in outs)
+    big = [r.rank for st in plan.stages for r in st.replicas if r.host == "big"]
     own = [l for l in lines if "is not shared by every host" in l]
-    assert len(own) == 3 and all("(host big) cannot see the directory rank 0 made there" in l for l in own), lines
+    assert len(own) == len(big) and all("(host big) cannot see the directory rank 0 made there" in l for l in own), lines
     others = [l for l in lines if l not in own]
-    assert others == ["error: checkpoint: rank 2 cannot see the checkpoint directory (see its message)"] * 2, lines
+    assert others == [f"error: checkpoint: rank {big[0]} cannot see the checkpoint directory (see its message)"] * (
+        plan.world_size - len(big)), lines
     assert not (ckpt / "latest").exists()  # nothing published
 
 
 @pytest.mark.skipif(not UNSHARE_WORKS, reason="needs unshare for a mount namespace")
-def test_hosts_that_see_checkpoints_of_different_steps_refuse_to_resume(tmp_path, one_host):
+def test_hosts_that_see_checkpoints_of_different_steps_refuse_to_resume(tmp_path):
     """Each host holds a complete checkpoint, of different steps: every rank refuses to resume (exit 2)
     rather than training on from two different steps."""
-    plan, path, _, saved = one_host
-    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    plan, path = _pair_plan(tmp_path)
+    _train_here(tmp_path, path, plan.world_size)
+    saved = tmp_path / "ckpt"
+    ckpt, other = tmp_path / "resume", tmp_path / "other"
     shutil.copytree(saved, ckpt)
     shutil.copytree(saved, other)
     meta = other / "global_step3" / "meta.json"
