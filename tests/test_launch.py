@@ -305,3 +305,17 @@ def test_a_dry_run_needs_no_deepspeed_and_a_launch_without_it_is_one_line():
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and "needs deepspeed, which this install lacks" in lines[0], \
             r.stderr[-2000:]
+
+
+def test_a_launch_with_only_hethubs_own_launcher_flags_does_not_import_deepspeed_to_parse_them():
+    """DeepSpeed's runner parses the command again in its own process: parsing it here too cost every launch ~2 s
+    of CPU importing DeepSpeed. A flag of the user's (`--master_port 29600`) still goes through DeepSpeed's parser."""
+    plan, script = os.path.join(EXAMPLES, "plan.json"), os.path.join(EXAMPLES, "train_gpt.py")
+    for flags, imported in (([], False), (["--master_port", "29600"], True)):
+        code = ("import sys; from hethub.cli.main import main; "
+                f"rc = main({['launch', '--hetero-plan', plan, '--local', '--dry-run', *flags, script]!r}); "
+                "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"deepspeed imported: {imported}" in r.stdout and "-m deepspeed.launcher.runner" in r.stdout, r.stdout

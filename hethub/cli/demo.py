@@ -246,7 +246,7 @@ def _launch_command(plan, plan_path: str, vanilla: bool, worker: str, args: list
     speed where 1.67x was predicted)."""
     if not vanilla:
         return [sys.executable, "-m", "hethub.cli", "launch", "--hetero-plan", plan_path, "--local",
-                "--master_port", str(_free_port()), worker, "--mode", "hethub", *args]
+                f"--master_port={_free_port()}", worker, "--mode", "hethub", *args]
     types = ",".join(plan.stages[plan.locate(r)[0]].device_type for r in range(plan.world_size))
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(plan.world_size),
             "--master_port", str(_free_port()), worker, "--mode", "deepspeed", "--stages", str(plan.num_stages),

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import itertools
 import os
 import shutil
 import signal
@@ -77,7 +78,12 @@ def split_script(rest: Sequence[str]) -> tuple[list[str], str, list[str]]:
 def parse_deepspeed_flags(args: list[str]):
     """DeepSpeed's runner parser on ``args``; its usage text and error become one line (hethub's own flags
     must come first, and a misplaced one is the usual cause). Where DeepSpeed is not installed (a planning
-    laptop's dry run; ``run`` refuses a real launch there first), ``_plain_flags`` stands in."""
+    laptop's dry run; ``run`` refuses a real launch there first), ``_plain_flags`` stands in. Where the only
+    launcher flags are ones hethub itself adds, written ``--name=value`` (most launches), the parse is plain too,
+    as DeepSpeed's would be: importing DeepSpeed here costs ~2 s of CPU a launch, paid again by its runner."""
+    flags = list(itertools.takewhile(lambda a: a.startswith("-"), args))
+    if len(flags) < len(args) and all(f.partition("=")[0] in _OWN_FLAGS and "=" in f for f in flags):
+        return _plain_flags(args)
     try:
         from deepspeed.launcher import runner  # lazy: a planning-only install has no DeepSpeed (one line below)
     except ImportError:
@@ -276,6 +282,7 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[str, bool, bool, list[str], 
 
 
 _LOG_FLAGS = ("--log_level", "-q", "--quiet")  # DeepSpeed's runner's: the user's choice wins
+_OWN_FLAGS = ("--log_level", "--master_port")  # DeepSpeed's runner's flags hethub adds (``--name=value``)
 
 
 def _quiet(rest: list[str]) -> list[str]:
