@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 from .baselines import BASELINES, DEEPSPEED_METHODS, deepspeed_baseline
+from .beside import Beside
 from .costmodel import CostModel
 from .errors import InfeasibleError, InputError
 from .evaluate import choose_by_simulation
@@ -46,14 +48,16 @@ def _placed(cm: CostModel, global_batch: int, opts: PlannerOptions, progress) ->
     return plans
 
 
-def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float, overlap: bool) -> Plan:
+def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float, overlap: bool, end: float) -> Plan:
     """The best replayed of the placed plans (``overlap`` False: the best without overlap), re-cut and
-    re-scheduled where ``wanted`` is chunked or auto."""
+    re-scheduled where ``wanted`` is chunked or auto (no variant replayed past ``end``)."""
+    started = time.perf_counter()
     plan = choose_by_simulation(plans, cm, deadline=deadline, overlap=overlap)
+    replay_s = (time.perf_counter() - started) / (plan.predicted.model_extra or {}).get("replayed", 1)
     if wanted != plan.schedule:  # chunked or auto: the MILP's groups, re-cut and re-scheduled
         chosen = {k: v for k, v in (plan.predicted.model_extra or {}).items()
                   if k in ("replayed", "ranked", "replay_apart")}  # how the groups were chosen, for --explain
-        plan, tried = choose_schedule(plan, cm, wanted, overlap=overlap)
+        plan, tried = choose_schedule(plan, cm, wanted, overlap=overlap, deadline=end, replay_s=replay_s)
         plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(update=chosen),
                                        "solver": plan.solver.model_copy(update={"schedules": [
             {"schedule": name, "chunks": v, "iteration_s": it, "fits_memory": fits} for name, v, it, fits in tried]})})
@@ -73,7 +77,7 @@ AUTO_SECOND_SHARE = 0.5
 # A schedule to choose after the MILP (auto, or a chunked one) replays each variant of the chosen groups after the
 # search: the search gets this share of the time limit, so that the whole plan keeps to it (768 devices, auto:
 # 11.3 s at --time-limit 10 with the search given all of it; two variant replays took 2.0 s).
-RESCHEDULE_SEARCH_SHARE = 0.75
+RESCHEDULE_SEARCH_SHARE = 0.7
 
 
 def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None) -> Plan:
@@ -99,12 +103,13 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
         end = started + opts.time_limit_s * (1 + share) / 2
         return max(end, time.perf_counter() + 0.1 * opts.time_limit_s)
     overlap = opts.network == "overlap"
-    plan = _chosen(plans, cm, wanted, deadline(), overlap)
+    end = started + opts.time_limit_s
+    plan = _chosen(plans, cm, wanted, deadline(), overlap, end)
     left = opts.time_limit_s - (time.perf_counter() - started)
     if wanted == AUTO and milp != BASE and left >= AUTO_SECOND_SHARE * opts.time_limit_s:
         try:
             other = _chosen(_placed(cm, global_batch, replace(opts, schedule=BASE, time_limit_s=left / 2), progress),
-                            cm, wanted, deadline(), overlap)
+                            cm, wanted, deadline(), overlap, end)
         except InfeasibleError:
             other = None
         if other is not None and _rank(other, overlap) < _rank(plan, overlap):
@@ -184,41 +189,84 @@ def _cheapest(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=N
     return best.model_copy(update={"solver": best.solver.model_copy(update={"cost_subsets": priced})})
 
 
+# Each device type's own search gets a quarter of the time limit, and all of them together at most this share of
+# it, so that beside the main search (``Beside``) they end with it: on 4096 devices of four types, a quarter each
+# (and their replays) kept `plan --time-limit 50` waiting 96 s for them.
+COMPARISONS_SHARE = 0.7
+
+
+def _comparisons(cm: CostModel, global_batch: int, opts: PlannerOptions, kinds: Sequence[str]) -> dict:
+    """What ``plan`` compares its plan with, as JSON (``Beside`` hands it over from its own process): each device
+    type's own plan (None: that type cannot hold the model) and each DeepSpeed baseline of ``kinds`` (its plan,
+    or why it has none)."""
+    types = len(cm.cluster.type_names)
+    limit_s = min(opts.time_limit_s / 4, COMPARISONS_SHARE * opts.time_limit_s / types)
+    homog = homogeneous_plans(cm, global_batch, replace(opts, time_limit_s=limit_s))
+    base: dict = {}
+    for kind in kinds:
+        try:
+            base[kind] = {"plan": deepspeed_baseline(cm, global_batch, kind).to_json(indent=None)}
+        except InfeasibleError as exc:
+            base[kind] = {"infeasible": [exc.field, exc.message]}
+    return {"homogeneous": {t: p.to_json(indent=None) if p is not None else None for t, p in homog.items()},
+            "baselines": base}
+
+
+def _decoded(found: dict) -> tuple[dict[str, Optional[Plan]], dict[str, Union[Plan, InfeasibleError]]]:
+    homog = {t: Plan.from_json(text) if text is not None else None for t, text in found["homogeneous"].items()}
+    base = {k: Plan.from_json(v["plan"]) if "plan" in v else InfeasibleError(*v["infeasible"])
+            for k, v in found["baselines"].items()}
+    return homog, base
+
+
 def make_plan(cluster: Cluster, model: ModelConfig, global_batch: int, *, profiles: Sequence[Profile] = (),
               opts: PlannerOptions = PlannerOptions(), with_homogeneous_sum: bool = True,
               memory_reserve_gib: float = 2.0, zero1: bool = False, cost_model: Optional[CostModel] = None,
-              progress=None, objective: str = "throughput", homogeneous: Optional[dict] = None) -> Plan:
+              progress=None, objective: str = "throughput", homogeneous: Optional[dict] = None,
+              baselines: Optional[dict] = None) -> Plan:
     """The planner's best plan, with ``predicted`` and ``solver`` filled in (``progress``: see ``search``).
     ``objective``: "throughput" (samples/s) or "cost" (dollars per million tokens, ``_cheapest``). ``homogeneous``:
-    a dict that receives the single-type plans behind the homogeneous sum (``make_baseline``'s ``solved``)."""
+    a dict that receives the single-type plans behind the homogeneous sum (``make_baseline``'s ``solved``);
+    ``baselines``: one that receives DeepSpeed's baselines (``make_baseline``'s ``baselines``). Those are
+    searched beside the plan, in a process of their own where there is a second core (``beside``)."""
     if objective not in OBJECTIVES:
         raise InputError("--objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}"[:120])
     cm = cost_model or CostModel(cluster, model, profiles=profiles, memory_reserve_gib=memory_reserve_gib, zero1=zero1)
-    plan = (_cheapest if objective == "cost" else solve)(cm, global_batch, opts, progress)
-    if with_homogeneous_sum:
-        plans = homogeneous_plans(cm, global_batch, PlannerOptions(**{**opts.__dict__,
-                                                                     "time_limit_s": opts.time_limit_s / 4}))
-        if homogeneous is not None:
-            homogeneous.update(plans)
-        hs, bound = homogeneous_totals(plans.values())
-        plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(
-            update={"homogeneous_sum_samples_per_s": hs, "homogeneous_sum_bound_samples_per_s": bound})})
-    return plan
+    kinds = DEEPSPEED_METHODS if baselines is not None else ()
+    budget_s = opts.time_limit_s * (1 + len(cm.cluster.type_names) / 4)
+    with (Beside(lambda: _comparisons(cm, global_batch, opts, kinds), budget_s) if with_homogeneous_sum
+          else nullcontext()) as beside:
+        plan = (_cheapest if objective == "cost" else solve)(cm, global_batch, opts, progress)
+        if beside is None:
+            return plan
+        plans, found = _decoded(beside.result())
+    if homogeneous is not None:
+        homogeneous.update(plans)
+    if baselines is not None:
+        baselines.update(found)
+    hs, bound = homogeneous_totals(plans.values())
+    return plan.model_copy(update={"predicted": plan.predicted.model_copy(
+        update={"homogeneous_sum_samples_per_s": hs, "homogeneous_sum_bound_samples_per_s": bound})})
 
 
 def make_baseline(kind: str, cluster: Cluster, model: ModelConfig, global_batch: int, *,
                   profiles: Sequence[Profile] = (), opts: PlannerOptions = PlannerOptions(),
-                  cost_model: Optional[CostModel] = None, solved: Optional[dict] = None) -> Plan:
+                  cost_model: Optional[CostModel] = None, solved: Optional[dict] = None,
+                  baselines: Optional[dict] = None) -> Plan:
     """``solved``: single-type plans already searched with these options (``make_plan``'s ``homogeneous``): the
     fastest-only baseline is its type's, not a second search of the same plan (on 768 devices at ``--time-limit
-    10`` that search took 7.7 s of a 28-s ``plan``)."""
+    10`` that search took 7.7 s of a 28-s ``plan``). ``baselines``: DeepSpeed's, already made (``make_plan``'s
+    ``baselines``: a plan, or the InfeasibleError saying why there is none)."""
     cm = cost_model or CostModel(cluster, model, profiles=profiles)
     if kind == "fastest-only":
         t = fastest_type(cm)
         plan = (solved or {}).get(t) or solve(cm, global_batch, PlannerOptions(**{**opts.__dict__,
                                                                                  "device_types": (t,)}))
     elif kind in DEEPSPEED_METHODS:
-        plan = deepspeed_baseline(cm, global_batch, kind)
+        found = (baselines or {}).get(kind)
+        if isinstance(found, InfeasibleError):
+            raise found
+        plan = found or deepspeed_baseline(cm, global_batch, kind)
     else:
         raise InputError("--baseline", f"unknown baseline {kind!r} (one of {', '.join(BASELINES)})")
     solver = SolverInfo(name=f"baseline:{kind}", status="heuristic" if kind != "fastest-only" else

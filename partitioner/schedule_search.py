@@ -9,6 +9,7 @@ order of the passes). Each variant keeps every group's layer count, cut into chu
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .chunked import rechunk
@@ -45,7 +46,8 @@ def variants(plan: Plan, cm: CostModel, schedule: str) -> list[Plan]:
     return out
 
 
-def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool = False, overlap: bool = True
+def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool = False, overlap: bool = True,
+                    deadline: Optional[float] = None, replay_s: float = 0.0
                     ) -> tuple[Plan, list[tuple[str, int, Optional[float], bool]]]:
     """The fastest variant (``variants``) that fits memory, with its prediction, and what each variant predicted:
     (schedule, chunks per group, iteration seconds, fits memory). None fits: the fastest, marked as not fitting,
@@ -56,7 +58,12 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
     and on the 768-device benchmark their replays were 19 of the 21 s ``auto`` took after the MILP's 10.
     ``replay_all`` replays them too (the schedule benchmark lists what each would take). ``overlap`` False
     (``--network no-overlap``): the variant fastest without overlap is kept (an interleaved one replayed fastest
-    but moved more boundary traffic: 21% slower so on 128 devices)."""
+    but moved more boundary traffic: 21% slower so on 128 devices).
+
+    The variant ``plan`` already is keeps its prediction (a replay: on 768 devices in 49 stages, 3.2 s). Past
+    ``deadline`` (``time.perf_counter()``; judged by the longest replay yet, at first ``replay_s``, how long the
+    plan's own replay took) the other variants are not replayed
+    (iteration None, fitting memory): `plan --time-limit` keeps to its limit rather than to every variant."""
     kept = []
     for q in variants(plan, cm, schedule):
         if schedule == AUTO and schedule_kind(q.schedule).chunked and not replay_fits(q):
@@ -65,15 +72,27 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
     some_fit = any(fits for _, fits in kept)
     homog = plan.predicted.homogeneous_sum_samples_per_s if plan.predicted else None
     tried: list[tuple[Plan, Optional[float], bool]] = []
+    took_s = replay_s
+    own = plan.predicted is not None and any(  # the plan's own variant will carry its prediction
+        (q.schedule, q.num_chunks) == (plan.schedule, plan.num_chunks) and (fits or not some_fit or replay_all)
+        for q, fits in kept)
     for q, fits in kept:
         if some_fit and not fits and not replay_all:
             tried.append((q, None, fits))
             continue
-        pred = predict(q, cm, homog)
+        if plan.predicted is not None and (q.schedule, q.num_chunks) == (plan.schedule, plan.num_chunks):
+            pred = plan.predicted  # the same plan, already replayed
+        elif deadline is not None and time.perf_counter() + 1.25 * took_s >= deadline and (
+                own or any(t[1] is not None for t in tried)):
+            tried.append((q, None, fits))  # out of time
+            continue
+        else:
+            started = time.perf_counter()
+            pred = predict(q, cm, homog)
+            took_s = max(took_s, time.perf_counter() - started)
         tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits))
-    fitting = [t for t in tried if t[2]] or tried
-    if not overlap:  # a variant not replayed does not fit memory (and fitting ones exist): never chosen
-        fitting = [t for t in fitting if t[1] is not None]
+    replayed = [t for t in tried if t[1] is not None]  # (a variant not replayed is never chosen)
+    fitting = [t for t in replayed if t[2]] or replayed
     # without overlap, variants the model prices alike (1F1B and zb-h1 charge the same path) go by their replay
     best = min(fitting, key=lambda t: t[1] if overlap else (t[0].predicted.model_extra["no_overlap_s"], t[1]))[0]
     return best, [(q.schedule, q.num_chunks, it, fits) for q, it, fits in tried]
@@ -100,7 +119,8 @@ def explain_schedules(tried: list[tuple[str, int, Optional[float], bool]], chose
     for name, v, it, fits in sorted(tried, key=lambda t: (t[2] is None, t[2] or 0.0)):
         mark = "*" if (name, v) == (chosen.schedule, chosen.num_chunks) else " "
         if it is None:
-            lines.append(f"{mark} {name:<17} v={v}  does not fit memory (not replayed)")
+            lines.append(f"{mark} {name:<17} v={v}  " + ("does not fit memory (not replayed)" if not fits else
+                                                         "not replayed (the time limit was spent)"))
             continue
         rel = f" ({it / base:.3f}x)" if base else ""
         lines.append(f"{mark} {name:<17} v={v}  {num(it * 1e3):>9} ms/iteration{rel}"

@@ -122,14 +122,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       f"{num(net.inter_node_gbps)} Gbit/s per node NIC; describe yours under network:")
     if args.what_if:
         return _what_if(args, cm, opts, console)
-    homogeneous: dict = {}  # the homogeneous sum's single-type plans: the fastest-only baseline is one of them
+    # the homogeneous sum's single-type plans (the fastest-only baseline is one of them) and DeepSpeed's baselines:
+    # made beside the search (``make_plan``)
+    homogeneous: dict = {}
+    baselines: dict = {}
     if args.baseline:
         plan = make_baseline(args.baseline, cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm)
     else:
         with _SolveStatus(console) as status:
             plan = make_plan(cm.cluster, cm.model, args.global_batch, opts=opts, cost_model=cm,
                              with_homogeneous_sum=not args.no_compare, progress=status, objective=args.objective,
-                             homogeneous=homogeneous)
+                             homogeneous=homogeneous, baselines=baselines)
     if args.dtype == "auto" and not args.what_if:
         used = [t for t, n in plan.devices_by_type().items() if n]
         better, _ = natural_dtype(cm.cluster, used)
@@ -155,7 +158,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       "hethub profile --tensor-parallel T measures them")
     if not args.baseline and not args.no_compare:
         better = _compare(plan, cm, opts, args.global_batch, console, keep_better=args.objective == "throughput",
-                          solved=homogeneous)
+                          solved=homogeneous, baselines=baselines)
         if better is not plan:  # the search stopped (time limit) below a plan it computed: that one is written
             plan = better
             print_plan(plan, console)
@@ -169,14 +172,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _compare(plan, cm: CostModel, opts: PlannerOptions, global_batch: int, console, keep_better: bool = True,
-             solved: Optional[dict] = None):
+             solved: Optional[dict] = None, baselines: Optional[dict] = None):
     """The plan's speed-up over each baseline's plan of the same cluster and model; the plan to write: the
     search's, or (``keep_better``) the best baseline's where the search ended below it (a time limit hit while
     the solver was still far from its bound): a plan is never worse than a baseline it computed."""
     best = None
     for kind in BASELINES:
         try:
-            base = make_baseline(kind, cm.cluster, cm.model, global_batch, opts=opts, cost_model=cm, solved=solved)
+            base = make_baseline(kind, cm.cluster, cm.model, global_batch, opts=opts, cost_model=cm, solved=solved,
+                                 baselines=baselines)
             proven = base.solver.status in ("heuristic", "optimal") or base.solver.gap is None
             console.print(f"vs {kind}: {plan.predicted.samples_per_s / base.predicted.samples_per_s:.2f}x "
                           f"({num(base.predicted.samples_per_s)} samples/s"
