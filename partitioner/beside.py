@@ -6,8 +6,8 @@ command took twice its limit. They need nothing from the main search, so on a se
 Where there is no second core or no ``fork`` (Windows), the work runs in this process when its result is asked
 for: the same result, later (on one core, two searches at once would each get half of their time limits).
 
-The child ignores Ctrl-C (the parent says the one line and ends it), writes nothing but its JSON to a pipe, and
-leaves by ``os._exit``: no buffers or exit handlers inherited from the parent run twice."""
+The child ignores Ctrl-C (the parent says the one line and ends it; the signal is held back across the fork),
+writes nothing but its JSON to a pipe, and leaves by ``os._exit``: no buffers or exit handlers inherited from the parent run twice."""
 from __future__ import annotations
 
 import json
@@ -49,7 +49,11 @@ class Beside:
         self._fd: Optional[int] = None
         self._have, self._value = False, None
         if can_run_beside() if concurrent is None else concurrent:
-            self._start()
+            try:
+                self._start()
+            except BaseException:  # Ctrl-C as the child started: it goes too (no ``with`` holds it yet)
+                self.close()
+                raise
 
     @property
     def concurrent(self) -> bool:
@@ -66,12 +70,23 @@ class Beside:
         sys.stderr.flush()
         read_fd, write_fd = os.pipe()
         self._started = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            os.close(read_fd)
-            _child(self._work, write_fd)
-        os.close(write_fd)
-        self._pid, self._fd = pid, read_fd
+        # Ctrl-C held back across the fork: landing in the child before it ignores it, it would run on as a second
+        # copy of the command; held, it reaches the parent once the child is known (and ended by ``close``)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pid = os.fork()
+            if pid == 0:  # the child: never returns
+                try:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent says the one line and ends this one
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                    os.close(read_fd)
+                    _child(self._work, write_fd)
+                finally:
+                    os._exit(1)
+            os.close(write_fd)
+            self._pid, self._fd = pid, read_fd
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def result(self) -> Any:
         if not self._have:
@@ -114,7 +129,6 @@ class Beside:
 
 
 def _child(work: Callable[[], Any], fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to say; it ends this process
     code = 0
     try:
         payload: dict = {"value": work()}

@@ -1,4 +1,5 @@
 """Run N ranks as local processes (gloo on CPU), bounded by a timeout: a hang fails, never freezes CI."""
+import itertools
 import os
 import shutil
 import socket
@@ -10,10 +11,24 @@ import time
 from conftest import ROOT
 
 
+# Each xdist worker hands out ports from a block of its own, below the kernel's ephemeral range (32768-60999 on
+# Linux), where bind(0) and outgoing connections take theirs: bound to port 0, two workers were handed the same
+# port seconds apart, and a rank's store failed to listen (EADDRINUSE) while its peers waited out the timeout.
+PORT_BASE, PORT_BLOCK = 20000, 1500
+_ports = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    for _ in range(PORT_BLOCK):
+        port = PORT_BASE + (worker % 8) * PORT_BLOCK + next(_ports) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (a run still holding it, or another program): the next one
+                continue
+            return port
+    raise AssertionError(f"no free port in worker {worker}'s block of {PORT_BLOCK}")
 
 
 def run_deepspeed(num_gpus: int, args: list, **kw) -> subprocess.CompletedProcess:

@@ -1,6 +1,5 @@
 """The join (hethub.runtime.join): ranks that start at different times wait for each other up to their own
 timeout, rank 0 says whom it waits for, and a rank that never comes ends the others with one line naming it."""
-import socket
 import subprocess
 import sys
 import threading
@@ -9,13 +8,8 @@ import time
 import pytest
 
 from conftest import ROOT
+from dist_util import free_port
 from hethub.runtime import join
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ranges_say_the_ranks_in_short():
@@ -28,7 +22,7 @@ def test_a_rank_that_starts_late_is_waited_for_and_named_if_on_another_host(monk
     """Rank 1 starts a second late. On another host rank 0 names it while waiting; on rank 0's own host (its
     launcher started it: it is importing) rank 0 says nothing."""
     monkeypatch.setattr(join, "WAIT_NOTE_S", 0.2)
-    port = _free_port()
+    port = free_port()
     joined = []
     asked = threading.Event()  # rank 0 has waited past WAIT_NOTE_S with rank 1 missing (a loaded machine may
     note = join._note          # take longer than any fixed delay to get rank 0 there)
@@ -62,7 +56,7 @@ def test_a_rank_that_starts_late_is_waited_for_and_named_if_on_another_host(monk
 
 def test_a_rank_that_never_comes_ends_rank_0_with_one_line_naming_it():
     code = ("from hethub.runtime import join; s = join.open_store(0, 3, '127.0.0.1', %d, 1); "
-            "join.join(s, 0, 3, 1, hosts=['a', 'b', 'b'])" % _free_port())
+            "join.join(s, 0, 3, 1, hosts=['a', 'b', 'b'])" % free_port())
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
@@ -71,7 +65,7 @@ def test_a_rank_that_never_comes_ends_rank_0_with_one_line_naming_it():
 
 
 def test_rank_0s_store_never_coming_up_ends_a_rank_with_one_line():
-    code = ("from hethub.runtime import join; join.open_store(1, 2, '127.0.0.1', %d, 1)" % _free_port())
+    code = ("from hethub.runtime import join; join.open_store(1, 2, '127.0.0.1', %d, 1)" % free_port())
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()

@@ -392,6 +392,40 @@ def test_ctrl_c_at_any_moment_of_a_plan_is_one_line(tmp_path):
         assert not (tmp_path / "p.json").exists()  # nothing half-written
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "fork"), reason="needs /proc and fork")
+def test_ctrl_c_while_the_comparisons_run_beside_the_search_ends_both_in_one_line(tmp_path):
+    """The comparisons run in a forked process beside the search (its command line the same): Ctrl-C to the
+    command is one line, exit 130, and the forked process goes with it."""
+    import signal
+    out = str(tmp_path / "p.json")
+    err = tmp_path / "err.txt"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "hethub.cli", "plan", "--cluster",
+                                 os.path.join(EXAMPLES, "cluster.yaml"), "--model", "llama-7b", "--global-batch",
+                                 "512", "--time-limit", "30", "-o", out], stdout=subprocess.DEVNULL, stderr=f, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(_running(out)) < 2:  # the comparisons' process has started
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130 and err.read_text().strip().splitlines() == ["error: interrupted"], \
+        err.read_text()[-2000:]
+    assert _running(out) == [] and not os.path.exists(out)
+
+
+def _running(tag: str) -> list[str]:
+    """Processes whose command line holds ``tag`` (zombies, which are gone but for their exit code, left out)."""
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and tag in _cmdline(pid)]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
+
+
 REWORDED = """
 import sys
 import hethub.cli
