@@ -5,6 +5,7 @@ with DeepSpeed's partitions. Run after the search, those took 9 s on 768 devices
 command took twice its limit. They need nothing from the main search, so on a second core they run during it.
 Where there is no second core or no ``fork`` (Windows), the work runs in this process when its result is asked
 for: the same result, later (on one core, two searches at once would each get half of their time limits).
+Forking is used on Linux only (``can_run_beside``).
 
 The child ignores Ctrl-C (the parent says the one line and ends it; the signal is held back across the fork),
 writes nothing but its JSON to a pipe, and leaves by ``os._exit``: no buffers or exit handlers inherited from the parent run twice."""
@@ -34,7 +35,9 @@ def cores() -> int:
 
 
 def can_run_beside() -> bool:
-    return hasattr(os, "fork") and cores() >= 2
+    """Linux with a second core. Elsewhere the work runs after the search: macOS's system libraries (numpy's
+    Accelerate among them) are not safe to use in a child forked from a process with threads."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and cores() >= 2
 
 
 class Beside:
