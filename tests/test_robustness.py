@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -381,10 +382,16 @@ def test_ctrl_c_at_any_moment_of_a_plan_is_one_line(tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         while "hethub.partitioner" not in proc.stderr.readline():  # the command's own imports have begun
             assert proc.poll() is None, proc.stderr.read()[-2000:]
+        # read on while waiting: a full pipe of import lines would stall the command at its next import, and the
+        # later delays would interrupt that stall instead of the search
+        said: list = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+        reader.start()
         time.sleep(delay_s)
         proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=60)
-        lines = [line for line in err.strip().splitlines() if not line.startswith("import time:")]
+        proc.wait(timeout=60)
+        reader.join(10)
+        lines = [line.rstrip("\n") for line in said if not line.startswith("import time:")]
         if proc.returncode == 0 and delay_s >= 2.9:
             continue  # it finished before the signal (a 30 s solve ignoring Ctrl-C would end 0 too: not before)
         assert proc.returncode == 130 and lines[-1:] == ["error: interrupted"], (delay_s, "\n".join(lines)[-2000:])
