@@ -73,14 +73,13 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
     homog = plan.predicted.homogeneous_sum_samples_per_s if plan.predicted else None
     tried: list[tuple[Plan, Optional[float], bool]] = []
     took_s = replay_s
-    own = plan.predicted is not None and any(  # the plan's own variant will carry its prediction
-        (q.schedule, q.num_chunks) == (plan.schedule, plan.num_chunks) and (fits or not some_fit or replay_all)
-        for q, fits in kept)
+    mine = (plan.schedule, plan.num_chunks) if plan.predicted is not None else None  # the variant already replayed
+    own = any((q.schedule, q.num_chunks) == mine and (fits or not some_fit or replay_all) for q, fits in kept)
     for q, fits in kept:
         if some_fit and not fits and not replay_all:
             tried.append((q, None, fits))
             continue
-        if plan.predicted is not None and (q.schedule, q.num_chunks) == (plan.schedule, plan.num_chunks):
+        if (q.schedule, q.num_chunks) == mine:
             pred = plan.predicted  # the same plan, already replayed
         elif deadline is not None and time.perf_counter() + 1.25 * took_s >= deadline and (
                 own or any(t[1] is not None for t in tried)):
