@@ -51,7 +51,8 @@ class Candidates:
     # one type, so the output boundary then crosses hosts whatever ``comm_s`` assumed (``_hopped``)
     hop_s: np.ndarray
     # one way, the mean seconds from a send's post to its arrival on the busier of the stage's two boundaries
-    # (a node's share queued on its NIC): two neighbours' dependency cycle adds it to their compute
+    # (a node's share queued on its NIC, as often as the NIC is busy): two neighbours' dependency cycle adds it to
+    # their compute
     # (``evaluate.link_cycle_s``, which averages the two neighbours' compute where this charges each its own)
     latency_s: np.ndarray
     # the second type's tensor-parallel degree (a mixed stage whose replicas differ in degree: the faster type's at
@@ -220,15 +221,24 @@ class _Part:
         per_link = s if intra else min(w, self.per_node) * s
         return 2 * self.cm.link_s(per_link * self.out_bytes, self.t, self.t, same_host=intra)
 
-    def latency_s(self, w: int, s: int, inbound: bool, other_host: bool = False) -> np.ndarray:
+    def latency_s(self, w: int, s: int, inbound: bool, other_host: bool = False, load=1.0) -> np.ndarray:
         """One way, the mean seconds from a send's post to its arrival on the output (``inbound``: input)
-        boundary: inter-node, the node's share of transfers queue on its NIC one after another
-        (``evaluate.boundary_latency_s``)."""
+        boundary: inter-node, the node's share of transfers queue on its NIC one after another, as often as the
+        NIC is busy (``load``, 0 to 1: ``evaluate.boundary_latency_s``)."""
         nbytes = self.in_bytes if inbound else self.out_bytes
         intra = 2 * w <= self.per_node and not other_host
         queued = 1 if intra else min(w, self.per_node)
         one = self.cm.link_s(s * nbytes, self.t, self.t, same_host=intra)
-        return np.where(nbytes > 0, one * (queued + 1) / 2, 0.0)
+        return np.where(nbytes > 0, one * (1 + load * (queued - 1) / 2), 0.0)
+
+    def nic_s(self, w: int, s: int, has_input: np.ndarray, other_host: bool = False) -> np.ndarray:
+        """Per micro-batch, a node's NIC in either direction (``evaluate._nic_busy_s``): its share of the output's
+        activations and of the input's gradients (the other direction carries the same back)."""
+        def one_way(nbytes: np.ndarray) -> np.ndarray:
+            intra = 2 * w <= self.per_node and not other_host
+            return 0.0 if intra else self.cm.link_s(min(w, self.per_node) * s * nbytes, self.t, self.t,
+                                                    same_host=False)
+        return one_way(self.out_bytes) + np.where(has_input, one_way(self.in_bytes), 0.0)
 
     def in_flight(self, width: int, s: int, M: int, zero1: bool = False, waits=0, whole=None) -> np.ndarray:
         """Micro-batches in flight that fit (capped at M) with a stage of ``width`` replicas (ZeRO-1 shards its
@@ -396,12 +406,13 @@ class _Builder:
         away = pa.comm_s(wa, sa, False, other_host=True)
         k, wg = pa.in_flight(w, sa, M, z, self.waits, whole_state), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
-        lat = self._latency_s(pa, wa, sa, pb is not None)
+        paced = comp if pb is None else np.maximum(comp, pb.split_compute_s(sb, self.split))
+        lat = self._latency_s(pa, wa, sa, pb is not None, paced)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
-            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True))
+            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True, paced))
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
-            comp, comm = np.maximum(comp, pb.split_compute_s(sb, self.split)), away
+            comp, comm = paced, away
             cross = np.maximum(cross, pb.comm_s(wb, sb, True))
             k = np.minimum(k, pb.in_flight(w, sb, M, False, self.waits, whole_state))
             # the fill skips the smaller of the halves' weight gradients, the all-reduce waits for the larger
@@ -434,10 +445,12 @@ class _Builder:
                              ("tp2", np.full(n, pb.tp if pb is not None else pa.tp))):
             self.cols[name].append(values)
 
-    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool) -> np.ndarray:
-        """The busier boundary's one-way latency (``Candidates.latency_s``); the first stage has no input."""
-        return np.maximum(part.latency_s(w, s, False, mixed),
-                          np.where(self.I > 0, part.latency_s(w, s, True, mixed), 0.0))
+    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool, compute_s: np.ndarray) -> np.ndarray:
+        """The busier boundary's one-way latency (``Candidates.latency_s``); the first stage has no input. Its NIC
+        is loaded at most its traffic over the stage's own compute (no period is shorter)."""
+        load = np.minimum(1.0, part.nic_s(w, s, self.I > 0, mixed) / np.maximum(compute_s, 1e-12))
+        return np.maximum(part.latency_s(w, s, False, mixed, load),
+                          np.where(self.I > 0, part.latency_s(w, s, True, mixed, load), 0.0))
 
     def add_mixed(self, parts: dict, b: int, counts: dict[str, int], max_tp: int) -> None:
         """Stages mixing two device types of one vendor (the faster first): at a degree both have, and, with
