@@ -48,7 +48,7 @@ from .costmodel import CostModel, pass_times_s, peak_memory_bytes, usd_per_milli
 from .chunked import chunk_orders
 from .records import Plan, Predicted
 from .schedule import overlaps, trailing_weight_passes
-from .simulator import simulate
+from .simulator import OutOfTime, simulate
 from .schedule_kinds import kind as schedule_kind
 
 
@@ -486,7 +486,10 @@ def choose_by_simulation(plans: Sequence[Plan], cm: CostModel, keep: int = REPLA
         if scored and deadline is not None and time.perf_counter() + 1.25 * took >= deadline:
             break
         started = time.perf_counter()
-        scored.append((p, predict(p, cm)))
+        try:  # (a replay may take twice another's: one that runs past the deadline is dropped)
+            scored.append((p, predict(p, cm, deadline=deadline if scored else None)))
+        except OutOfTime:
+            break
         took = max(took, time.perf_counter() - started)
     plan, pred = min(scored, key=lambda x: x[1].iteration_s)
     apart = max(abs(q.closed_form_s + cm.control_syncs_s(p) - q.iteration_s) / q.iteration_s for p, q in scored)
@@ -538,31 +541,34 @@ def _warm_up(plan: Plan) -> int:
     return 2 * len(plan.pipeline) if plan.num_chunks > 1 else plan.num_stages
 
 
-def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None) -> float:
+def replay_iteration_s(plan: Plan, cm: CostModel, t1: Optional[float] = None, deadline: Optional[float] = None
+                       ) -> float:
     """The simulated iteration; for very long iterations, replays of m and m/2 micro-batches extrapolated
     linearly (a schedule's steady state adds the same time per micro-batch). Both replays must be past the
     warm-up, which a chunked schedule stretches over its D = p x v chunks (``replay_micro_batches``): from
     m = 2S + 2 and S + 1 the 768-device benchmark's interleaved (v = 3) and zb-v plans were predicted 10% and
     5.6% faster than their full replays. ``t1``: the m-micro-batch replay's iteration, where the caller has it
-    already."""
+    already. ``deadline``: ``simulator.OutOfTime`` past it."""
     m1 = replay_micro_batches(plan)
     if m1 == plan.num_micro_batches:
-        return t1 if t1 is not None else simulate(plan, cm).iteration_s
+        return t1 if t1 is not None else simulate(plan, cm, deadline=deadline).iteration_s
     m2 = max(_warm_up(plan) + 1, m1 // 2)
     if schedule_kind(plan.schedule).in_rounds:  # the same remainder mod p as m1 (and M)
         m2 += (m1 - m2) % plan.num_stages
         m2 = m2 if m2 < m1 else m1 - plan.num_stages
-    t1 = t1 if t1 is not None else simulate(with_micro_batches(plan, m1), cm).iteration_s
-    t2 = simulate(with_micro_batches(plan, m2), cm).iteration_s
+    t1 = t1 if t1 is not None else simulate(with_micro_batches(plan, m1), cm, deadline=deadline).iteration_s
+    t2 = simulate(with_micro_batches(plan, m2), cm, deadline=deadline).iteration_s
     return t1 + (plan.num_micro_batches - m1) * (t1 - t2) / (m1 - m2)
 
 
-def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None) -> Predicted:
+def predict(plan: Plan, cm: CostModel, homogeneous_sum_samples_per_s: float | None = None,
+            deadline: Optional[float] = None) -> Predicted:
+    """The plan's replay and what it is made of (``deadline``: ``simulator.OutOfTime`` past it)."""
     orders = chunk_orders(plan, plan.num_micro_batches)  # once: zb-v's list scheduler takes 0.3 s at 768 devices
     costs = stage_costs(plan, cm, orders)
     closed = closed_form_s(plan, cm, costs)
     # closed_form_s == iteration_s says so; the replay adds the iteration's control all-reduces, as here
-    it = replay_iteration_s(plan, cm) if replay_fits(plan) else closed + cm.control_syncs_s(plan)
+    it = replay_iteration_s(plan, cm, deadline=deadline) if replay_fits(plan) else closed + cm.control_syncs_s(plan)
     sps = plan.global_batch_size / it
     ub = cm.upper_bound_samples_per_s()
     return Predicted(iteration_s=it, samples_per_s=sps, upper_bound_samples_per_s=ub, efficiency=sps / ub,

@@ -17,6 +17,7 @@ from .costmodel import CostModel
 from .errors import InputError
 from .evaluate import chunk_time_s, fits_memory, predict, replay_fits, with_pass_times
 from .records import SCHEDULES, Plan
+from .simulator import OutOfTime
 
 from .options import AUTO
 from .outputs import num
@@ -79,15 +80,19 @@ def choose_schedule(plan: Plan, cm: CostModel, schedule: str, replay_all: bool =
         if some_fit and not fits and not replay_all:
             tried.append((q, None, fits))
             continue
+        later = own or any(t[1] is not None for t in tried)  # (some variant has its replay: a deadline holds)
         if (q.schedule, q.num_chunks) == mine:
             pred = plan.predicted  # the same plan, already replayed
-        elif deadline is not None and time.perf_counter() + 1.25 * took_s >= deadline and (
-                own or any(t[1] is not None for t in tried)):
+        elif deadline is not None and later and time.perf_counter() + 1.25 * took_s >= deadline:
             tried.append((q, None, fits))  # out of time
             continue
         else:
             started = time.perf_counter()
-            pred = predict(q, cm, homog)
+            try:
+                pred = predict(q, cm, homog, deadline=deadline if later else None)
+            except OutOfTime:  # ran past the deadline after all: dropped, as if never started
+                tried.append((q, None, fits))
+                continue
             took_s = max(took_s, time.perf_counter() - started)
         tried.append((q.model_copy(update={"predicted": pred}), pred.iteration_s, fits))
     replayed = [t for t in tried if t[1] is not None]  # (a variant not replayed is never chosen)

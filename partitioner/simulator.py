@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -34,6 +35,11 @@ from .schedule_kinds import kind as schedule_kind
 
 class ScheduleError(InputError):
     """A schedule that cannot run: unmatched transfer or deadlock (names rank, step and reason)."""
+
+
+class OutOfTime(RuntimeError):
+    """A replay given a ``deadline`` did not finish by it: the planner, choosing among plans, keeps to its time
+    limit (a 768-device replay takes 0.5-3 s, and its length is hard to tell before it runs)."""
 
 
 @dataclass
@@ -179,27 +185,26 @@ def _short_ranks(ranks: list[int]) -> str:
 
 
 def simulate(plan: Plan, cm: CostModel, sched: Optional[dict[int, list[Action]]] = None,
-             train: bool = True) -> SimResult:
+             train: bool = True, deadline: Optional[float] = None) -> SimResult:
     """Replay one iteration of ``sched`` (default: the plan's own schedule, which needs no checks); a given
     schedule is checked first (matching transfers, structure), and a deadlock raises ``ScheduleError``, one under
-    NCCL's issue order ``ordering.OrderError``."""
+    NCCL's issue order ``ordering.OrderError``. ``deadline`` (``time.perf_counter()``, the plan's own schedule):
+    past it the replay stops with ``OutOfTime``."""
     if sched is None:
-        sched = build_schedule(plan, train)
-    else:
-        leads = lead_ranks(plan)
-        if set(sched) != set(leads):
-            raise ScheduleError("schedule", f"must hold every replica's rank {_short_ranks(leads)} (a tensor-"
-                                            f"parallel group's lead), got {_short_ranks(sorted(sched))}")
-        check_matching(sched)
-        check_structure(plan, sched, train)
-        try:
-            result = _Replay(plan, cm, sched, train).run()
-        except ScheduleError:
-            _refuse_mispaired(plan, sched)  # the exact reason where one exists: messages NCCL would mis-pair
-            raise
-        check_order(plan, sched)  # a deadlock the timed replay's order does not meet (the plan's own pass)
-        return result
-    return _Replay(plan, cm, sched, train).run()
+        return _Replay(plan, cm, build_schedule(plan, train), train).run(deadline)
+    leads = lead_ranks(plan)
+    if set(sched) != set(leads):
+        raise ScheduleError("schedule", f"must hold every replica's rank {_short_ranks(leads)} (a tensor-"
+                                        f"parallel group's lead), got {_short_ranks(sorted(sched))}")
+    check_matching(sched)
+    check_structure(plan, sched, train)
+    try:
+        result = _Replay(plan, cm, sched, train).run()
+    except ScheduleError:
+        _refuse_mispaired(plan, sched)  # the exact reason where one exists: messages NCCL would mis-pair
+        raise
+    check_order(plan, sched)  # a deadlock the timed replay's order does not meet (the plan's own pass)
+    return result
 
 
 def _refuse_mispaired(plan: Plan, sched: dict[int, list[Action]]) -> None:
@@ -437,12 +442,15 @@ class _Replay:
         self.pc[r] += 1
         return True
 
-    def run(self) -> SimResult:
+    def run(self, deadline: Optional[float] = None) -> SimResult:
         ranks = sorted(self.sched)  # replicas (tensor-parallel groups replay as their lead)
         progress = True
         while progress:
             progress = False
             for r in ranks:
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise OutOfTime(f"the replay of {self.plan.num_stages} stages on {len(ranks)} replicas ran past "
+                                    f"its deadline")
                 while self.pc[r] < len(self.sched[r]) and not self.in_allreduce(r) and self.step(r):
                     progress = True
         stuck = [r for r in ranks if self.pc[r] < len(self.sched[r])]

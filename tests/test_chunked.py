@@ -354,7 +354,7 @@ def test_auto_replays_no_variant_that_cannot_be_chosen(monkeypatch):
     cm = CostModel(CPU_CLUSTER, STACK)
     plan = BALANCED.model_copy(update={"predicted": predict(BALANCED, cm)})
     replayed = []
-    monkeypatch.setattr(schedule_search, "predict", lambda q, *a: replayed.append(q.schedule) or predict(q, *a))
+    monkeypatch.setattr(schedule_search, "predict", lambda q, *a, **kw: replayed.append(q.schedule) or predict(q, *a, **kw))
     monkeypatch.setattr(schedule_search, "fits_memory", lambda q, cm: q.schedule != "zb-v")
     best, tried = choose_schedule(plan, cm, "auto")
     assert [(it, fits) for s, _, it, fits in tried if s == "zb-v"] == [(None, False)] and "zb-v" not in replayed
@@ -504,9 +504,9 @@ def test_auto_reuses_the_plans_own_replay_and_replays_no_variant_past_its_deadli
     replayed = []
     real = schedule_search.predict
 
-    def counting(q, cm_, *args):
+    def counting(q, cm_, *args, **kw):
         replayed.append((q.schedule, q.num_chunks))
-        return real(q, cm_, *args)
+        return real(q, cm_, *args, **kw)
     monkeypatch.setattr(schedule_search, "predict", counting)
     best, tried = choose_schedule(plan, cm, "auto")
     assert (plan.schedule, plan.num_chunks) not in replayed and len(replayed) == len(tried) - 1, (replayed, tried)
@@ -517,3 +517,31 @@ def test_auto_reuses_the_plans_own_replay_and_replays_no_variant_past_its_deadli
     lines = explain_schedules(tried, best)
     assert sum("not replayed (the time limit was spent)" in line for line in lines) == len(tried) - 1 - sum(
         not fits for *_, fits in tried), lines
+
+
+def test_a_variant_whose_replay_runs_past_the_deadline_is_dropped(monkeypatch):
+    """A replay may take twice another's, so the estimate before it can be wrong: each replay after the first runs
+    with the deadline, and one that passes it (``simulator.OutOfTime``) is dropped like a variant never replayed
+    (768 devices, `plan --schedule 1f1b --time-limit 10`: the second replay took 0.98 s after a first of 0.51 s and
+    ended the search at 10.05 s)."""
+    import time as time_
+    from hethub.partitioner import schedule_search
+    from hethub.partitioner.simulator import OutOfTime, simulate
+    cm = CostModel(CPU_CLUSTER, STACK)
+    with pytest.raises(OutOfTime, match="ran past its deadline"):
+        simulate(BALANCED, cm, deadline=time_.perf_counter() - 1)
+    real = schedule_search.predict
+    deadlines = []
+
+    def slow_chunked(q, cm_, *args, deadline=None):
+        deadlines.append(deadline)
+        if q.num_chunks > 1 and deadline is not None:  # every chunked variant's replay runs too long
+            raise OutOfTime("ran past its deadline")
+        return real(q, cm_, *args, deadline=deadline)
+    monkeypatch.setattr(schedule_search, "predict", slow_chunked)
+    best, tried = choose_schedule(BALANCED, cm, "auto", deadline=time_.perf_counter() + 600)
+    assert deadlines[0] is None and all(d is not None for d in deadlines[1:])  # the first replay is always made
+    dropped = [t for t in tried if t[1] > 1]
+    assert dropped and all(it is None for _, _, it, _ in dropped), tried
+    assert best.num_chunks == 1 and best.predicted is not None
+    assert sum(it is not None for _, v, it, _ in tried if v == 1) >= 2, tried

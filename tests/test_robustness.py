@@ -193,6 +193,26 @@ def test_brute_force_keeps_the_time_limit(tmp_path, capsys):
     assert "brute force did not finish within 1 s" in line
 
 
+def test_the_time_limit_is_the_commands_its_start_up_and_finish_included(monkeypatch):
+    """`plan --time-limit` bounds the command, not only the search: what the command spent before it (the
+    interpreter, imports, the inputs) and what it does after (``FINISH_S``) come off the planner's limit (768
+    devices, `--schedule 1f1b --time-limit 10`: 10.6 s before, 9.7-9.8 s after). Never below half of it; a command
+    function called directly (no start marked) keeps the whole limit."""
+    import time
+
+    from hethub.cli import clock
+    from hethub.cli.plan import FINISH_S, _time_left_s
+    assert clock._process_age_s() > 0 or not os.path.exists("/proc/self/stat")
+    clock.clear()
+    assert _time_left_s(10.0) == 10.0
+    monkeypatch.setitem(clock._STARTED, "s", time.perf_counter() - 1.0)
+    assert 10.0 - 1.0 - FINISH_S - 0.5 < _time_left_s(10.0) <= 10.0 - 1.0 - FINISH_S
+    assert _time_left_s(1.0) == 0.5
+    clock.mark_start(shell=False)
+    assert _time_left_s(10.0) == pytest.approx(10.0 - FINISH_S, abs=0.5)
+    clock.clear()
+
+
 def test_all_zero_profile_times_are_refused(tmp_path):
     prof = json.loads(subprocess.run([sys.executable, "-c", "from hethub.partitioner import builtin_model;"
                                       "print(builtin_model('gpt-tiny').to_json())"], capture_output=True, text=True,

@@ -574,8 +574,8 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
     from hethub.partitioner import schedule_search
     real = schedule_search.predict
 
-    def interleaved_replays_fastest(q, *a):  # as on a 128-device case: fastest replayed, slowest without overlap
-        pred = real(q, *a)
+    def interleaved_replays_fastest(q, *a, **kw):  # as on a 128-device case: fastest replayed, slowest without overlap
+        pred = real(q, *a, **kw)
         return pred.model_copy(update={"iteration_s": pred.iteration_s / 10}) if q.num_chunks > 1 else pred
     monkeypatch.setattr(schedule_search, "predict", interleaved_replays_fastest)
     base = plans["no-overlap"]
@@ -628,3 +628,25 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
     for kind in (one_f_one_b, zb):
         assert max(kind) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in kind) >= 0.9 * len(kind), sorted(kind)
+
+
+def test_a_ranked_plan_whose_replay_runs_past_the_deadline_is_not_chosen(monkeypatch):
+    """``choose_by_simulation`` replays its best closed forms in turn; each after the first runs with the deadline,
+    and one that passes it (``OutOfTime``) ends the replays: the plan is chosen among those replayed."""
+    import time
+
+    from hethub.partitioner import evaluate
+    from hethub.partitioner.simulator import OutOfTime
+    cm = CostModel(CLUSTER, MODEL)
+    plans = [grid_plan(random.Random(3), 3, 8, 6), grid_plan(random.Random(3), 3, 8, 6)]
+    real, calls = evaluate.predict, []
+
+    def second_runs_long(p, cm_, *args, deadline=None):
+        calls.append(deadline)
+        if len(calls) > 1:
+            raise OutOfTime("ran past its deadline")
+        return real(p, cm_, *args, deadline=deadline)
+    monkeypatch.setattr(evaluate, "predict", second_runs_long)
+    chosen = evaluate.choose_by_simulation(plans, cm, deadline=time.perf_counter() + 600)
+    assert calls[0] is None and calls[1] is not None
+    assert chosen.predicted.model_extra["replayed"] == 1 and chosen.predicted.iteration_s > 0

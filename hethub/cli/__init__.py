@@ -8,12 +8,14 @@ import signal
 import sys
 import threading
 
+from . import clock
 from .interrupts import INTERRUPTED, interrupted, on_interrupt, quiet_unraisable, reset, say_interrupted
 
 __all__ = ["main"]
 
 
 def main(argv=None) -> int:
+    clock.mark_start(shell=argv is None)
     reset()
     on_main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGINT, on_interrupt) if on_main_thread else None
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
             raise
         code = say_interrupted()
     finally:
+        clock.clear()
         sys.unraisablehook = unraisable_before
         if on_main_thread:
             signal.signal(signal.SIGINT, before)
