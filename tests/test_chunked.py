@@ -316,6 +316,7 @@ def test_auto_is_the_default_and_plans_its_groups_for_zb_h1_falling_back_to_1f1b
 
     def search(cm, batch, opts, progress=None):
         searched.append(opts.schedule)
+        limits.append(opts.time_limit_s)
         if opts.schedule == "zb-h1" and refuse:
             raise InfeasibleError("memory", "no plan fits (a test)")
         return real(cm, batch, opts, progress)
@@ -323,8 +324,11 @@ def test_auto_is_the_default_and_plans_its_groups_for_zb_h1_falling_back_to_1f1b
     cm = CostModel(CPU_CLUSTER, STACK)
     for refuse, expect in ((False, ["zb-h1", "1f1b"]), (True, ["zb-h1", "1f1b"])):
         searched.clear()
+        limits = []
         plan = api.solve(cm, 8, PlannerOptions(time_limit_s=5, schedule="auto"))
         assert searched == expect
+        # 1F1B's search gets what zb-h1's left, less twice what its replays took (it was given half of it)
+        assert refuse or limits[1] > 0.6 * 5, limits
         assert {t["schedule"] for t in plan.solver.schedules} >= {"1f1b", "zb-h1"}
     with pytest.raises(InfeasibleError):  # a schedule asked for by name does not fall back
         api.solve(cm, 8, PlannerOptions(time_limit_s=5, schedule="zb-h1"))
