@@ -10,8 +10,9 @@ from .baselines import BASELINES, DEEPSPEED_METHODS, deepspeed_baseline
 from .beside import Beside
 from .costmodel import CostModel
 from .errors import InfeasibleError, InputError
-from .evaluate import choose_by_simulation
+from .evaluate import REPLAY_WITHIN, choose_by_simulation
 from .placement import build_plan
+from .polish import polished
 from .planner import PlannerOptions, search, solution_layouts, units_for
 from .records import Cluster, ModelConfig, Plan, Profile, SolverInfo
 from .schedule_search import AUTO, choose_schedule, search_schedule
@@ -51,6 +52,9 @@ def _placed(cm: CostModel, global_batch: int, opts: PlannerOptions, progress) ->
 def _chosen(plans: list[Plan], cm: CostModel, wanted: str, deadline: float, overlap: bool, end: float) -> Plan:
     """The best replayed of the placed plans (``overlap`` False: the best without overlap), re-cut and
     re-scheduled where ``wanted`` is chunked or auto (no variant replayed past ``end``)."""
+    if overlap:  # cuts the closed form ranks better, a quarter of the time to the deadline at most
+        now = time.perf_counter()
+        plans = polished(plans, cm, now + POLISH_SHARE * max(deadline - now, 0.0), REPLAY_WITHIN)
     started = time.perf_counter()
     plan = choose_by_simulation(plans, cm, deadline=deadline, overlap=overlap)
     replay_s = (time.perf_counter() - started) / (plan.predicted.model_extra or {}).get("replayed", 1)
@@ -70,6 +74,8 @@ def _rank(plan: Plan, overlap: bool) -> tuple:
     return (not extra.get("fits_memory", True), plan.predicted.iteration_s if overlap else extra["no_overlap_s"])
 
 
+# Of the time to the replays' deadline, what moving the MILP's cuts by the closed form may take (``polish``)
+POLISH_SHARE = 0.25
 # ``auto`` also plans 1F1B's groups when at least this share of the time limit is left after zb-h1's (its search
 # proved its plans early): on one-sample replicas queued on shared NICs, groups planned for 1F1B replayed 4% faster
 # than zb-h1's under every schedule (benchmarks/results/peers.md), which the MILP's closed form cannot see.
