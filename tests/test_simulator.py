@@ -628,6 +628,9 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
     for kind in (one_f_one_b, zb):
         assert max(kind) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in kind) >= 0.9 * len(kind), sorted(kind)
+    # every 1F1B plan within 5% (seed 1's 4 stages of 2 micro-batches, two equal stages' link cycle just above
+    # their compute, were credited no warm-up overlap: 5.6% pessimistic)
+    assert max(one_f_one_b) <= 1.05, sorted(one_f_one_b)
 
 
 def test_a_ranked_plan_whose_replay_runs_past_the_deadline_is_not_chosen(monkeypatch):
