@@ -369,8 +369,12 @@ def warm_up_credit_s(costs: list[StageCost], num_micro_batches: int, pace_s: flo
             continue
         back = max([c.backward_s] + [max(_return_period_s(x, x is costs[-1], num_micro_batches), x.comm_s / 2)
                                      for x in costs[b + 1:]])
+        # ... but the last period of them is shorter where zb-h1's last stage defers its last two W's (its last B
+        # follows its last forward only): a 3-stage plan of 3 micro-batches was 6% above its replay
+        last = max([c.backward_s] + [max(_return_period_s(x, x is costs[-1], 2), x.comm_s / 2)
+                                     for x in costs[b + 1:]])
         warm = max((n - k) * feed + d for k, d in enumerate(trips))
-        cool = max((n - k) * back + d for k, d in enumerate(trips))
+        cool = max((n - k) * back - (back - last) * (n > k) + d for k, d in enumerate(trips))
         best = max(best, n * c.compute_s + trips[-1] - warm - cool)
     return best
 

@@ -594,9 +594,8 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
 
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     """Every micro-batch size's best chain the MILP offers (what ``choose_by_simulation`` ranks), placed, on random
-    instances: the closed form is never optimistic by more than 1% and most are within 5% of the replay (on 16
-    instances, 105 plans: 97% within 5%, all within 10%, at most 6.1% pessimistic; 75% within 5% before the warm-up
-    credit). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
+    instances: the closed form is never optimistic by more than 1% and every one is within 5% of the replay (on
+    16 instances, 105 plans: at most 0.2% optimistic, 3.4% pessimistic; 75% within 5% before the warm-up credit). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
     does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
     feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
     its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
@@ -609,7 +608,7 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     from hethub.partitioner.planner import PlannerOptions, search, solution_layouts, units_for
     from instances import random_instance
     ratios, one_f_one_b, zb = [], [], []
-    for seed in range(8):
+    for seed in range(16):
         cluster, model, batch = random_instance(seed)
         cm = CostModel(cluster, model)
         for schedule in ("1f1b", "zb-h1"):
@@ -628,9 +627,10 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
     for kind in (one_f_one_b, zb):
         assert max(kind) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in kind) >= 0.9 * len(kind), sorted(kind)
-    # every 1F1B plan within 5% (seed 1's 4 stages of 2 micro-batches, two equal stages' link cycle just above
-    # their compute, were credited no warm-up overlap: 5.6% pessimistic)
-    assert max(one_f_one_b) <= 1.05, sorted(one_f_one_b)
+    # every plan within 5% (seed 1's 4 stages of 2 micro-batches, two equal stages' link cycle just above their
+    # compute, were credited no warm-up overlap: 5.6% pessimistic; seeds 13 and 14's zb-h1 plans of 3 micro-batches
+    # were charged a last return period with a W the last stage defers: 6.0% and 6.1%)
+    assert max(ratios) <= 1.05, sorted(ratios)
 
 
 def test_a_ranked_plan_whose_replay_runs_past_the_deadline_is_not_chosen(monkeypatch):
