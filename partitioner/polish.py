@@ -30,12 +30,13 @@ def moved_cut(plan: Plan, k: int, delta: int) -> Optional[Plan]:
     return Plan.model_validate(data)
 
 
-def polish(plan: Plan, cm: CostModel, deadline: float) -> Plan:
+def polish(plan: Plan, cm: CostModel, deadline: float, closed_s: Optional[float] = None) -> Plan:
     """Hill-climb ``plan``'s cuts by the closed form: the best single move of one cut by one layer that fits
-    memory, while one improves it and until ``deadline`` (``time.perf_counter()``)."""
+    memory, while one improves it and until ``deadline`` (``time.perf_counter()``). ``closed_s``: the plan's
+    closed form, where the caller has it."""
     if plan.num_chunks > 1 or plan.num_stages < 2:
         return plan
-    best, best_s = plan, closed_form_s(plan, cm)
+    best, best_s = plan, closed_s if closed_s is not None else closed_form_s(plan, cm)
     while time.perf_counter() < deadline:
         step = None
         for k in range(best.num_stages - 1):
@@ -58,4 +59,4 @@ def polished(plans: Sequence[Plan], cm: CostModel, deadline: float, within: floa
     """``plans``, best closed form first, those within ``within`` x the best polished (``polish``) until
     ``deadline``; the rest as they were."""
     scored = sorted(((closed_form_s(p, cm), k, p) for k, p in enumerate(plans)), key=lambda x: x[:2])
-    return [polish(p, cm, deadline) if s <= within * scored[0][0] else p for s, _, p in scored]
+    return [polish(p, cm, deadline, s) if s <= within * scored[0][0] else p for s, _, p in scored]
