@@ -76,6 +76,7 @@ def _rank(plan: Plan, overlap: bool) -> tuple:
 
 # Of the time to the replays' deadline, what moving the MILP's cuts by the closed form may take (``polish``)
 POLISH_SHARE = 0.25
+
 # ``auto`` also plans 1F1B's groups when at least this share of the time limit is left after zb-h1's (its search
 # proved its plans early): on one-sample replicas queued on shared NICs, groups planned for 1F1B replayed 4% faster
 # than zb-h1's under every schedule (benchmarks/results/peers.md), which the MILP's closed form cannot see.
@@ -115,8 +116,9 @@ def solve(cm: CostModel, global_batch: int, opts: PlannerOptions, progress=None)
     now = time.perf_counter()
     left = opts.time_limit_s - (now - started)
     if wanted == AUTO and milp != BASE and left >= AUTO_SECOND_SHARE * opts.time_limit_s:
-        # the second search gets what is left but twice what the first's replays took (at least half of it): given
-        # half, 1F1B's search of 64 A100 + 64 V100 ended at a 7.4% gap where it proves its plan in 20 s
+        # the second search gets what is left but twice what choosing among the first's plans took (their polish
+        # and replays; at least half of it): given half, 1F1B's search of 64 A100 + 64 V100 ended at a 7.4% gap
+        # where it proves its plan in 20 s
         second_s = max(left / 2, left - 2 * (now - chose_at))
         try:
             other = _chosen(_placed(cm, global_batch, replace(opts, schedule=BASE, time_limit_s=second_s), progress),
