@@ -237,11 +237,13 @@ def _elastic_plan(tmp_path) -> str:
     return write_elastic_plan(two_host_cluster(ADDRS[0], ADDRS[1]), tmp_path / "plan.json")
 
 
-def _elastic_start(host, plan: str, port: int, ckpt: str, log: str, last: int) -> subprocess.Popen:
+def _elastic_start(host, plan: str, port: int, ckpt: str, log: str, last: int, hold: str = "-1:0"
+                   ) -> subprocess.Popen:
+    """hold "STEP:WORLD": a world smaller than WORLD waits before STEP (see tests/workers/elastic.py)."""
     cmd = ["ip", "netns", "exec", host.namespace, *_launch_cmd(plan), "--elastic", "--master_addr", ADDRS[0],
            "--master_port", str(port), "--checkpoint-dir", ckpt, "--checkpoint-every", "2", "--min-nodes", "1",
            "--max-restarts", "5", "--log-json", os.path.join(ckpt, "events.jsonl"),
-           os.path.join("tests", "workers", "elastic.py"), log, str(last), "0.4"]
+           os.path.join("tests", "workers", "elastic.py"), log, str(last), "0.4", hold]
     return subprocess.Popen(cmd, env=dict(_env(), GLOO_SOCKET_IFNAME=host.interface), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -286,19 +288,20 @@ def test_elastic_launch_loses_a_host_replans_and_grows_back(tmp_path):
     their first step within 30 s."""
     from dist_util import free_port
     plan, ckpt, log, last = _elastic_plan(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "steps.jsonl"), 26
+    hold = "14:4"  # FAST alone waits before step 14, so the returning host finds the job mid-run however slow it starts
     ref = tmp_path / "ref.json"
     r = run_python([os.path.join("tests", "workers", "elastic.py"), "single", str(ref), str(last)], timeout=60)
     assert r.returncode == 0, r.stderr
     expect = {int(k): v for k, v in json.loads(ref.read_text())["losses"].items()}
     port = free_port()
     with two_hosts() as hosts:
-        procs = [_elastic_start(h, plan, port, ckpt, log, last) for h in hosts]
+        procs = [_elastic_start(h, plan, port, ckpt, log, last, hold) for h in hosts]
         _wait_for(log, lambda s: s["world"] == 4 and s["step"] >= 4, 180, procs)
         _power_off(hosts[1])  # the SLOW host: its launcher, agent and workers
         procs[1].wait()
         t_lost = time.time()
         alone = _wait_for(log, lambda s: s["world"] == 2, 60, procs)
-        procs[1] = _elastic_start(hosts[1], plan, port, ckpt, log, last)
+        procs[1] = _elastic_start(hosts[1], plan, port, ckpt, log, last, hold)
         t_back = time.time()
         grown = _wait_for(log, lambda s: s["world"] == 4 and s["t"] > t_back, 90, procs)
         outs = _finish(procs, 180)

@@ -3,8 +3,9 @@
 usage: elastic.py PLAN OUT DIR EVERY LAST HOSTS [BACKGROUND]   ({rank} in OUT: this rank; HOSTS: each rank's host,
                                                  comma-separated; BACKGROUND 0: checkpoints written at the step)
        elastic.py single OUT LAST                 (one process: the reference)
-       elastic.py --hetero-plan PLAN LOG LAST STEP_S  (under hethub launch --elastic: rank 0 appends a JSON line per
-                                                      step to LOG; each step lasts at least STEP_S seconds)
+       elastic.py --hetero-plan PLAN LOG LAST STEP_S [HOLD:WORLD]  (under hethub launch --elastic: rank 0 appends
+                   a JSON line per step to LOG; each step lasts at least STEP_S seconds; with HOLD:WORLD, a world
+                   smaller than WORLD waits before step HOLD, up to HOLD_S, for the restart a returning host brings)
 Each step's data is the global batch of that step (seeded by the step), cut into the micro-batches of the plan in
 force, so any plan sees the same samples at the same step. The worker sets what ``hethub launch --elastic`` sets
 on each host (HETHUB_HOST, LOCAL_RANK) from HOSTS.
@@ -22,6 +23,7 @@ from train_stack import IN, OUT, loss_fn, make_layers  # noqa: E402
 torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
 GLOBAL, LAYERS, LR = 8, 7, 0.1
+HOLD_S = 120.0  # longer than any test waits for a regrowth: a smaller world never runs to the end before it
 
 
 def global_batch(step: int):
@@ -39,11 +41,15 @@ def launched():
     p.add_argument("log")
     p.add_argument("last", type=int)
     p.add_argument("step_s", type=float)
+    p.add_argument("hold", nargs="?", default="-1:0")
     a = p.parse_args()
+    hold_step, hold_world = (int(v) for v in a.hold.split(":"))
     engine, *_ = hethub.initialize(layers=make_layers(LAYERS), loss_fn=loss_fn, config={"hetero": {"timeout_s": 20}, "gradient_clipping": 0.0},
                                    args=a, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
     mb = engine.plan.micro_batch_size
     for step in range(engine.global_steps, a.last):
+        if step == hold_step and int(os.environ["WORLD_SIZE"]) < hold_world:
+            time.sleep(HOLD_S)  # both ranks hold here, with no collective open; the agent's restart ends the sleep
         t0 = time.time()
         x, y = global_batch(step)
         loss = float(engine.train_batch(iter([(x[i:i + mb], y[i:i + mb]) for i in range(0, GLOBAL, mb)])))
