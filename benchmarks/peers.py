@@ -22,6 +22,9 @@ plan written as a hethub plan).
 Cases 3 and 4 are hethub's own at that scale (128 devices on 8-GPU hosts and 100 Gbit/s; 320 on 4-GPU hosts and
 25 Gbit/s): ``--cases 3,4 --out peers-own.md``.
 
+Sailor's own measured profiles of these two types (a checkout of github.com/eth-easl/sailor), read by
+``benchmarks/sailor_profiles.py``: ``--profiles DIR --out peers-sailor.md``.
+
 Run: python benchmarks/peers.py [--time-limit 60] [--cases 1,2] [--profiles DIR] [--plan FILE ...] [--out NAME]
 Writes benchmarks/results/peers.md (or NAME).
 """

@@ -30,8 +30,8 @@ def _placed(cm: CostModel, global_batch: int, opts: PlannerOptions, progress) ->
     that differ by noise only are priced alike for the search (``search.noise``); the plans are replayed with
     the times as measured."""
     averaged = block_averaged(cm)
-    sol, stats = search(averaged[0] if averaged else cm, global_batch, opts, progress)
-    noise = {"blocks_averaged_spread": averaged[1]} if averaged else {}
+    sol, stats = search(averaged.cost_model if averaged else cm, global_batch, opts, progress)
+    noise = {"blocks_averaged_spread": averaged.spread, "edge_blocks_folded": averaged.edges_apart} if averaged else {}
     types = list(opts.device_types or cm.cluster.type_names)
     units = units_for(cm.model, opts.max_units)
     plans, unplaced = [], None

@@ -134,6 +134,27 @@ def test_a_profile_measured_tensor_parallel_replaces_the_analytic_terms_at_its_d
         _profile(m, "A100-80GB", range(6), tp=3)
 
 
+def test_a_tensor_parallel_profile_faster_than_the_link_figure_keeps_its_weight_pass_positive():
+    """A profile measured at TP 2 holds its all-reduces; where the cluster's intra-node figure prices them above
+    the measured backward (Sailor's A100-40GB profile at TP 2 against 14 Gbit/s), the backward's compute is the
+    unsplit one divided by the degree, at most the measured one. Before, the weight pass came out negative and
+    a zb-v plan's pass times failed validation."""
+    from hethub.partitioner.costmodel import backward_compute_s, pass_times_s
+    m = builtin_model("gpt-tiny")
+    slow = Cluster.model_validate({"nodes": [{"host": "a", "device_type": "A100-80GB", "count": 4}],
+                                   "network": {"intra_node_gbps": 0.1}})
+    t = "A100-80GB"
+    one = _profile(m, t, range(6), ms=1.0)
+    cm = CostModel(slow, m, profiles=[one, _profile(m, t, range(6), ms=0.01, tp=2)])
+    assert (cm.tp_allreduce_s(t, 2)[0][1:5] > cm.layer_times(t, 2)[1][1:5]).all()  # the figure overstates them
+    comp_s, _ = backward_compute_s(cm, t, 2)
+    assert comp_s[2] == pytest.approx(min(cm.layer_times(t, 1)[1][2] / 2, cm.layer_times(t, 2)[1][2]))
+    for first, last in ((0, 6), (1, 3)):
+        fwd, inp, wgt = pass_times_s(cm, t, first, last, 2, False, 2, True)
+        assert fwd > 0 and inp > 0 and wgt > 0
+        assert inp + wgt == pytest.approx(sum(cm.stage_compute_s(t, first, last, 2, False, 2)[1:]))
+
+
 def test_a_measured_split_backward_prices_zero_bubble_passes_and_the_analytic_share_stays_elsewhere():
     """B + W of a split backward cost more than one backward (each pass's own fixed costs): where a profile
     measured both passes, the weight pass is the measured one and the input pass carries the difference, in

@@ -121,9 +121,12 @@ def _how_planned(plan, opts: PlannerOptions, console) -> None:
     for line in cost_lines(plan):
         console.print(line, soft_wrap=True)
     spread = getattr(plan.solver, "blocks_averaged_spread", None) if plan.solver else None
-    if spread:
+    folded = getattr(plan.solver, "edge_blocks_folded", 0) if plan.solver else 0
+    if spread is not None:
+        edges = (f"; in {folded} profile(s) the first or last block stood apart, and its difference was priced with "
+                 f"the embedding or head beside it") if folded else ""
         console.print(f"note: the search priced every block at the blocks' mean (measured up to {spread:.1%} apart, "
-                      f"within noise); the prediction replays them as measured", soft_wrap=True)
+                      f"within noise{edges}); the prediction replays them as measured", soft_wrap=True)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
