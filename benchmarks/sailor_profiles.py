@@ -1,4 +1,4 @@
-"""Sailor's measured OPT-350M profiles, read as hethub profiles: the peers benchmark's cases priced as Sailor prices them.
+"""Sailor's measured OPT-350M profiles as hethub profiles: the peers benchmark priced as Sailor prices it.
 
 Sailor (SOSP'25, github.com/eth-easl/sailor) ships per-layer times it measured for OPT-350M on each GPU type, one
 ``profile.json`` per type under ``sailor/Planner/sailor_planner/profiles/OPT-350/<type>/``: for each micro-batch

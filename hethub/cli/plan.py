@@ -125,8 +125,9 @@ def _how_planned(plan, opts: PlannerOptions, console) -> None:
     if spread is not None:
         edges = (f"; in {folded} profile(s) the first or last block stood apart, and its difference was priced with "
                  f"the embedding or head beside it") if folded else ""
-        console.print(f"note: the search priced every block at the blocks' mean (measured up to {spread:.1%} apart, "
-                      f"within noise{edges}); the prediction replays them as measured", soft_wrap=True)
+        apart = f"measured up to {spread:.1%} apart, within noise" if spread >= 5e-4 else "the others measured alike"
+        console.print(f"note: the search priced every block at the blocks' mean ({apart}{edges}); the prediction "
+                      f"replays them as measured", soft_wrap=True)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

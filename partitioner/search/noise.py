@@ -81,7 +81,8 @@ def _averaged(p: Profile, blocks: list[int]) -> tuple[Profile, float, int]:
     apart = 0
     for e, nb in edges:
         edge = by_index[e]
-        apart += any(abs(getattr(edge, n) - m) > BLOCK_NOISE * m for n, m in means.items() if getattr(edge, n) is not None)
+        apart += any(abs(getattr(edge, name) - mean) > BLOCK_NOISE * mean for name, mean in means.items()
+                     if getattr(edge, name) is not None)
         by_index[nb] = _folded(by_index[nb], edge, means)
     layers = [by_index[lp.index].model_copy(update=means) if lp.index in blocks else by_index[lp.index]
               for lp in p.layers]
