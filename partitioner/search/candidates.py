@@ -58,6 +58,9 @@ class Candidates:
     # the second type's tensor-parallel degree (a mixed stage whose replicas differ in degree: the faster type's at
     # ``tp``, the slower's at ``tp2`` >= tp; pure stages: tp)
     tp2: np.ndarray
+    # per micro-batch, a node's NIC in its busier direction: its share of the output's activations and of the
+    # input's gradients (``_Part.nic_s``; what ``evaluate.nic_pace_s`` paces a plan by)
+    nic_s: np.ndarray
 
     def __len__(self) -> int:
         return len(self.cost_s)
@@ -89,7 +92,8 @@ class Candidates:
         """``extra_s``: what the output boundary's transfers take more, both ways (half of it one way)."""
         path = self.cost_s - self.comm_s  # forward + backward, less a zb-h1 stage's W (off the path)
         # the activations and their gradients travel on separate groups and NIC directions: one way's time paces
-        return np.maximum(np.maximum(self.compute_s, (self.comm_s + extra_s) / 2), path + self.latency_s + extra_s / 2)
+        return np.maximum(np.maximum(self.compute_s, np.maximum(self.comm_s, 2 * self.nic_s) / 2 + extra_s / 2),
+                          path + self.latency_s + extra_s / 2)
 
     def uses(self, ti: int) -> np.ndarray:
         """Devices of type ``ti`` each candidate occupies."""
@@ -103,7 +107,7 @@ class Candidates:
 
 FIELDS = ("first_unit", "end_unit", "type_idx", "width", "recompute", "zero1", "cost_s", "compute_s", "comm_s",
           "allreduce_s", "optimizer_s", "in_flight", "vendor", "bridge_s", "tp", "type2_idx", "width2", "samples2",
-          "hop_s", "latency_s", "tp2")
+          "hop_s", "latency_s", "tp2", "nic_s")
 
 
 @dataclass
@@ -408,8 +412,10 @@ class _Builder:
         tail, bwd = wg, pa.backward_s(sa)
         paced = comp if pb is None else np.maximum(comp, pb.split_compute_s(sb, self.split))
         lat = self._latency_s(pa, wa, sa, pb is not None, paced)
+        nic = pa.nic_s(wa, sa, self.I > 0, pb is not None)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
             lat = np.maximum(lat, self._latency_s(pb, wb, sb, True, paced))
+            nic = np.maximum(nic, pb.nic_s(wb, sb, self.I > 0, True))
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = paced, away
@@ -423,6 +429,7 @@ class _Builder:
         hide = np.where(self.split, wg, bwd)
         if not self.overlap:  # ``evaluate.no_overlap_s``: transfers on the path, nothing hides the all-reduce
             comp, wg, lat, hide, tail = comp + comm, np.zeros_like(comp), np.zeros_like(comp), 0.0, 0.0
+            nic = np.zeros_like(comp)
         params, ranks = whole_state or (pa.params, w)
         ar = (cm.sync_s(params, ts, ranks, pb is None and wa <= pa.per_node, z, hide)
               + cm.tie_sync_s(self.tied, ts, 2 * w) + self.tail_ws * tail)
@@ -442,7 +449,8 @@ class _Builder:
                              ("latency_s", lat[keep]),
                              ("type2_idx", np.full(n, self.index[pb.t] if pb is not None else -1)),
                              ("width2", np.full(n, wb)), ("samples2", np.full(n, sb)),
-                             ("tp2", np.full(n, pb.tp if pb is not None else pa.tp))):
+                             ("tp2", np.full(n, pb.tp if pb is not None else pa.tp)),
+                             ("nic_s", np.broadcast_to(nic, comp.shape)[keep])):
             self.cols[name].append(values)
 
     def _latency_s(self, part: _Part, w: int, s: int, mixed: bool, compute_s: np.ndarray) -> np.ndarray:
