@@ -91,7 +91,8 @@ class Candidates:
     def _paced(self, extra_s) -> np.ndarray:
         """``extra_s``: what the output boundary's transfers take more, both ways (half of it one way)."""
         path = self.cost_s - self.comm_s  # forward + backward, less a zb-h1 stage's W (off the path)
-        # the activations and their gradients travel on separate groups and NIC directions: one way's time paces
+        # the activations and their gradients travel on separate groups and NIC directions: one way's time paces,
+        # and so does a node's NIC, which carries one way of both boundaries
         return np.maximum(np.maximum(self.compute_s, np.maximum(self.comm_s, 2 * self.nic_s) / 2 + extra_s / 2),
                           path + self.latency_s + extra_s / 2)
 
@@ -411,11 +412,12 @@ class _Builder:
         k, wg = pa.in_flight(w, sa, M, z, self.waits, whole_state), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
         paced = comp if pb is None else np.maximum(comp, pb.split_compute_s(sb, self.split))
-        lat = self._latency_s(pa, wa, sa, pb is not None, paced)
         nic = pa.nic_s(wa, sa, self.I > 0, pb is not None)
+        lat = self._latency_s(pa, wa, sa, pb is not None, paced, nic)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
-            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True, paced))
-            nic = np.maximum(nic, pb.nic_s(wb, sb, self.I > 0, True))
+            nic_b = pb.nic_s(wb, sb, self.I > 0, True)
+            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True, paced, nic_b))
+            nic = np.maximum(nic, nic_b)
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = paced, away
@@ -453,10 +455,12 @@ class _Builder:
                              ("nic_s", np.broadcast_to(nic, comp.shape)[keep])):
             self.cols[name].append(values)
 
-    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool, compute_s: np.ndarray) -> np.ndarray:
+    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool, compute_s: np.ndarray, nic_s: np.ndarray
+                   ) -> np.ndarray:
         """The busier boundary's one-way latency (``Candidates.latency_s``); the first stage has no input. Its NIC
-        is loaded at most its traffic over the stage's own compute (no period is shorter)."""
-        load = np.minimum(1.0, part.nic_s(w, s, self.I > 0, mixed) / np.maximum(compute_s, 1e-12))
+        is loaded at most its traffic (``nic_s``: ``_Part.nic_s``) over the stage's own compute (no period is
+        shorter)."""
+        load = np.minimum(1.0, nic_s / np.maximum(compute_s, 1e-12))
         return np.maximum(part.latency_s(w, s, False, mixed, load),
                           np.where(self.I > 0, part.latency_s(w, s, True, mixed, load), 0.0))
 
