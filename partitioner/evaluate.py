@@ -9,7 +9,7 @@ a stage's all-reduce is intra-node only when all its replicas share a host.
 
     closed_form_s = (M - 1) * pace + sum_s (compute_s + comm_s)
                     + max_s (allreduce_s + optimizer_s - sum_{k<s} min_backward_k)          (1f1b)
-    pace = max(max_s max(compute_s, comm_s / 2), nic_pace_s, link_cycle_s)
+    pace = max(max_s max(compute_s, comm_s / 2), nic_cycle_s, link_cycle_s)
 
 where allreduce_s is what the stage's last backward leaves of its bucketed all-reduce
 (``CostModel.allreduce_end_s``), and min_backward_k stage k's shortest replica backward: stage s's replicas end
@@ -30,9 +30,9 @@ them after its last action, as the runtime runs them.
 
 In the steady state a stage's transfers (posted non-blocking) overlap its compute, so the slower of the
 two (one way's transfers: activations and gradients travel on separate groups) paces the pipeline; the fill and
-drain pay both. Two more bounds pace it where transfers are slow: the busiest host NIC direction
-(``nic_pace_s``), and two neighbours' dependency cycle, their compute plus the boundary's latency
-(``link_cycle_s``). (Charging compute + transfers per micro-batch put
+drain pay both. Two more bounds pace it where transfers are slow: two neighbours' dependency cycle, their compute
+plus the boundary's latency with the NICs free (``link_cycle_s``), and the queue a host's ranks form on its
+NIC's busier direction (``nic_cycle_s``), which tends to that direction's load (``nic_pace_s``). (Charging compute + transfers per micro-batch put
 the closed form up to 28% above the replay on the planner benchmark's 4-type plans, so the MILP ranked
 plans by a cost the runtime does not pay; this form is within 1% there.) The closed form stays a little
 pessimistic (the downstream stages' fill and every all-reduce as if none overlapped), so the planner
@@ -44,7 +44,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from .costmodel import CostModel, pass_times_s, peak_memory_bytes, usd_per_million_tokens, whole_state
+from .costmodel import (CostModel, nic_queue_period_s, pass_times_s, peak_memory_bytes, usd_per_million_tokens,
+                        whole_state)
 from .chunked import chunk_orders
 from .records import Plan, Predicted
 from .schedule import overlaps, trailing_weight_passes
@@ -144,11 +145,9 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
 
 
 def _with_latencies(plan: Plan, cm: CostModel, costs: list[StageCost]) -> list[StageCost]:
-    """Each stage's output boundary latency (``boundary_latency_s``) at the steady state's NIC load: no period is
-    shorter than the slowest stage's own pace, so a host's NIC is at most busy/pace loaded."""
-    period_s = max(c.pace_s for c in costs)
-    busy = _nic_busy_s(plan, cm)
-    return [replace(c, latency_s=boundary_latency_s(plan, cm, k, busy, period_s)) for k, c in enumerate(costs)]
+    """Each stage's output boundary latency (``boundary_latency_s``): what its transfers take with the NICs free
+    (their queue is ``nic_cycle_s``'s)."""
+    return [replace(c, latency_s=boundary_latency_s(plan, cm, k)) for k, c in enumerate(costs)]
 
 
 def _boundary_legs(plan: Plan, cm: CostModel, k: int):
@@ -198,34 +197,21 @@ def _arrivals_s(legs: list[tuple], nics: bool = True) -> dict:
     return landed
 
 
-def boundary_latency_s(plan: Plan, cm: CostModel, k: int, nic_busy_s: Optional[dict] = None,
-                       period_s: float = 0.0) -> float:
+def boundary_latency_s(plan: Plan, cm: CostModel, k: int) -> float:
     """One way, chunk k's output: the mean over receivers of when the last of its pieces lands, activations and
-    (reversed) their gradients averaged, where a rank's transfers on a group go in turn and inter-node ones
-    queue on their hosts' NICs (``_arrivals_s``). A receiver of several senders' rows waits for all of them.
+    (reversed) their gradients averaged, where a rank's transfers on a group go in turn (``_arrivals_s``, NICs
+    free). A receiver of several senders' rows waits for all of them.
 
-    Posted all at once, a host's transfers queue behind each other on its NIC; but the receivers then start one
-    transfer-time apart, and so do their next sends: in the steady state the replicas stay staggered and a
-    transfer waits for the NIC only as often as the NIC is busy. So what the NIC's queue adds is scaled by the
-    busiest NIC direction's load on the boundary's hosts (``nic_busy_s``: seconds per micro-batch per host and
-    direction) over ``period_s`` (given: the steady period's lower bound). 64 V100 + 64 A100 on 8-GPU hosts,
-    one-sample replicas at 100 Gbit/s (the NIC busy a fifth of the period): the full queue put the 1F1B plan's
-    closed form 6.1% above its replay."""
+    The NICs' queue is left to ``nic_cycle_s``: posted all at once, a host's transfers would queue behind each
+    other, but in the steady state the replicas stay staggered and a transfer waits as its NIC's load makes it
+    (charging the whole queue, or the queue scaled by the NIC's load, put Sailor-like plans 6-16% above their
+    replay and one-sample plans on busy NICs 6-10% below it)."""
     legs = list(_boundary_legs(plan, cm, k))
     if not legs:
         return 0.0
-
-    def mean_s(nics: bool) -> float:
-        act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs], nics)
-        grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs), nics)
-        return (sum(act.values()) / len(act) + sum(grad.values()) / len(grad)) / 2
-    queued = mean_s(True)
-    if nic_busy_s is None or period_s <= 0:
-        return queued
-    hosts = {h for _i, src, dst, _dt, _j in legs if src != dst for h in (src, dst)}
-    load = min(1.0, max((nic_busy_s.get(h, 0.0) for h in hosts), default=0.0) / period_s)
-    alone = mean_s(False)
-    return alone + load * (queued - alone)
+    act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs], nics=False)
+    grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs), nics=False)
+    return (sum(act.values()) / len(act) + sum(grad.values()) / len(grad)) / 2
 
 
 def link_cycle_s(costs: list[StageCost]) -> float:
@@ -239,27 +225,69 @@ def link_cycle_s(costs: list[StageCost]) -> float:
     return max(((a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])), default=0.0)
 
 
-def _nic_busy_s(plan: Plan, cm: CostModel) -> dict[str, float]:
-    """Per host, its NIC's busier direction's seconds per micro-batch: every inter-host transfer of every boundary
-    holds the sending host's egress and the receiving host's ingress (as the replay holds them), activations one
-    way and their gradients back."""
-    egress: dict[str, float] = {}
-    ingress: dict[str, float] = {}
+def _host_traffic(plan: Plan, cm: CostModel) -> tuple[dict, dict, dict]:
+    """Every inter-host transfer of every boundary, as the replay holds them (the sending host's egress and the
+    receiving host's ingress; activations one way, their gradients back): seconds per micro-batch per ordered
+    host pair; per host, its ranks with such transfers and the boundaries they cross."""
+    pairs: dict[tuple[str, str], float] = {}
+    ranks: dict[str, set] = {}
+    crossing: dict[str, set] = {}
     for k in range(len(plan.pipeline) - 1):
-        for _i, src, dst, dt, _j in _boundary_legs(plan, cm, k):
+        here, there = plan.stages[plan.pipeline[k].group], plan.stages[plan.pipeline[k + 1].group]
+        for i, src, dst, dt, j in _boundary_legs(plan, cm, k):
             if src == dst:
                 continue
-            for out, inn in ((src, dst), (dst, src)):  # the activations, then the gradient back
-                egress[out] = egress.get(out, 0.0) + dt
-                ingress[inn] = ingress.get(inn, 0.0) + dt
+            for a, b in ((src, dst), (dst, src)):
+                pairs[a, b] = pairs.get((a, b), 0.0) + dt
+            for h, r in ((src, here.replicas[i].rank), (dst, there.replicas[j].rank)):
+                ranks.setdefault(h, set()).add(r)
+                crossing.setdefault(h, set()).add(k)
+    return pairs, ranks, crossing
+
+
+def _nic_busy_s(plan: Plan, cm: CostModel) -> dict[str, float]:
+    """Per host, its NIC's busier direction's seconds per micro-batch (``_host_traffic``)."""
+    egress, ingress = _directions(_host_traffic(plan, cm)[0])
     return {h: max(egress.get(h, 0.0), ingress.get(h, 0.0)) for h in {*egress, *ingress}}
 
 
+def _directions(pairs: dict) -> tuple[dict, dict]:
+    egress: dict[str, float] = {}
+    ingress: dict[str, float] = {}
+    for (a, b), dt in pairs.items():
+        egress[a] = egress.get(a, 0.0) + dt
+        ingress[b] = ingress.get(b, 0.0) + dt
+    return egress, ingress
+
+
 def nic_pace_s(plan: Plan, cm: CostModel) -> float:
-    """Per micro-batch, the busiest direction of any host's NIC (``_nic_busy_s``). A host's ranks of several stages
-    share one NIC, which no stage's own cost sees: many one-sample replicas of a host's four GPUs queued on one
-    12 Gbit/s link ran 31% below a closed form without this (Sailor's 320-device case)."""
+    """Per micro-batch, the busiest direction of any host's NIC (``_nic_busy_s``): the bare bound ``nic_cycle_s``
+    tends to. A host's ranks of several stages share one NIC, which no stage's own cost sees: many one-sample
+    replicas of a host's four GPUs queued on one 12 Gbit/s link ran 31% below a closed form without it."""
     return max(_nic_busy_s(plan, cm).values(), default=0.0)
+
+
+def nic_cycle_s(plan: Plan, cm: CostModel, costs: list[StageCost]) -> float:
+    """The steady period as the busiest host NIC's queue sets it (``CostModel``'s ``nic_queue_period_s``): the
+    host's ranks with inter-host transfers share its busier direction's load equally, and each spends the rest
+    of its boundaries' link cycle (``link_cycle_s``'s term, latencies with the NICs free) off the NIC. The foreign
+    share is, over the host's traffic, how much of each peer's opposite direction comes from other hosts."""
+    pairs, ranks, crossing = _host_traffic(plan, cm)
+    egress, ingress = _directions(pairs)
+    peers: dict[tuple[str, bool], list[tuple[str, float]]] = {}  # (host, egress?) -> [(peer, seconds)]
+    for (a, b), dt in pairs.items():
+        peers.setdefault((a, True), []).append((b, dt))
+        peers.setdefault((b, False), []).append((a, dt))
+    cycles = [(a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])]
+    period = 0.0
+    for h, rs in ranks.items():
+        out = egress.get(h, 0.0) >= ingress.get(h, 0.0)
+        load, peer_load = (egress[h], ingress) if out else (ingress[h], egress)
+        foreign = sum(dt * (1.0 - dt / peer_load[p]) for p, dt in peers[h, out]) / load
+        demand = load / len(rs)
+        think = max(0.0, max(cycles[k] for k in crossing[h]) - demand)
+        period = max(period, float(nic_queue_period_s(len(rs), demand, think, foreign)))
+    return period
 
 
 def activation_peak_bytes(plan: Plan, cm: CostModel, s: int, samples: int, order=None,
@@ -409,7 +437,7 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     end their last backward far apart: a 53-wide stage sending to 107 replicas on 25 Gbit/s; charging every stage
     after stage 0's last backward put Metis's case-1 plan 6% above its replay). Under zb-h1 a stage's weight
     gradients leave the drain's path (its B sends before its W), and its last W's come before its all-reduce
-    instead. ``nic_s``: the busiest host NIC's seconds per micro-batch (``nic_pace_s``), which paces the steady
+    instead. ``nic_s``: the period the host NICs' queues set (``nic_cycle_s``), which paces the steady
     state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
     compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans
     the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%, with
@@ -453,10 +481,9 @@ def no_overlap_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = N
 def closed_form_s(plan: Plan, cm: CostModel, costs: Optional[list[StageCost]] = None) -> float:
     """``costs``: the plan's ``stage_costs``, where the caller has them."""
     costs = costs if costs is not None else stage_costs(plan, cm)
-    nic = nic_pace_s(plan, cm)
-    if schedule_kind(plan.schedule).chunked:
-        return chunked_iteration_s(costs, plan.num_micro_batches, plan.num_chunks, nic)
-    return iteration_s(costs, plan.num_micro_batches, nic)
+    if schedule_kind(plan.schedule).chunked:  # a group's chunks share its ranks: the bare NIC bound
+        return chunked_iteration_s(costs, plan.num_micro_batches, plan.num_chunks, nic_pace_s(plan, cm))
+    return iteration_s(costs, plan.num_micro_batches, nic_cycle_s(plan, cm, costs))
 
 
 def fits_memory(plan: Plan, cm: CostModel, orders=None) -> bool:

@@ -635,10 +635,12 @@ def test_sailor_profiles_read_as_hethub_profiles_and_a_broken_one_is_one_line(tm
 
 def test_a_candidate_stage_is_paced_by_its_hosts_nic_both_boundaries_through_it():
     """A middle stage on hosts of its own receives its input's activations and its output's gradients through
-    each host's NIC in one direction: the MILP's price of its pace must hold both, as the closed form's NIC pace
-    does (``evaluate.nic_pace_s``). Pricing only its output boundary, the MILP proved optimal a plan of 160 A100 +
-    160 V100 on 25 Gbit/s that the closed form put 7% below another (whose replay was 4% faster)."""
-    from hethub.partitioner.evaluate import nic_pace_s
+    each host's NIC in one direction: the MILP's price of its pace must hold both, as the closed form's NIC queue
+    does (``evaluate.nic_cycle_s``). Pricing only its output boundary, the MILP proved optimal a plan of 160 A100 +
+    160 V100 on 25 Gbit/s that the closed form put 7% below another (whose replay was 4% faster). The candidate
+    takes half its neighbours' NIC traffic as foreign (a stage inside a chain); here each neighbour's is all its
+    own, so the candidate's price may be higher, never lower."""
+    from hethub.partitioner.evaluate import nic_cycle_s, nic_pace_s, stage_costs
     from hethub.partitioner.placement import StageLayout, build_plan, even_split
     from hethub.partitioner.search.candidates import candidates, stage_paces_of
     cluster = Cluster.model_validate({"nodes": [{"host": f"h{i}", "device_type": "A100-80GB", "count": 4}
@@ -653,8 +655,8 @@ def test_a_candidate_stage_is_paced_by_its_hosts_nic_both_boundaries_through_it(
               for a, e in zip(cuts, cuts[1:])]
     plan = build_plan(model, cluster, [StageLayout((a, e), "A100-80GB", even_split(b, 4))
                                        for a, e in zip(cuts, cuts[1:])], b, M)
-    nic = nic_pace_s(plan, cm)
+    nic, queue = nic_pace_s(plan, cm), nic_cycle_s(plan, cm, stage_costs(plan, cm))
     middle = chosen[1]
     assert nic > 1.5 * c.comm_s[middle] / 2  # both boundaries through the NIC, not only the output's
-    assert c.nic_s[middle] == pytest.approx(nic, rel=1e-3)  # (its per-message latency aside)
-    assert max(stage_paces_of(c, chosen)) >= nic * (1 - 1e-3)
+    assert queue >= nic and queue * (1 - 1e-3) <= c.nic_s[middle] <= 1.2 * queue
+    assert max(stage_paces_of(c, chosen)) >= queue * (1 - 1e-3)

@@ -13,11 +13,14 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import CostModel, host_copies_s, peak_memory_bytes
+from ..costmodel import CostModel, host_copies_s, nic_queue_period_s, peak_memory_bytes
 from ..records import ModelConfig
 from ..schedule import peak_in_flight, trailing_weight_passes
 from ..schedule_kinds import kind as schedule_kind
 
+# The share of a neighbour's NIC traffic (the direction this stage's transfers use) that comes from elsewhere: a
+# stage inside a chain of equals shares its neighbour's NIC with that neighbour's other neighbour
+PEER_FOREIGN = 0.5
 DEFAULT_MAX_UNITS = 48  # blocks grouped into at most this many units where the chain MILP would be too large
 
 
@@ -50,16 +53,16 @@ class Candidates:
     # extra per-micro-batch seconds when the next stage is another device type's, or mixes types: a host holds
     # one type, so the output boundary then crosses hosts whatever ``comm_s`` assumed (``_hopped``)
     hop_s: np.ndarray
-    # one way, the mean seconds from a send's post to its arrival on the busier of the stage's two boundaries
-    # (a node's share queued on its NIC, as often as the NIC is busy): two neighbours' dependency cycle adds it to
-    # their compute
+    # one way, the seconds from a send's post to its arrival on the busier of the stage's two boundaries, the NICs
+    # free: two neighbours' dependency cycle adds it to their compute
     # (``evaluate.link_cycle_s``, which averages the two neighbours' compute where this charges each its own)
     latency_s: np.ndarray
     # the second type's tensor-parallel degree (a mixed stage whose replicas differ in degree: the faster type's at
     # ``tp``, the slower's at ``tp2`` >= tp; pure stages: tp)
     tp2: np.ndarray
-    # per micro-batch, a node's NIC in its busier direction: its share of the output's activations and of the
-    # input's gradients (``_Part.nic_s``; what ``evaluate.nic_pace_s`` paces a plan by)
+    # the steady period a node's NIC queue sets: the node's replicas share its busier direction (their share of the
+    # output's activations and of the input's gradients, ``_Part.nic_s``) and spend the rest of their cycle off it
+    # (``_nic_cycle_s``; what ``evaluate.nic_cycle_s`` paces a plan by)
     nic_s: np.ndarray
 
     def __len__(self) -> int:
@@ -92,8 +95,8 @@ class Candidates:
         """``extra_s``: what the output boundary's transfers take more, both ways (half of it one way)."""
         path = self.cost_s - self.comm_s  # forward + backward, less a zb-h1 stage's W (off the path)
         # the activations and their gradients travel on separate groups and NIC directions: one way's time paces,
-        # and so does a node's NIC, which carries one way of both boundaries
-        return np.maximum(np.maximum(self.compute_s, np.maximum(self.comm_s, 2 * self.nic_s) / 2 + extra_s / 2),
+        # and so does a node's NIC queue, which carries one way of both boundaries
+        return np.maximum(np.maximum(self.compute_s, np.maximum(self.comm_s / 2, self.nic_s) + extra_s / 2),
                           path + self.latency_s + extra_s / 2)
 
     def uses(self, ti: int) -> np.ndarray:
@@ -226,15 +229,12 @@ class _Part:
         per_link = s if intra else min(w, self.per_node) * s
         return 2 * self.cm.link_s(per_link * self.out_bytes, self.t, self.t, same_host=intra)
 
-    def latency_s(self, w: int, s: int, inbound: bool, other_host: bool = False, load=1.0) -> np.ndarray:
-        """One way, the mean seconds from a send's post to its arrival on the output (``inbound``: input)
-        boundary: inter-node, the node's share of transfers queue on its NIC one after another, as often as the
-        NIC is busy (``load``, 0 to 1: ``evaluate.boundary_latency_s``)."""
+    def latency_s(self, w: int, s: int, inbound: bool, other_host: bool = False) -> np.ndarray:
+        """One way, the seconds from a send's post to its arrival on the output (``inbound``: input) boundary,
+        the NICs free (their queue is ``nic_s``'s: ``evaluate.boundary_latency_s``)."""
         nbytes = self.in_bytes if inbound else self.out_bytes
         intra = 2 * w <= self.per_node and not other_host
-        queued = 1 if intra else min(w, self.per_node)
-        one = self.cm.link_s(s * nbytes, self.t, self.t, same_host=intra)
-        return np.where(nbytes > 0, one * (1 + load * (queued - 1) / 2), 0.0)
+        return np.where(nbytes > 0, self.cm.link_s(s * nbytes, self.t, self.t, same_host=intra), 0.0)
 
     def nic_s(self, w: int, s: int, has_input: np.ndarray, other_host: bool = False) -> np.ndarray:
         """Per micro-batch, a node's NIC in either direction (``evaluate._nic_busy_s``): its share of the output's
@@ -412,12 +412,13 @@ class _Builder:
         k, wg = pa.in_flight(w, sa, M, z, self.waits, whole_state), pa.wgrad_s(sa)
         tail, bwd = wg, pa.backward_s(sa)
         paced = comp if pb is None else np.maximum(comp, pb.split_compute_s(sb, self.split))
-        nic = pa.nic_s(wa, sa, self.I > 0, pb is not None)
-        lat = self._latency_s(pa, wa, sa, pb is not None, paced, nic)
+        path = paced - np.where(self.split, wg if pb is None else np.minimum(wg, pb.wgrad_s(sb)), 0.0)
+        lat = self._latency_s(pa, wa, sa, pb is not None)
         if pb is not None:  # the slower half paces the stage; both halves' memory must hold
-            nic_b = pb.nic_s(wb, sb, self.I > 0, True)
-            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True, paced, nic_b))
-            nic = np.maximum(nic, nic_b)
+            lat = np.maximum(lat, self._latency_s(pb, wb, sb, True))
+        nic = self._nic_cycle_s(pa, wa, sa, pb is not None, path + lat)
+        if pb is not None:
+            nic = np.maximum(nic, self._nic_cycle_s(pb, wb, sb, True, path + lat))
             # its halves sit on hosts of two types: whatever the next stage, one of them crosses hosts
             away = np.maximum(away, pb.comm_s(wb, sb, False, other_host=True))
             comp, comm = paced, away
@@ -455,14 +456,18 @@ class _Builder:
                              ("nic_s", np.broadcast_to(nic, comp.shape)[keep])):
             self.cols[name].append(values)
 
-    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool, compute_s: np.ndarray, nic_s: np.ndarray
-                   ) -> np.ndarray:
-        """The busier boundary's one-way latency (``Candidates.latency_s``); the first stage has no input. Its NIC
-        is loaded at most its traffic (``nic_s``: ``_Part.nic_s``) over the stage's own compute (no period is
-        shorter)."""
-        load = np.minimum(1.0, nic_s / np.maximum(compute_s, 1e-12))
-        return np.maximum(part.latency_s(w, s, False, mixed, load),
-                          np.where(self.I > 0, part.latency_s(w, s, True, mixed, load), 0.0))
+    def _latency_s(self, part: _Part, w: int, s: int, mixed: bool) -> np.ndarray:
+        """The busier boundary's one-way latency (``Candidates.latency_s``); the first stage has no input."""
+        return np.maximum(part.latency_s(w, s, False, mixed),
+                          np.where(self.I > 0, part.latency_s(w, s, True, mixed), 0.0))
+
+    def _nic_cycle_s(self, part: _Part, w: int, s: int, mixed: bool, cycle_s: np.ndarray) -> np.ndarray:
+        """``Candidates.nic_s``: the node's replicas of this part queue on its NIC (``nic_queue_period_s``), each
+        spending the rest of its cycle (``cycle_s``: its path and one way's latency) off it. A neighbour's NIC also
+        carries its other neighbour's traffic; half of it is foreign, as for a stage inside a chain of equals."""
+        ranks = min(w, part.per_node)
+        demand = part.nic_s(w, s, self.I > 0, mixed) / ranks
+        return nic_queue_period_s(ranks, demand, np.maximum(cycle_s - demand, 0.0), PEER_FOREIGN)
 
     def add_mixed(self, parts: dict, b: int, counts: dict[str, int], max_tp: int) -> None:
         """Stages mixing two device types of one vendor (the faster first): at a degree both have, and, with
