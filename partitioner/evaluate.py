@@ -32,9 +32,10 @@ In the steady state a stage's transfers (posted non-blocking) overlap its comput
 two (one way's transfers: activations and gradients travel on separate groups) paces the pipeline; the fill and
 drain pay both. Two more bounds pace it where transfers are slow: two neighbours' dependency cycle, their compute
 plus the boundary's latency with the NICs free (``link_cycle_s``), and the queue a host's ranks form on its
-NIC's busier direction (``nic_cycle_s``), which tends to that direction's load (``nic_pace_s``). (Charging compute + transfers per micro-batch put
-the closed form up to 28% above the replay on the planner benchmark's 4-type plans, so the MILP ranked
-plans by a cost the runtime does not pay; this form is within 1% there.) The closed form stays a little
+NIC's busier direction (``nic_cycle_s``), which tends to that direction's load (``nic_pace_s``). (Charging
+compute + transfers per micro-batch put the closed form up to 28% above the replay on the planner benchmark's
+4-type plans, so the MILP ranked plans by a cost the runtime does not pay; this form is within 1% there.) The
+closed form stays a little
 pessimistic (the downstream stages' fill and every all-reduce as if none overlapped), so the planner
 ranks its best chains by it and chooses among them by simulation (``choose_by_simulation``).
 """
@@ -283,6 +284,8 @@ def nic_cycle_s(plan: Plan, cm: CostModel, costs: list[StageCost]) -> float:
     for h, rs in ranks.items():
         out = egress.get(h, 0.0) >= ingress.get(h, 0.0)
         load, peer_load = (egress[h], ingress) if out else (ingress[h], egress)
+        if load <= 0:  # transfers that take no time queue on nothing
+            continue
         foreign = sum(dt * (1.0 - dt / peer_load[p]) for p, dt in peers[h, out]) / load
         demand = load / len(rs)
         think = max(0.0, max(cycles[k] for k in crossing[h]) - demand)
