@@ -425,6 +425,7 @@ class ShapeMilp(MilpModel):
         if not charged:
             return
         used = {t: var(f"tused{t}", lowBound=0, upBound=1) for t in kinds}
+        hopped = c.hopped_pace_s  # a property over every candidate: computed once, not per stage
         for k in ks:
             prob += used[int(c.type_idx[k])] >= self.u[k]
         for t in charged:
@@ -444,7 +445,7 @@ class ShapeMilp(MilpModel):
             for k, g in gamma.items():
                 prob += g <= self.x[k]
             if gamma:
-                prob += Z >= lin([(g, float(c.hopped_pace_s[k])) for k, g in gamma.items()])
+                prob += Z >= lin([(g, float(hopped[k])) for k, g in gamma.items()])
             last = [(self.x[k], 1.0) for k in of_t if self.is_last[k] or self.is_whole[k]]
             self._first_pays_alone(var, lin, t, of_t, [g for k, g in gamma.items() if self.is_first[k]]
                                    + ([alone] if first_free else []), last)
@@ -595,7 +596,11 @@ def _type_grouped(c: Candidates, rest: list[int], ends_run: list[int], vendor_or
         mine = [q for q in rest if c.vendor[q] == v]
         groups = [sorted((q for q in mine if c.type_idx[q] == t), key=lambda q: -c.in_flight[q])
                   for t in sorted({int(c.type_idx[q]) for q in mine})]
-        ways = [[g] + [_payer_last(c, g)] * (bool(g) and _payer_last(c, g) != g) for g in groups]
+        hopped = c.hopped_pace_s  # a property over every candidate: computed once, not per stage
+        ways = []
+        for g in groups:
+            moved = _payer_last(c, g, hopped)
+            ways.append([g] if moved == g else [g, moved])
         per_run.append([[q for g in perm for q in g] + [q for q in ends_run if c.vendor[q] == v]
                         for order in itertools.permutations(range(len(groups)))
                         for perm in itertools.product(*(ways[i] for i in order))])
@@ -607,9 +612,10 @@ def _type_grouped(c: Candidates, rest: list[int], ends_run: list[int], vendor_or
     return out
 
 
-def _payer_last(c: Candidates, group: list[int]) -> list[int]:
-    """``group`` with the stage whose pace its next stage on other hosts raises least moved last."""
-    at = min(range(len(group)), key=lambda i: (float(c.hopped_pace_s[group[i]]), float(c.hop_s[group[i]]), -i))
+def _payer_last(c: Candidates, group: list[int], hopped: np.ndarray) -> list[int]:
+    """``group`` with the stage whose pace its next stage on other hosts raises least (``hopped``:
+    ``Candidates.hopped_pace_s``) moved last."""
+    at = min(range(len(group)), key=lambda i: (float(hopped[group[i]]), float(c.hop_s[group[i]]), -i))
     return group[:at] + group[at + 1:] + [group[at]]
 
 
