@@ -15,6 +15,10 @@ if _NO_GPU and os.environ.get("HETHUB_REQUIRE_GPU") != "1":
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 DATA = os.path.join(ROOT, "tests", "data")
+# Every Python the tests start skips DeepSpeed's CPU shared-memory op (``tests/site/sitecustomize.py`` says why).
+SITE = os.path.join(ROOT, "tests", "site")
+if SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture

@@ -35,7 +35,8 @@ def run_deepspeed(num_gpus: int, args: list, **kw) -> subprocess.CompletedProces
     """DeepSpeed's own launcher (``--num_gpus N --master_port P args``) run to the end, then the shared-memory
     buffers its CPU ranks leave behind removed: DeepSpeed's CPU backend creates a 66 MB
     ``/dev/shm/deepspeed_allreduce_buffer_<rank>_<addr>_<port>_<n>`` per rank of a world it starts itself (hethub's
-    world start skips that op) and never unlinks it; suite after suite they filled a 24 GiB machine's memory."""
+    world start skips that op) and never unlinks it; suite after suite they filled a 24 GiB machine's memory. The
+    tests' Pythons now skip that op too (``tests/site``); the sweep stays for a run started without that folder."""
     port = free_port()
     try:
         return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, SITE, run_cli
 from hethub.partitioner.outputs import num
 
 PAGES = (["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))]
@@ -59,7 +59,7 @@ def test_every_docs_command_runs_as_written_or_says_what_it_needs(page, tmp_path
             argv = shlex.split(command)
             assert argv[0] == "hethub", f"{page}: {line}"
             r = subprocess.run([sys.executable, "-m", "hethub.cli", *argv[1:]], cwd=tmp_path, capture_output=True,
-                               text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+                               text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + SITE))
             assert r.returncode == 0, f"{page}: {line}\n{r.stdout[-1500:]}{r.stderr[-1500:]}"
 
 

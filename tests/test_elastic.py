@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, SITE
 from dist_util import run_python, spawn
 from hethub.partitioner import load_plan
 from instances import two_host_cluster, write_elastic_plan
@@ -226,7 +226,7 @@ def test_under_torch_elastic_a_job_the_hosts_present_cannot_hold_ends_at_once(tm
            "--elastic", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--checkpoint-dir",
            str(ckpt), "--checkpoint-every", "2", "--max-restarts", "3", "--host", "fast",
            os.path.join(ROOT, WORKER), str(tmp_path / "log.jsonl"), "3", "0"]
-    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT),
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT + os.pathsep + SITE),
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     ended = [line for line in r.stderr.splitlines() if line.startswith("error: launch --elastic")]
     assert r.returncode == 2 and len(ended) == 1, r.stderr[-3000:]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, SITE
 from dist_util import run_plan
 
 transformers = pytest.importorskip("transformers")
@@ -118,7 +118,7 @@ def test_an_unknown_model_class_is_named_with_the_supported_ones():
 
 def _example(*args, timeout=120):
     import subprocess
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT + os.pathsep + SITE)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, run_cli
+from conftest import EXAMPLES, ROOT, SITE, run_cli
 from hethub.partitioner import InputError, Plan
 from plans import MODEL, UNEQUAL, unequal_plan
 
@@ -158,7 +158,7 @@ def test_world_mismatch_through_deepspeeds_launcher_exits_2_and_leaves_nothing(t
     plan = unequal_plan()  # 5 ranks
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT + os.pathsep + SITE)
     tag = f"hethub-mismatch-{os.getpid()}"
     from dist_util import run_deepspeed
     r = run_deepspeed("3", [os.path.join(EXAMPLES, "train_gpt.py"), "--hetero-plan", str(path), "--steps", "1",

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, ROOT, SITE
 from dist_util import run_python, wait_for_line
 from hethub.emulated.netem import ADDRS, ip, probe, tx_bytes, two_hosts
 from hethub.partitioner import Cluster, Plan
@@ -60,7 +60,7 @@ def _pair_plan(tmp_path) -> tuple[Plan, str]:
 
 
 def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    return dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT + os.pathsep + SITE)
 
 
 def _launch_cmd(plan_path: str) -> list[str]:

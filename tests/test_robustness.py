@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli_util import cli_error, write
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, ROOT, SITE
 from hethub.cli.main import main
 from hethub.partitioner import InputError, load_cluster, load_model, load_plan, load_profile
 from hethub.partitioner.outputs import write_atomic
@@ -132,7 +132,7 @@ def test_error_lines_of_ranks_sharing_one_pipe_never_glue_together():
             "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start together\n"
             "for i in range(1000): print_error(f'rank {sys.argv[1]} line {i} ' + 'x' * 60)")
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + SITE)
     start = str(time.time() + 2.0)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), start], stderr=write_fd, env=env)
              for r in range(4)]
