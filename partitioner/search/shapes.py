@@ -775,23 +775,37 @@ class ShapeSearch:
         sol.units = [(l, l + 1) for l in range(self.n)]
         return sol
 
+    def _greedy(self, j: Job, cap: float) -> None:
+        """The best greedy chain (``greedy_shapes``) of size j at bottleneck ``cap`` over the vendor orders,
+        offered as the incumbent."""
+        for perm in itertools.permutations(sorted({int(v) for v in j.cand.vendor})):
+            got = greedy_shapes(j.cand, self.n, self.counts, j.M, perm, cap)
+            res = order_chain(j.cand, *got, perm, self.n, self.counts, j.M) if got else None
+            if res is not None and (self.best is None or res[1] < self.best.objective):
+                self.best = self._chain(j.b, j.M, res, 0.0, "feasible")
+
+    def seed(self, jobs: list[Job]) -> None:
+        """A greedy incumbent before any MILP: the first size (in ``jobs``' order) and the lowest cap that give
+        one. Why: until a plan exists a capped MILP must find one by itself, which on 768 devices takes 1-4 s
+        and, on a slower machine, past a 10-s limit, leaving the fallback's plan (18 samples/s where the MILPs
+        find 29); with it, every MILP only has to beat it (~0.1 s)."""
+        for j in jobs:
+            for f in self.CAPS:
+                if self.best is not None or not math.isfinite(j.t_lb):
+                    return
+                self._greedy(j, j.t_lb * f)
+
     def fallback(self) -> None:
         """When the time limit ended the MILPs before any plan: the best greedy plan (``greedy_shapes``) over the
         sizes and a few caps, so a short limit gives a plan rather than an error (its gap says how good). Sizes in
         order of their bound; once it has a plan, it stops at the time limit."""
         for j in self.jobs:
-            b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
-            if not math.isfinite(t_lb):
+            if not math.isfinite(j.t_lb):
                 continue
-            vendors = sorted({int(v) for v in c.vendor})
             for f in self.CAPS:
                 if self.best is not None and self._time.perf_counter() - self.t0 >= self.opts.time_limit_s:
                     break
-                for perm in itertools.permutations(vendors):
-                    got = greedy_shapes(c, self.n, self.counts, M, perm, t_lb * f)
-                    res = order_chain(c, *got, perm, self.n, self.counts, M) if got else None
-                    if res is not None and (self.best is None or res[1] < self.best.objective):
-                        self.best = self._chain(b, M, res, 0.0, "feasible")
+                self._greedy(j, j.t_lb * f)
         if self.best is not None:  # the one plan the simulator replays
             self.pool = {(self.best.b,): self.best}
 
@@ -813,7 +827,9 @@ class ShapeSearch:
         # plan in a large MILP), each group in order of its bound
         small = lambda j: int((j.cand.pace_s <= j.t_lb * self.CAPS[-1]).sum()) <= self.SMALL  # noqa: E731
         per_size = self.DUAL_SHARE * self.opts.time_limit_s / max(1, len(self.jobs))
-        for j in sorted(self.jobs, key=lambda j: (not small(j), j.lower_bound_s)):
+        order = sorted(self.jobs, key=lambda j: (not small(j), j.lower_bound_s))
+        self.seed(order)
+        for j in order:
             b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
             self.dual_bound(b, M, c, t_lb, min(per_size, self.left()))  # may spare this size its MILPs
             if self.best is not None and math.isfinite(t_lb) and not self.settled(self.bounds[b]):
