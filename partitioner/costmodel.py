@@ -268,23 +268,39 @@ def ring_allreduce(nbytes, ranks: int):
     return 2 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1)
 
 
-def nic_queue_period_s(ranks: int, demand_s, think_s, foreign=0.0):
+def nic_queue_period_s(ranks: int, demand_s, think_s, foreign=0.0, foreign_wait_s=0.0):
     """The steady period of ``ranks`` ranks sharing one host NIC direction: each period a rank spends
     ``think_s`` off the NIC (its compute and its transfers' own time on the path) and puts ``demand_s`` of
     transfers on the NIC. Mean-value analysis of that closed queue (one customer per rank): with k - 1 ranks
     queued ahead a transfer waits for their share, R_k = D (1 + Q_{k-1}), and the NIC passes k / (Z + R_k)
     per second. The bare NIC bound (ranks * D) is its limit; with few ranks and short compute the queue itself
     paces: 32 one-sample replicas per stage, four to a host at 12 Gbit/s, ran 20% slower than the NIC's load
-    and 31% slower than their dependency cycle without the queue. ``foreign``: the share of the peer NIC's
-    traffic that does not come from this host; a transfer holds both NICs at once, so it also waits that share
-    of the peer's queue (taken as long as this one's). Exact at one rank (Z + D); arrays work elementwise."""
+    and 31% slower than their dependency cycle without the queue. A transfer holds both NICs at once, so it
+    also waits at the peer: ``foreign_wait_s`` seconds (``nic_queue_seen``'s queue there), or, where the
+    peer's queue is not known, ``foreign`` (the share of the peer's traffic from other hosts) of this one's
+    queue. Exact at one rank (Z + D); arrays work elementwise."""
+    return _nic_queue(ranks, demand_s, think_s, foreign, foreign_wait_s)[0] * ranks
+
+
+def nic_queue_seen(ranks: int, demand_s, think_s):
+    """How many transfers one arriving at this NIC direction finds ahead of it, by the arrival theorem the
+    queue ``nic_queue_period_s``'s recursion holds with one rank fewer (0 for a lone rank). The peer's side of
+    a transfer waits for these (the replay's hosts whose four ranks each receive from four senders ran 4%
+    above the NIC's load; this one's own queue taken as the peer's charged 20%)."""
+    return _nic_queue(ranks, demand_s, think_s)[1]
+
+
+def _nic_queue(ranks: int, demand_s, think_s, foreign=0.0, foreign_wait_s=0.0):
+    """(1 / throughput at ``ranks`` ranks, the queue at ``ranks`` - 1)."""
     think, demand = np.asarray(think_s, dtype=float), np.asarray(demand_s, dtype=float)
     queue, period = np.zeros_like(think + demand), think + demand
+    seen = queue
     for k in range(1, ranks + 1):
+        seen = queue
         own = demand * (1.0 + queue)
-        period = np.maximum(think + own + foreign * demand * queue, 1e-30) / k  # 1 / throughput
+        period = np.maximum(think + own + foreign * demand * queue + foreign_wait_s, 1e-30) / k
         queue = own / period
-    return period * ranks
+    return period, seen
 
 
 def allreduce_end_s(allreduce_s, buckets, ends_s, hides_s):

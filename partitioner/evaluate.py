@@ -45,8 +45,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from .costmodel import (CostModel, nic_queue_period_s, pass_times_s, peak_memory_bytes, usd_per_million_tokens,
-                        whole_state)
+from .costmodel import (CostModel, nic_queue_period_s, nic_queue_seen, pass_times_s, peak_memory_bytes,
+                        usd_per_million_tokens, whole_state)
 from .chunked import chunk_orders
 from .records import Plan, Predicted
 from .schedule import overlaps, trailing_weight_passes
@@ -271,25 +271,32 @@ def nic_pace_s(plan: Plan, cm: CostModel) -> float:
 def nic_cycle_s(plan: Plan, cm: CostModel, costs: list[StageCost]) -> float:
     """The steady period as the busiest host NIC's queue sets it (``CostModel``'s ``nic_queue_period_s``): the
     host's ranks with inter-host transfers share its busier direction's load equally, and each spends the rest
-    of its boundaries' link cycle (``link_cycle_s``'s term, latencies with the NICs free) off the NIC. The foreign
-    share is, over the host's traffic, how much of each peer's opposite direction comes from other hosts."""
+    of its boundaries' link cycle (``link_cycle_s``'s term, latencies with the NICs free) off the NIC. A
+    transfer also waits at each peer's opposite direction for the transfers from other hosts queued there
+    (``nic_queue_seen``, in the peer's own transfer times): charging this NIC's queue there instead put plans
+    whose receivers each take four senders' rows 8% above their replay."""
     pairs, ranks, crossing = _host_traffic(plan, cm)
     egress, ingress = _directions(pairs)
+    cycles = [(a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])]
+    queues: dict[tuple[str, bool], tuple[int, float, float]] = {}  # (host, egress?) -> (ranks, demand, think)
+    for h, rs in ranks.items():
+        cycle = max(cycles[k] for k in crossing[h])
+        for out, load in ((True, egress.get(h, 0.0)), (False, ingress.get(h, 0.0))):
+            if load > 0:  # transfers that take no time queue on nothing
+                queues[h, out] = (len(rs), load / len(rs), max(0.0, cycle - load / len(rs)))
+    seen_s = {key: float(nic_queue_seen(*q)) * q[1] for key, q in queues.items()}  # seconds queued ahead
     peers: dict[tuple[str, bool], list[tuple[str, float]]] = {}  # (host, egress?) -> [(peer, seconds)]
     for (a, b), dt in pairs.items():
         peers.setdefault((a, True), []).append((b, dt))
         peers.setdefault((b, False), []).append((a, dt))
-    cycles = [(a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])]
     period = 0.0
-    for h, rs in ranks.items():
-        out = egress.get(h, 0.0) >= ingress.get(h, 0.0)
+    for (h, out), (n, demand, think) in queues.items():
         load, peer_load = (egress[h], ingress) if out else (ingress[h], egress)
-        if load <= 0:  # transfers that take no time queue on nothing
-            continue
-        foreign = sum(dt * (1.0 - dt / peer_load[p]) for p, dt in peers[h, out]) / load
-        demand = load / len(rs)
-        think = max(0.0, max(cycles[k] for k in crossing[h]) - demand)
-        period = max(period, float(nic_queue_period_s(len(rs), demand, think, foreign)))
+        if out != (egress.get(h, 0.0) >= ingress.get(h, 0.0)):
+            continue  # the busier direction paces
+        foreign_s = sum(dt / load * (1.0 - dt / peer_load[p]) * seen_s.get((p, not out), 0.0)
+                        for p, dt in peers[h, out])
+        period = max(period, float(nic_queue_period_s(n, demand, think, foreign_wait_s=foreign_s)))
     return period
 
 
