@@ -22,26 +22,18 @@ def _skip(module) -> None:
     module.build_shm_op = lambda: None
 
 
-class _AfterCommTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``deepspeed.comm.torch`` as Python would, lets it load, then replaces its ``build_shm_op``."""
+class _SkipOnImport(importlib.abc.MetaPathFinder):
+    """Once: finds ``deepspeed.comm.torch`` as Python would, its loader set to skip the op after running it."""
 
     def find_spec(self, name, path=None, target=None):
         if name != _TARGET:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+            spec.loader.exec_module = lambda module: (run(module), _skip(module))
         return spec
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
-        _skip(module)
 
 
 def _run_the_next_sitecustomize() -> None:
@@ -54,5 +46,5 @@ def _run_the_next_sitecustomize() -> None:
 if _TARGET in sys.modules:
     _skip(sys.modules[_TARGET])
 else:
-    sys.meta_path.insert(0, _AfterCommTorch())
+    sys.meta_path.insert(0, _SkipOnImport())
 _run_the_next_sitecustomize()
