@@ -212,6 +212,11 @@ def test_every_shape_milp_has_an_incumbent_to_beat_from_the_first(monkeypatch):
     sol, stats = search(cm, 64, PlannerOptions(time_limit_s=30))
     assert cutoffs and all(c is not None for c in cutoffs)
     assert sol.objective <= cutoffs[0] * (1 + 1e-9) and stats["gap"] < 0.01
+    # MILPs that beat nothing: the seed is the plan, and it is among the alternatives the simulator replays
+    monkeypatch.setattr(ShapeMilp, "solve_counts",
+                        lambda self, solver, seconds, cutoff=None: ({}, "infeasible", cutoff))
+    sol, stats = search(cm, 64, PlannerOptions(time_limit_s=30))
+    assert sol.objective == pytest.approx(cutoffs[0]) and sol in stats["alternatives"]
 
 
 def test_the_dual_bound_closes_most_of_the_gap_the_simple_bound_leaves():

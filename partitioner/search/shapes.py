@@ -782,7 +782,7 @@ class ShapeSearch:
             got = greedy_shapes(j.cand, self.n, self.counts, j.M, perm, cap)
             res = order_chain(j.cand, *got, perm, self.n, self.counts, j.M) if got else None
             if res is not None and (self.best is None or res[1] < self.best.objective):
-                self.best = self._chain(j.b, j.M, res, 0.0, "feasible")
+                self.best = self.pool[(j.b,)] = self._chain(j.b, j.M, res, 0.0, "feasible")
 
     def seed(self, jobs: list[Job]) -> None:
         """A greedy incumbent before any MILP: the first size (in ``jobs``' order) and the lowest cap that give
