@@ -895,9 +895,8 @@ class ShapeSearch:
         if self.best is None and self.ran_out():
             self.fallback()
         if self.best is not None and self.pool.get((self.best.b,)) is not self.best:
-            # the greedy seed, where no MILP beat it: the simulator replays it (the pool holds the MILPs' chains;
-            # seeded into it, the greedy chains of sizes the MILPs beat elsewhere were replayed too, and on 768
-            # devices a comparison's replays took 4 s instead of 0.5)
+            # the greedy seed, where no MILP beat it: the simulator replays it too (the pool holds the MILPs'
+            # chains, the best of each size, which the simulator chooses among)
             self.pool[(self.best.b,)] = self.best
         # the gap the plan reports: each size still open, against the final incumbent, out of the time kept for
         # the replays (up to DUAL_SHARE of the limit, never past 0.85 of it)
