@@ -806,15 +806,14 @@ class ShapeSearch:
                 self.best = self._chain(j.b, j.M, res, 0.0, "feasible")
 
     def seed(self, jobs: list[Job]) -> None:
-        """A greedy incumbent once the first capped MILP has found nothing in its time: the first size (in
-        ``jobs``' order) and the lowest cap that give one. Why: a capped MILP must find its first plan by
-        itself, which on 768 devices takes 1-4 s and, on a slower machine, past a 10-s limit, and the fallback's
-        plan was then written (18 samples/s where the MILPs find 29); after the seed, every MILP only has to
-        beat it. It takes a tenth of the time limit at most (where no greedy plan exists, e.g. memory-bound
-        sizes, it would try every size and cap). Not before the first MILP, nor for one device type: seeded from
-        the start, 4096 devices under 1F1B ended 2.2% worse at 60 s (the slices from a poor incumbent took the
-        time), and `plan`'s single-type comparisons on 768 devices took other paths to plans whose replays took
-        4 s instead of 0.5."""
+        """A greedy incumbent before any MILP: the first size (in ``jobs``' order) and the lowest cap that give
+        one. Why: until a plan exists a capped MILP must find one by itself, which on 768 devices takes 1-4 s
+        and, on a slower machine, past a 10-s limit, leaving the fallback's plan (18 samples/s where the MILPs
+        find 29); with it, every MILP only has to beat it (~0.1 s). It takes a tenth of the time limit at most
+        (where no greedy plan exists, e.g. memory-bound sizes, it would try every size and cap). Only searches
+        over several device types are seeded: one type's capped MILPs found their first plans in time on every
+        case, and seeded, `plan`'s single-type comparisons on 768 devices took other paths to plans whose replays
+        took 4 s instead of 0.5 (the command 12-13 s instead of 8.5)."""
         until = self._time.perf_counter() + self.DUAL_SHARE * self.opts.time_limit_s
         for j in jobs:
             for f in self.CAPS if math.isfinite(j.t_lb) else ():
@@ -855,6 +854,8 @@ class ShapeSearch:
         small = lambda j: int((j.cand.pace_s <= j.t_lb * self.CAPS[-1]).sum()) <= self.SMALL  # noqa: E731
         per_size = self.DUAL_SHARE * self.opts.time_limit_s / max(1, len(self.jobs))
         order = sorted(self.jobs, key=lambda j: (not small(j), j.lower_bound_s))
+        if len(set(self.types)) > 1:
+            self.seed(order)
         for j in order:
             b, M, c, t_lb = j.b, j.M, j.cand, j.t_lb
             self.dual_bound(b, M, c, t_lb, min(per_size, self.left()))  # may spare this size its MILPs
@@ -870,8 +871,6 @@ class ShapeSearch:
                 # benchmark the first feasible cap's MILP needs 2-3 s, and a cut-short one finds nothing
                 seconds = quick if self.best is not None else max(quick, self.left() / 2)
                 self.bounds[b] = max(self.bounds[b], self._solve(b, M, c, t_lb, cap, seconds))
-                if self.best is None and len(self.types) > 1:
-                    self.seed(order)  # the first MILP found nothing in its time: the rest beat a greedy plan
                 if (b,) in self.pool or cap * M >= (self.best.objective if self.best else math.inf):
                     break
             self._report(b)
