@@ -296,7 +296,7 @@ def test_a_boundary_between_device_types_is_priced_across_hosts():
     assert stage_costs_of(c, chain) == pytest.approx([x.per_micro_batch_s for x in costs], rel=1e-2)
     # the MILP's form leaves out the drain credit on the all-reduces (it is not linear in the chain): it is the
     # closed form without it, and never below it
-    undrained = iteration_s([replace(x, min_backward_s=0.0) for x in costs], 1, nic_pace_s(placed, cm))
+    undrained = iteration_s([replace(x, drains=False) for x in costs], 1, nic_pace_s(placed, cm))
     assert objective_of(c, chain, 1) == pytest.approx(undrained, rel=1e-3)
     assert objective_of(c, chain, 1) >= closed_form_s(placed, cm) * (1 - 1e-3)
     plan = make_plan(cluster, model, 8, with_homogeneous_sum=False)
