@@ -444,11 +444,10 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     boundaries (``_drain_s``): every replica of stage s holds rows of the last micro-batch, whose gradient then
     passes a backward of each stage below before stage 0's last one ends, so s's latest replica ends about that
     before it (charging each stage's all-reduce after its own last backward, drained by the slowest crossings, was
-    up to 31% optimistic where a wide stage's replicas
-    end their last backward far apart: a 53-wide stage sending to 107 replicas on 25 Gbit/s; charging every stage
-    after stage 0's last backward put Metis's case-1 plan 6% above its replay). Under zb-h1 a stage's weight
-    gradients leave the drain's path (its B sends before its W), and its last W's come before its all-reduce
-    instead. ``nic_s``: the period the host NICs' queues set (``nic_cycle_s``), which paces the steady
+    up to 31% optimistic where a wide stage's replicas end their last backward far apart: a 53-wide stage sending
+    to 107 replicas on 25 Gbit/s; charging every stage after stage 0's last backward put Metis's case-1 plan 6%
+    above its replay). Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its W),
+    and its last W's come before its all-reduce instead. ``nic_s``: the period the host NICs' queues set (``nic_cycle_s``), which paces the steady
     state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
     compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans
     the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%, with
@@ -460,7 +459,7 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     steady = max([(M - 1) * cycle] + [c.steady_s(M) for c in costs])
     split = any(c.weight_grad_s for c in costs)
     below, ends = 0.0, []
-    for c in costs:  # stage s's last B ends at least the drain below it (stages < s) before stage 0's
+    for c in costs:  # stage s's last B ends about the drain below it (stages < s) before stage 0's
         ends.append(c.tail_s + c.allreduce_s + c.optimizer_s - below)
         below += c.backward_s - c.weight_grad_s + c.comm_s / 2 if split else _drain_s(c)
     return steady + sum(c.per_micro_batch_s - c.weight_grad_s for c in costs) + max(ends) - credit
