@@ -488,13 +488,14 @@ def test_a_stage_fills_a_node_before_it_takes_the_next():
     assert [len({r.host for r in st.replicas}) for st in plan.stages] == [2, 2]
 
 
-def test_the_closed_form_prices_the_queue_a_hosts_one_sample_replicas_form_on_its_nic():
+def test_the_closed_form_prices_the_queue_a_hosts_one_sample_replicas_form_on_its_nic(monkeypatch):
     """One-sample replicas, four to a host, on a 12 Gbit/s network: each stage's next pass waits for its
     neighbour's data (``evaluate.link_cycle_s``), and a host's four ranks queue on its NIC, where the queue, not
-    the NIC's load nor the dependency cycle, sets the period (``evaluate.nic_cycle_s``). A closed form paced by the
-    bare NIC load and the cycle was 14% under the replay (the planner then picked such plans over ones that
-    replay faster)."""
-    from hethub.partitioner.evaluate import closed_form_s, iteration_s, link_cycle_s, nic_cycle_s, nic_pace_s
+    the NIC's load nor the dependency cycle, sets the period (``evaluate.nic_cycle_s``). The ranks post in a
+    staggered rhythm, so a transfer waits for half the queue mean-value analysis gives (``NIC_WAIT_SHARE``):
+    the whole queue put this plan 13% above its replay."""
+    from hethub.partitioner import costmodel
+    from hethub.partitioner.evaluate import closed_form_s, link_cycle_s, nic_cycle_s, nic_pace_s
     from hethub.partitioner.evaluate import stage_costs
     model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
                         ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
@@ -506,17 +507,17 @@ def test_the_closed_form_prices_the_queue_a_hosts_one_sample_replicas_form_on_it
     costs = stage_costs(plan, cm)
     replay = simulate(plan, cm).iteration_s - cm.control_syncs_s(plan)
     bare = max(nic_pace_s(plan, cm), link_cycle_s(costs))
-    assert link_cycle_s(costs) > max(c.pace_s for c in costs) and nic_cycle_s(plan, cm, costs) > 1.1 * bare
-    assert iteration_s(costs, 64, bare) < 0.9 * replay
+    assert link_cycle_s(costs) > max(c.pace_s for c in costs) and nic_cycle_s(plan, cm, costs) > 1.05 * bare
     assert abs(closed_form_s(plan, cm) / replay - 1) < 0.05
+    monkeypatch.setattr(costmodel, "NIC_WAIT_SHARE", 1.0)
+    assert closed_form_s(plan, cm) / replay > 1.1
 
 
-def test_a_transfer_waits_at_the_peer_nic_for_the_peers_own_queue():
+def test_a_saturated_nic_paces_at_its_load():
     """Four one-sample V100 replicas feed each 4-sample A100 of the last stage, on 12 Gbit/s: the A100 host's
-    NIC carries 16 transfers a micro-batch each way, four per rank. Its peers (the V100 hosts' NICs) queue only
-    their own few ranks' transfers, so the A100 NIC's transfers wait little there (``nic_queue_seen``). Charging
-    the A100 NIC's own queue at the peers instead put this plan's closed form 8.7% above its replay (the
-    80 A100 + 240 V100 case's plan planned without overlap: 7.8%)."""
+    NIC carries 16 transfers a micro-batch each way, four per rank, more than its ranks' compute hides. Then its
+    load is the period: a queue that waits for a share of mean-value analysis's must not pass a NIC faster than
+    its load (unclamped, half the queue put this plan 13% below its replay)."""
     from hethub.partitioner.evaluate import closed_form_s, nic_cycle_s, nic_pace_s, stage_costs
     model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
                         ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
@@ -530,7 +531,7 @@ def test_a_transfer_waits_at_the_peer_nic_for_the_peers_own_queue():
                                        StageLayout((10, 14), "A100-40GB", (4,) * 4)], 16, 32, dtype="fp16",
                       schedule="zb-h1")
     costs = stage_costs(plan, cm)
-    assert nic_cycle_s(plan, cm, costs) > nic_pace_s(plan, cm)  # the A100 host's NIC paces, queued
+    assert nic_cycle_s(plan, cm, costs) == nic_pace_s(plan, cm) > max(c.pace_s for c in costs)
     replay = simulate(plan, cm).iteration_s - cm.control_syncs_s(plan)
     assert abs(closed_form_s(plan, cm) / replay - 1) < 0.03
 
@@ -644,8 +645,11 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
 
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     """Every micro-batch size's best chain the MILP offers (what ``choose_by_simulation`` ranks), placed, on random
-    instances: the closed form is never optimistic by more than 1% and every one is within 5% of the replay (on
-    16 instances, 105 plans: at most 0.2% optimistic, 3.4% pessimistic; 75% within 5% before the warm-up credit). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
+    instances: the closed form is never optimistic by more than 1.5% and every one is within 5% of the replay (on
+    16 instances, 105 plans: at most 1.4% optimistic, 3.4% pessimistic; 75% within 5% before the warm-up credit).
+    The 1.4% is seed 6's second zb-h1 chain, whose host NIC carries one stage's gradients and the next stage's
+    activations: booked in posting order (the replay's), the gradients go first and the activations wait; booked
+    rank by rank, as the replay did before, it was 0.1% optimistic. The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
     does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
     feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
     its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
@@ -673,7 +677,7 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
                 ratios.append((closed_form_s(plan, cm) + cm.control_syncs_s(plan)) / simulate(plan, cm).iteration_s)
                 (one_f_one_b if schedule == "1f1b" else zb).append(ratios[-1])
     assert len(ratios) >= 40
-    assert min(ratios) >= 0.99 and max(ratios) <= 1.15, (min(ratios), max(ratios))
+    assert min(ratios) >= 0.985 and max(ratios) <= 1.15, (min(ratios), max(ratios))
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
     for kind in (one_f_one_b, zb):
         assert max(kind) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in kind) >= 0.9 * len(kind), sorted(kind)
