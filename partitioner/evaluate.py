@@ -285,8 +285,8 @@ def nic_cycle_s(plan: Plan, cm: CostModel, costs: list[StageCost]) -> float:
     host's ranks with inter-host transfers share its busier direction's load equally, and each spends the rest
     of its boundaries' link cycle (``link_cycle_s``'s term, latencies with the NICs free) off the NIC. A
     transfer also waits at each peer's opposite direction for the transfers from other hosts queued there
-    (``nic_queue_seen``, in the peer's own transfer times): charging this NIC's queue there instead put plans
-    whose receivers each take four senders' rows 8% above their replay."""
+    (``nic_queue_seen``, in the peer's own transfer times): charging this NIC's queue there instead put 29 of
+    206 stored plans beyond 5% above their replay (up to 11%), none at all 16 (up to 8.6% below)."""
     pairs, ranks, crossing = _host_traffic(plan, cm)
     egress, ingress = _directions(pairs)
     cycles = [(a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])]

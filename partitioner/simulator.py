@@ -8,7 +8,8 @@ and its links are free, and takes the cost model's p2p time; a send waits (block
 its peer has ``SEND_WINDOW`` unfinished sends from the rank; a forward (backward) starts once
 the rank is free and every transfer of its activations (gradients) has arrived. Inter-node transfers
 hold the sending host's NIC (egress) and the receiving host's NIC (ingress) — one resource per
-direction per node, shared by all its ranks; intra-node transfers share nothing. A stage's all-reduce
+direction per node, shared by all its ranks, booked by transfers in the order they are posted (the rank with the
+earliest clock steps next); intra-node transfers share nothing. A stage's all-reduce
 starts when its last replica reaches it. The iteration ends when every rank has finished and every
 transfer has landed. A schedule that cannot finish is a deadlock, reported with the blocked ranks,
 their step and what they wait for.
