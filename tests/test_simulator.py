@@ -223,12 +223,13 @@ def test_zb_h1_speeds_up_a_deep_pipeline_and_holds_what_its_weight_passes_wait_w
 
 
 def test_predicted_is_the_replay():
-    """One objective: a plan's predicted iteration is its simulated iteration; the closed form rides along."""
+    """One objective: a plan's predicted iteration is its simulated iteration; the closed form rides along (here
+    at most 0.1% optimistic, as ``test_closed_form_is_pessimistic_by_what_decoupled_stages_overlap`` bounds it)."""
     cm = CostModel(CLUSTER, MODEL)
     plan = grid_plan(random.Random(3), 3, 8, 6)
     pred = predict(plan, cm)
     assert pred.iteration_s == simulate(plan, cm).iteration_s
-    assert pred.model_extra["closed_form_s"] >= pred.iteration_s
+    assert pred.model_extra["closed_form_s"] >= pred.iteration_s * (1 - 1e-3)
 
 
 def test_an_iteration_ends_with_the_control_all_reduce():
@@ -645,11 +646,12 @@ def test_a_plan_planned_without_overlap_is_never_slower_so_and_says_both(tmp_pat
 
 def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     """Every micro-batch size's best chain the MILP offers (what ``choose_by_simulation`` ranks), placed, on random
-    instances: the closed form is never optimistic by more than 1.5% and every one is within 5% of the replay (on
-    16 instances, 105 plans: at most 1.4% optimistic, 3.4% pessimistic; 75% within 5% before the warm-up credit).
-    The 1.4% is seed 6's second zb-h1 chain, whose host NIC carries one stage's gradients and the next stage's
-    activations: booked in posting order (the replay's), the gradients go first and the activations wait; booked
-    rank by rank, as the replay did before, it was 0.1% optimistic. The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
+    instances: the closed form is never optimistic by more than 2.5% and every one is within 5% of the replay (on
+    16 instances, 105 plans: at most 2.1% optimistic, 3.4% pessimistic; 75% within 5% before the warm-up credit).
+    The 2.1% is seed 6's second zb-h1 chain, whose host NIC carries one stage's gradients and the next stage's
+    activations: booked in posting order (the replay's), the gradients go first and the activations wait (booked
+    rank by rank, as the replay did before, 0.1% optimistic), and its fill charges mean crossings (M >= S; with
+    the slowest, 1.4%). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
     does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
     feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
     its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
@@ -677,7 +679,7 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
                 ratios.append((closed_form_s(plan, cm) + cm.control_syncs_s(plan)) / simulate(plan, cm).iteration_s)
                 (one_f_one_b if schedule == "1f1b" else zb).append(ratios[-1])
     assert len(ratios) >= 40
-    assert min(ratios) >= 0.985 and max(ratios) <= 1.15, (min(ratios), max(ratios))
+    assert min(ratios) >= 0.975 and max(ratios) <= 1.15, (min(ratios), max(ratios))
     assert sum(abs(r - 1) <= 0.05 for r in ratios) >= 0.75 * len(ratios)
     for kind in (one_f_one_b, zb):
         assert max(kind) <= 1.08 and sum(abs(r - 1) <= 0.05 for r in kind) >= 0.9 * len(kind), sorted(kind)
