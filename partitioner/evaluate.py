@@ -66,8 +66,8 @@ class StageCost:
     memory_bytes: float  # peak on the replica with the largest share
     weight_grad_s: float = 0.0  # the part of backward_s a zb-h1 stage runs as W, off the path upstream
     tail_s: float = 0.0  # W's a zb-h1 stage still runs after its last B
-    latency_s: float = 0.0  # output boundary, one way: mean seconds from a send's post to its arrival
-    crossing_s: float = float("inf")  # the same with the hosts' NICs serialising the boundary's transfers
+    latency_s: float = 0.0  # output boundary, one way, NICs free: half its round trip (``boundary_latency_s``)
+    crossing_s: float = float("inf")  # the same posted at once, NICs serialising: the mean arrival
     drains: bool = False  # 1F1B: later stages' all-reduces are credited the drain through this one (``_drain_s``)
 
     @property
@@ -84,8 +84,8 @@ class StageCost:
         """The fill's and drain's cost of this stage per micro-batch where a boundary's transfers land spread out
         (``iteration_s`` says where): its compute and, both ways, the mean crossing with the NICs serialising the
         boundary (``crossing_s``) where less than the slowest (``comm_s``); each receiver starts when its own rows
-        are in. Charging the slowest put 16 of 23 ranked Sailor-shaped plans 5-15% and the 320-device case's
-        plan 6.4% above their replay."""
+        are in. Charging the slowest put 4 of the 23 plans the MILP ranks on cases of 128-320 devices 5-8%
+        above their replay (23 of 206 stored plans, up to 11%), and the 320-device case's written plan 6.4%."""
         return self.compute_s + min(self.comm_s, 2.0 * self.crossing_s)
 
     @property
@@ -156,9 +156,9 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
 
 
 def _with_latencies(plan: Plan, cm: CostModel, costs: list[StageCost]) -> list[StageCost]:
-    """Each stage's output boundary latency (``boundary_latency_s``): what its transfers take with the NICs free
-    (their queue is ``nic_cycle_s``'s)."""
-    return [replace(c, latency_s=boundary_latency_s(plan, cm, k), crossing_s=boundary_latency_s(plan, cm, k, nics=True))
+    """Each stage's output boundary latency (``boundary_latency_s``, the NICs free: their queue is
+    ``nic_cycle_s``'s) and crossing (``boundary_crossing_s``)."""
+    return [replace(c, latency_s=boundary_latency_s(plan, cm, k), crossing_s=boundary_crossing_s(plan, cm, k))
             for k, c in enumerate(costs)]
 
 
@@ -209,20 +209,39 @@ def _arrivals_s(legs: list[tuple], nics: bool = True) -> dict:
     return landed
 
 
-def boundary_latency_s(plan: Plan, cm: CostModel, k: int, nics: bool = False) -> float:
-    """One way, chunk k's output: the mean over receivers of when the last of its pieces lands, activations and
-    (reversed) their gradients averaged, where a rank's transfers on a group go in turn (``_arrivals_s``, NICs
-    free). A receiver of several senders' rows waits for all of them.
+def _boundary_arrivals(plan: Plan, cm: CostModel, k: int, nics: bool) -> tuple[dict, dict, float]:
+    """Chunk k's output posted at once (``_arrivals_s``): per receiver when its activations land, per sender when
+    its gradients land, and the mean piece's own seconds (all 0 where nothing crosses)."""
+    legs = list(_boundary_legs(plan, cm, k))
+    if not legs:
+        return {0: 0.0}, {0: 0.0}, 0.0
+    act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs], nics=nics)
+    grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs), nics=nics)
+    return act, grad, sum(leg[3] for leg in legs) / len(legs)
+
+
+def boundary_latency_s(plan: Plan, cm: CostModel, k: int) -> float:
+    """One way, chunk k's output as the pipeline's dependency cycle sees it (``link_cycle_s``), the NICs free: half a
+    round trip that pays the busier direction's serialisation once (its last piece to land, all posted at once)
+    and one piece back. In the steady state the replicas run staggered as their pieces landed: one replica sending
+    to 32 sends its pieces in turn, each receiver returns its gradient as soon as its backward ends, and the
+    sender's backward waits for the last, which left last; 32 senders to one mirror that. (The mean arrival each
+    way, as if both directions were posted at once, counted that serialisation twice: a one-replica first stage
+    fanning to 32 was 5.4% above its replay, 4 of 206 stored plans beyond 5%; now 2.)
 
     The NICs' queue is left to ``nic_cycle_s``: posted all at once, a host's transfers would queue behind each
     other, but in the steady state the replicas stay staggered and a transfer waits as its NIC's load makes it
     (charging the whole queue, or the queue scaled by the NIC's load, put Sailor-like plans 6-16% above their
-    replay and one-sample plans on busy NICs 6-10% below it). ``nics``: with the NICs' queue (``StageCost.queued_trip_s``)."""
-    legs = list(_boundary_legs(plan, cm, k))
-    if not legs:
-        return 0.0
-    act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs], nics=nics)
-    grad = _arrivals_s(sorted((j, i, dst, src, dt) for i, src, dst, dt, j in legs), nics=nics)
+    replay and one-sample plans on busy NICs 6-10% below it)."""
+    act, grad, piece_s = _boundary_arrivals(plan, cm, k, nics=False)
+    return (max(max(act.values()), max(grad.values())) + piece_s) / 2
+
+
+def boundary_crossing_s(plan: Plan, cm: CostModel, k: int) -> float:
+    """One way, chunk k's output posted at once with the hosts' NICs serialising it: the mean over receivers of when
+    the last of their pieces lands, activations and (reversed) their gradients averaged (``StageCost.crossing_s``).
+    A receiver of several senders' rows waits for all of them; a rank's transfers on a group go in turn."""
+    act, grad, _ = _boundary_arrivals(plan, cm, k, nics=True)
     return (sum(act.values()) / len(act) + sum(grad.values()) / len(grad)) / 2
 
 
@@ -451,7 +470,7 @@ def _return_period_s(c: StageCost, last: bool, num_micro_batches: int) -> float:
 
 def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0.0) -> float:
     """The closed form. Each stage's all-reduce and optimizer step are charged after stage 0's last backward less
-    the drain below the stage. Under 1F1B that drain counts the stages' backwards and the mean crossings of their
+    the drain below the stage. Under 1F1B that drain counts the stages' backwards and the latencies of their
     boundaries (``_drain_s``): every replica of stage s holds rows of the last micro-batch, whose gradient then
     passes a backward of each stage below before stage 0's last one ends, so s's latest replica ends about that
     before it (charging each stage's all-reduce after its own last backward, drained by the slowest crossings, was
@@ -483,7 +502,7 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
 
 def _drain_s(c: StageCost) -> float:
     """1F1B: what stage c adds to the drain below later stages: the last micro-batch's gradient crosses its output
-    boundary (``latency_s``: the mean crossing, NICs free) and then its pacing replica runs that backward. Each
+    boundary (``latency_s``, NICs free) and then its pacing replica runs that backward. Each
     replica's rows come from many replicas of the stage above, so the last gradient to leave a stage is about the
     last to arrive below, and the slowest replica below ends last. Counting the shortest replica's backward and no
     crossing (a bound, as this form did before) put Metis-shaped plans of four micro-batches, whose last stage's
