@@ -55,9 +55,9 @@ PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> p
 DEFAULT_BUCKET_MB = 25.0
 # the share of mean-value analysis's queue a transfer waits for at its own NIC (``nic_queue_period_s``): a pipeline's
 # ranks post in a staggered rhythm, not at random, so a transfer finds less queued than the analysis of random
-# arrivals says. Fitted on the replay (a NIC booked in posting order): with the whole queue the closed form of 16 of
-# the 23 plans the MILP ranks on cases of 128-320 devices was within 5% of its replay (up to 11% pessimistic), with
-# half of it 22 (0.959-1.054), and 202 of 206 stored plans (170 with the whole queue).
+# arrivals says. Fitted on the replay (a NIC booked in posting order): with the whole queue the closed form of 18 of
+# the 23 plans the MILP ranks on cases of 128-320 devices was within 5% of its replay (up to 10% pessimistic), with
+# half of it all 23 (0.950-1.035), and 204 of 206 stored plans (174 with the whole queue, up to 16%).
 NIC_WAIT_SHARE = 0.5
 OPTIMIZER_PASSES = 2.0  # optimizer step reads and writes its 16 B/param state once each (memory-bound)
 
@@ -292,8 +292,8 @@ def nic_queue_period_s(ranks: int, demand_s, think_s, foreign=0.0, foreign_wait_
 def nic_queue_seen(ranks: int, demand_s, think_s):
     """How many transfers one arriving at this NIC direction finds ahead of it, by the arrival theorem the
     queue ``nic_queue_period_s``'s recursion holds with one rank fewer (0 for a lone rank). The peer's side of
-    a transfer waits for these (without that wait 16 of 206 stored plans were beyond 5% of their replay, up to
-    8.6% optimistic: one-sample V100 replicas, four to a host, feeding four-sample A100s)."""
+    a transfer waits for these (without that wait 20 of 206 stored plans were beyond 5% of their replay, up to
+    9.3% optimistic: one-sample V100 replicas, four to a host, feeding four-sample A100s)."""
     return _nic_queue(ranks, demand_s, think_s)[1]
 
 

@@ -303,8 +303,8 @@ def nic_cycle_s(plan: Plan, cm: CostModel, costs: list[StageCost]) -> float:
     host's ranks with inter-host transfers share its busier direction's load equally, and each spends the rest
     of its boundaries' link cycle (``link_cycle_s``'s term, latencies with the NICs free) off the NIC. A
     transfer also waits at each peer's opposite direction for the transfers from other hosts queued there
-    (``nic_queue_seen``, in the peer's own transfer times): charging this NIC's queue there instead put 29 of
-    206 stored plans beyond 5% above their replay (up to 11%), none at all 16 (up to 8.6% below)."""
+    (``nic_queue_seen``, in the peer's own transfer times): charging this NIC's queue there instead put 18 of
+    206 stored plans beyond 5% above their replay (up to 10.5%), none at all 20 (up to 9.3% below)."""
     pairs, ranks, crossing = _host_traffic(plan, cm)
     egress, ingress = _directions(pairs)
     cycles = [(a.compute_s + b.path_s) / 2 + a.latency_s for a, b in zip(costs, costs[1:])]
