@@ -15,8 +15,8 @@ times, each layer's forward and backward off by up to ``--noise``, 3% by default
 never identical, which took the search off its shape MILP before blocks within noise were priced alike).
 
 Plans scored: hethub's (``--schedule auto`` and ``1f1b``), a Metis-shaped plan per case (three stages on
-32 V100 | 64 V100 | 32 A100 devices, or the same proportions at the larger case, its layer cuts and micro-batch
-size the best this cost model finds for that shape), and every plan file given with ``--plan`` (e.g. a peer's
+32 V100 | 64 V100 | 32 A100 devices, or the same proportions at the larger case: per micro-batch size the layer
+cuts the closed form ranks best, and of those the one that replays fastest), and every plan file given with ``--plan`` (e.g. a peer's
 plan written as a hethub plan).
 
 Cases 3 and 4 are hethub's own at that scale (128 devices on 8-GPU hosts and 100 Gbit/s; 320 on 4-GPU hosts and
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
         "`hethub simulate` of the plan (what `plan` predicts); closed / replay: iteration times (target 0.95-1.05); "
         "no overlap: samples/s as Sailor's simulator's network model prices the plan. A Metis-shaped plan: "
         "Metis's case-1 stage shape (V100 | V100 | A100 on a quarter, a half and a quarter of the devices), its "
-        "layer cuts and micro-batch size the best this cost model finds.", "",
+        "layer cuts the best this cost model finds at each micro-batch size, the fastest replay of those.", "",
         "| plan | schedule | stages (replicas) | micro-batch | closed form samples/s | replay samples/s "
         "| closed / replay | no overlap samples/s | fits memory | plan s |",
         "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]))
