@@ -55,9 +55,10 @@ PCIE_GBPS = 25.0  # GB/s, host<->device copy of a PCIe 4.0 x16 link (device -> p
 DEFAULT_BUCKET_MB = 25.0
 # the share of mean-value analysis's queue a transfer waits for at its own NIC (``nic_queue_period_s``): a pipeline's
 # ranks post in a staggered rhythm, not at random, so a transfer finds less queued than the analysis of random
-# arrivals says. Fitted on the replay (a NIC booked in posting order): with the whole queue the closed form of 18 of
-# the 23 plans the MILP ranks on cases of 128-320 devices was within 5% of its replay (up to 10% pessimistic), with
-# half of it all 23 (0.950-1.035), and 204 of 206 stored plans (174 with the whole queue, up to 16%).
+# arrivals says. Fitted on the replay (a NIC booked in posting order): with the whole queue the closed form of 18
+# of 23 plans the MILP ranked (before this refit) on cases of 128-320 devices was within 5% of its replay (up to 10%
+# pessimistic), with half of it all 23 (0.950-1.035), and 204 of 206 stored plans (174 with the whole queue, up to
+# 16%); the plans today's MILP ranks there: 24 of 24.
 NIC_WAIT_SHARE = 0.5
 OPTIMIZER_PASSES = 2.0  # optimizer step reads and writes its 16 B/param state once each (memory-bound)
 

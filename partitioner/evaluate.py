@@ -84,7 +84,7 @@ class StageCost:
         """The fill's and drain's cost of this stage per micro-batch where a boundary's transfers land spread out
         (``iteration_s`` says where): its compute and, both ways, the mean crossing with the NICs serialising the
         boundary (``crossing_s``) where less than the slowest (``comm_s``); each receiver starts when its own rows
-        are in. Charging the slowest put 4 of the 23 plans the MILP ranks on cases of 128-320 devices 5-8%
+        are in. Charging the slowest put 4 of 23 plans the MILP ranked on cases of 128-320 devices 5-8%
         above their replay (23 of 206 stored plans, up to 11%), and the 320-device case's written plan 6.4%."""
         return self.compute_s + min(self.comm_s, 2.0 * self.crossing_s)
 
