@@ -471,11 +471,11 @@ def test_without_overlap_an_iteration_is_never_faster_and_explain_says_both():
     assert checked >= 2
 
 
-def _v100_hosts(n_hosts: int) -> Cluster:
-    """4-GPU V100 hosts on a 12 Gbit/s network (the shape of Sailor's cases)."""
-    return Cluster.model_validate({"nodes": [{"host": f"v{i}", "device_type": "V100-16GB", "count": 4}
+def _v100_hosts(n_hosts: int, per_host: int = 4, inter_node_gbps: float = 12, intra_node_gbps: float = 10) -> Cluster:
+    """V100 hosts, by default of 4 GPUs on a 12 Gbit/s network (the shape of Sailor's cases)."""
+    return Cluster.model_validate({"nodes": [{"host": f"v{i}", "device_type": "V100-16GB", "count": per_host}
                                              for i in range(n_hosts)],
-                                   "network": {"intra_node_gbps": 10, "inter_node_gbps": 12}})
+                                   "network": {"intra_node_gbps": intra_node_gbps, "inter_node_gbps": inter_node_gbps}})
 
 
 def test_a_stage_fills_a_node_before_it_takes_the_next():
@@ -548,9 +548,7 @@ def test_a_fan_out_boundary_pays_its_serialisation_once_per_round_trip():
     from hethub.partitioner.evaluate import stage_costs
     model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
                         ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
-    cluster = Cluster.model_validate({"nodes": [{"host": f"v{i}", "device_type": "V100-16GB", "count": 8}
-                                                for i in range(6)],
-                                      "network": {"intra_node_gbps": 2400, "inter_node_gbps": 25}})
+    cluster = _v100_hosts(6, per_host=8, inter_node_gbps=25, intra_node_gbps=2400)
     cm = CostModel(cluster, model, dtype="fp16")
     plan = build_plan(model, cluster, [StageLayout((0, 2), "V100-16GB", (16,)),
                                        StageLayout((2, 14), "V100-16GB", (1,) * 16)], 16, 8, dtype="fp16")
@@ -571,9 +569,7 @@ def test_a_lightly_loaded_nic_adds_little_queue():
     from hethub.partitioner.evaluate import closed_form_s, link_cycle_s, nic_cycle_s, nic_pace_s, stage_costs
     model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
                         ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
-    cluster = Cluster.model_validate({"nodes": [{"host": f"h{i}", "device_type": "V100-16GB", "count": 8}
-                                                for i in range(3)],
-                                      "network": {"intra_node_gbps": 2400, "inter_node_gbps": 100}})
+    cluster = _v100_hosts(3, per_host=8, inter_node_gbps=100, intra_node_gbps=2400)
     cm = CostModel(cluster, model, dtype="fp16")
     plan = build_plan(model, cluster, [StageLayout((0, 6), "V100-16GB", (1,) * 8),
                                        StageLayout((6, 11), "V100-16GB", (1,) * 8),
@@ -677,8 +673,8 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     The 2.1% is seed 6's second zb-h1 chain, whose host NIC carries one stage's gradients and the next stage's
     activations: booked in posting order (the replay's), the gradients go first and the activations wait (booked
     rank by rank, as the replay did before, 0.1% optimistic), and its fill charges mean crossings (M >= S; with
-    the slowest, 1.4%). The replay decides among them. The solves run to optimality (a generous time limit), so the set of plans
-    does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
+    the slowest, 1.4%). The replay decides among them. The solves run to optimality (a generous time limit), so
+    the set of plans does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
     feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
     its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
     plans here reached 10.8% pessimistic, 89% within 5% (now 5.6%, 96%; a stage running all its forwards before
