@@ -674,8 +674,8 @@ def test_the_closed_form_of_every_plan_the_milp_ranks_stays_near_its_replay():
     activations: booked in posting order (the replay's), the gradients go first and the activations wait (booked
     rank by rank, as the replay did before, 0.1% optimistic), and its fill charges mean crossings (M >= S; with
     the slowest, 1.4%). The replay decides among them. The solves run to optimality (a generous time limit), so
-    the set of plans does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed 6's 1F1B solve at a
-    feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
+    the set of plans does not depend on the machine's load: a 2 s limit on a loaded CI machine once stopped seed
+    6's 1F1B solve at a feasible chain of 3 micro-batches the form prices 17% high. Under 1F1B a stage's all-reduce is charged from
     its own last backward's bound (stage 0's less the shortest backwards below it): charged from stage 0's, the 1F1B
     plans here reached 10.8% pessimistic, 89% within 5% (now 5.6%, 96%; a stage running all its forwards before
     its first backward, M <= S - b - 1, had none of the warm-up credit: 8.9% on seed 9). zb-h1's form charged its last stage a W it
