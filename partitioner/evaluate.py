@@ -12,8 +12,8 @@ a stage's all-reduce is intra-node only when all its replicas share a host.
     pace = max(max_s max(compute_s, comm_s / 2), nic_cycle_s, link_cycle_s)
 
 where allreduce_s is what the stage's last backward leaves of its bucketed all-reduce
-(``CostModel.allreduce_end_s``), backward_k stage k's pacing replica's backward and latency_k the mean
-crossing of its output boundary: stage s's replicas end their last backward about those before stage 0's last one
+(``CostModel.allreduce_end_s``), backward_k stage k's pacing replica's backward and latency_k its output
+boundary's latency (``boundary_latency_s``): stage s's replicas end their last backward about those before stage 0's last one
 ends (``iteration_s``, ``_drain_s``).
 
 Under zb-h1 a stage s > 0 sends its input gradient before computing its weights' (wgrad_s), so the
@@ -157,9 +157,12 @@ def stage_costs(plan: Plan, cm: CostModel, orders=None) -> list[StageCost]:
 
 def _with_latencies(plan: Plan, cm: CostModel, costs: list[StageCost]) -> list[StageCost]:
     """Each stage's output boundary latency (``boundary_latency_s``, the NICs free: their queue is
-    ``nic_cycle_s``'s) and crossing (``boundary_crossing_s``)."""
-    return [replace(c, latency_s=boundary_latency_s(plan, cm, k), crossing_s=boundary_crossing_s(plan, cm, k))
-            for k, c in enumerate(costs)]
+    ``nic_cycle_s``'s) and crossing (``boundary_crossing_s``), from one list of the boundary's transfers."""
+    out = []
+    for k, c in enumerate(costs):
+        legs = list(_boundary_legs(plan, cm, k))
+        out.append(replace(c, latency_s=_latency_s(legs), crossing_s=_crossing_s(legs)))
+    return out
 
 
 def _boundary_legs(plan: Plan, cm: CostModel, k: int):
@@ -209,10 +212,10 @@ def _arrivals_s(legs: list[tuple], nics: bool = True) -> dict:
     return landed
 
 
-def _boundary_arrivals(plan: Plan, cm: CostModel, k: int, nics: bool) -> tuple[dict, dict, float]:
-    """Chunk k's output posted at once (``_arrivals_s``): per receiver when its activations land, per sender when
-    its gradients land, and the mean piece's own seconds (all 0 where nothing crosses)."""
-    legs = list(_boundary_legs(plan, cm, k))
+def _boundary_arrivals(legs: list[tuple], nics: bool) -> tuple[dict, dict, float]:
+    """A boundary's transfers (``_boundary_legs``) posted at once (``_arrivals_s``): per receiver when its
+    activations land, per sender when its gradients land, and the mean piece's own seconds (all 0 where nothing
+    crosses)."""
     if not legs:
         return {0: 0.0}, {0: 0.0}, 0.0
     act = _arrivals_s([(i, j, src, dst, dt) for i, src, dst, dt, j in legs], nics=nics)
@@ -233,7 +236,11 @@ def boundary_latency_s(plan: Plan, cm: CostModel, k: int) -> float:
     other, but in the steady state the replicas stay staggered and a transfer waits as its NIC's load makes it
     (charging the whole queue, or the queue scaled by the NIC's load, put Sailor-like plans 6-16% above their
     replay and one-sample plans on busy NICs 6-10% below it)."""
-    act, grad, piece_s = _boundary_arrivals(plan, cm, k, nics=False)
+    return _latency_s(list(_boundary_legs(plan, cm, k)))
+
+
+def _latency_s(legs: list[tuple]) -> float:
+    act, grad, piece_s = _boundary_arrivals(legs, nics=False)
     return (max(max(act.values()), max(grad.values())) + piece_s) / 2
 
 
@@ -241,7 +248,11 @@ def boundary_crossing_s(plan: Plan, cm: CostModel, k: int) -> float:
     """One way, chunk k's output posted at once with the hosts' NICs serialising it: the mean over receivers of when
     the last of their pieces lands, activations and (reversed) their gradients averaged (``StageCost.crossing_s``).
     A receiver of several senders' rows waits for all of them; a rank's transfers on a group go in turn."""
-    act, grad, _ = _boundary_arrivals(plan, cm, k, nics=True)
+    return _crossing_s(list(_boundary_legs(plan, cm, k)))
+
+
+def _crossing_s(legs: list[tuple]) -> float:
+    act, grad, _ = _boundary_arrivals(legs, nics=True)
     return (sum(act.values()) / len(act) + sum(grad.values()) / len(grad)) / 2
 
 

@@ -544,8 +544,8 @@ def test_a_fan_out_boundary_pays_its_serialisation_once_per_round_trip():
     backward waits for the last: the round trip pays the serialisation once, plus one piece
     (``evaluate.boundary_latency_s``). The mean arrival each way, both posted at once, put this plan 3.9% above
     its replay."""
-    from hethub.partitioner.evaluate import _boundary_arrivals, boundary_latency_s, closed_form_s, link_cycle_s
-    from hethub.partitioner.evaluate import stage_costs
+    from hethub.partitioner.evaluate import _boundary_arrivals, _boundary_legs, boundary_latency_s, closed_form_s
+    from hethub.partitioner.evaluate import link_cycle_s, stage_costs
     model = ModelConfig(name="m", architecture="gpt", num_layers=12, hidden_size=1024, num_attention_heads=16,
                         ffn_hidden_size=4096, vocab_size=50272, seq_length=2048)
     cluster = _v100_hosts(6, per_host=8, inter_node_gbps=25, intra_node_gbps=2400)
@@ -553,7 +553,7 @@ def test_a_fan_out_boundary_pays_its_serialisation_once_per_round_trip():
     plan = build_plan(model, cluster, [StageLayout((0, 2), "V100-16GB", (16,)),
                                        StageLayout((2, 14), "V100-16GB", (1,) * 16)], 16, 8, dtype="fp16")
     costs = stage_costs(plan, cm)
-    act, grad, piece_s = _boundary_arrivals(plan, cm, 0, nics=False)
+    act, grad, piece_s = _boundary_arrivals(list(_boundary_legs(plan, cm, 0)), nics=False)
     assert len(act) == 16 and len(grad) == 1 and max(act.values()) == pytest.approx(16 * piece_s)
     assert boundary_latency_s(plan, cm, 0) == pytest.approx(17 * piece_s / 2)
     assert link_cycle_s(costs) > max(c.pace_s for c in costs)
