@@ -525,8 +525,8 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     up to 31% optimistic where a wide stage's replicas end their last backward far apart: a 53-wide stage sending
     to 107 replicas on 25 Gbit/s; charging every stage after stage 0's last backward put Metis's case-1 plan 6%
     above its replay). Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its W),
-    and its last W's come before its all-reduce instead. ``nic_s``: the period the host NICs' queues set (``nic_cycle_s``), which paces the steady
-    state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
+    and its last W's come before its all-reduce instead. ``nic_s``: the period the host NICs' queues set
+    (``nic_cycle_s``), which paces the steady state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
     compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans
     the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%, with
     zb-h1's deferred W's (``StageCost.steady_s``), its split stages' warm-up credit, the credit where M <= S - b - 1
