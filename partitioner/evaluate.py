@@ -522,16 +522,17 @@ def iteration_s(costs: list[StageCost], num_micro_batches: int, nic_s: float = 0
     boundaries (``_drain_s``): every replica of stage s holds rows of the last micro-batch, whose gradient then
     passes a backward of each stage below before stage 0's last one ends, so s's latest replica ends about that
     before it (charging each stage's all-reduce after its own last backward, drained by the slowest crossings, was
-    up to 31% optimistic where a wide stage's replicas end their last backward far apart: a 53-wide stage sending
-    to 107 replicas on 25 Gbit/s; charging every stage after stage 0's last backward put Metis's case-1 plan 6%
-    above its replay). Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its W),
-    and its last W's come before its all-reduce instead. ``nic_s``: the period the host NICs' queues set
-    (``nic_cycle_s``), which paces the steady state where it exceeds every stage's own pace. Less what the fill and drain charge twice where one stage's
-    compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on 79% of the plans
-    the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's all-reduces 86%, with
-    zb-h1's deferred W's (``StageCost.steady_s``), its split stages' warm-up credit, the credit where M <= S - b - 1
-    and all-reduces hidden behind the pacing replica's pass 97% (1F1B 98%, zb-h1 96%), with a stage within 2%
-    of the pace credited and zb-h1's last return period its last stage's F + B, all (at most 3.4% pessimistic).
+    up to 31% optimistic where a wide stage's replicas end their last backward far apart: a 53-wide stage sending to
+    107 replicas on 25 Gbit/s; charging every stage after stage 0's last backward put Metis's case-1 plan 6% above
+    its replay). Under zb-h1 a stage's weight gradients leave the drain's path (its B sends before its W), and its
+    last W's come before its all-reduce instead. ``nic_s``: the period the host NICs' queues set (``nic_cycle_s``),
+    which paces the steady state where it exceeds every stage's own pace. Less what the fill and drain charge twice
+    where one stage's compute paces (``warm_up_credit_s``): with it the closed form was within 5% of the replay on
+    79% of the plans the MILP ranks on 16 random instances (75% without), with the drain credit on 1F1B's
+    all-reduces 86%, with zb-h1's deferred W's (``StageCost.steady_s``), its split stages' warm-up credit, the
+    credit where M <= S - b - 1 and all-reduces hidden behind the pacing replica's pass 97% (1F1B 98%, zb-h1 96%),
+    with a stage within 2% of the pace credited and zb-h1's last return period its last stage's F + B, all (at most
+    3.4% pessimistic).
     ``walked_s``: the fill's and drain's round trip walked replica by replica (``walked_trip_s``), where it holds."""
     M, cycle = num_micro_batches, max(nic_s, link_cycle_s(costs))
     credit = warm_up_credit_s(costs, M, max(max(c.pace_s for c in costs), cycle))
