@@ -269,8 +269,8 @@ def walked_trip_s(plan: Plan, cm: CostModel, costs: list[StageCost], legs: Optio
     each boundary put seven 16-wide stages on 8-GPU hosts 5.2% above their replay; the 21 stored plans this
     applies to all moved nearer their replays, none below them). Where boundaries fan in or out a receiver waits
     for several senders and the stagger forms again each boundary; where the NICs pace, later micro-batches'
-    transfers queue ahead of this one's: None, and the mean crossings stand (walked, five such plans fell 6-8%
-    below their replay)."""
+    transfers queue ahead of this one's: None, and the mean crossings stand (walked, a one-replica stage fanning
+    to 32 fell 7.7% below its replay and a NIC-paced one-to-one chain 6.2%; a Metis shape rose 16% above)."""
     legs = legs if legs is not None else all_legs(plan, cm)
     if nic_pace_s(plan, cm, legs) >= max(c.pace_s for c in costs) or not all(
             len(b) == len({leg[0] for leg in b}) == len({leg[4] for leg in b}) for b in legs):
