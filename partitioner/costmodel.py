@@ -283,10 +283,9 @@ def nic_queue_period_s(ranks: int, demand_s, think_s, foreign=0.0, foreign_wait_
     the NIC passes k / (Z + R_k) per second. The bare NIC bound (ranks * D) is its limit; with few ranks and
     short compute the queue itself paces (eight one-sample replicas per stage, four to a host at 12 Gbit/s: the
     queue adds 8% to the NIC's load, and the closed form is 3.8% above the replay, 13% with the whole queue). A
-    transfer holds both NICs at once, so it
-    also waits at the peer: ``foreign_wait_s`` seconds (``nic_queue_seen``'s queue there), or, where the
-    peer's queue is not known, ``foreign`` (the share of the peer's traffic from other hosts) of this one's
-    queue. Exact at one rank (Z + D); arrays work elementwise."""
+    transfer holds both NICs at once, so it also waits at the peer: ``foreign_wait_s`` seconds
+    (``nic_queue_seen``'s queue there), or, where the peer's queue is not known, ``foreign`` (the share of the
+    peer's traffic from other hosts) of this one's queue. Exact at one rank (Z + D); arrays work elementwise."""
     return _nic_queue(ranks, demand_s, think_s, foreign, foreign_wait_s)[0] * ranks
 
 
